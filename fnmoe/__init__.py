@@ -1,0 +1,1 @@
+"""fnmoe: functional Mixture-of-Experts training in PyTorch."""

@@ -1,0 +1,5 @@
+import sys
+
+from fnmoe.cli import main
+
+sys.exit(main())

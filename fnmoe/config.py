@@ -1,0 +1,342 @@
+"""Frozen dataclass configs: the tree of DESIGN.md §3, TOML presets, validation.
+
+The dataclass defaults are the tiny CPU preset (configs/tiny.toml states the same values).
+
+A `RunConfig` is the whole run. `forward` and `hf` take only its `ModelConfig`. Presets are
+TOML files whose tables mirror the dataclass tree; `load_config` reads one and validates it.
+Derived values are properties, never stored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+DTYPES = ("float32", "bfloat16", "float64")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    n_experts: int = 8
+    """routed experts per MoE layer (0 makes every layer dense)"""
+    top_k: int = 2
+    expert_hidden: int = 256
+    """hidden size F of one routed expert"""
+    n_shared_experts: int = 0
+    """shared experts, fused into one SwiGLU of hidden n_shared_experts * expert_hidden"""
+    score_func: Literal["softmax"] = "softmax"
+    norm_topk_prob: bool = True
+    """renormalise the top-k weights to sum to one"""
+    routed_scaling_factor: float = 1.0
+    first_k_dense: int = 1
+    """the first k layers use the dense MLP instead of MoE"""
+    dense_layers: tuple[int, ...] = ()
+    """explicit extra dense layer indices"""
+    aux_loss_coeff: float = 0.01
+    """weight of the Switch-style load-balancing loss (per micro-batch, averaged over MoE layers)"""
+    impl: Literal["auto", "grouped", "loop"] = "auto"
+    """expert GEMMs: grouped (torch._grouped_mm, bf16, 16-byte aligned dims) or a loop;
+    auto picks grouped where it applies"""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 264
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 0
+    """0 means dim // n_heads"""
+    qk_norm: bool = False
+    """per-head RMSNorm on queries and keys (Qwen3)"""
+    ffn_hidden: int = 512
+    """hidden size of the dense SwiGLU MLP"""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    max_seq_len: int = 1024
+    init_std: float = 0.02
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    compute_dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    """float64 serves gradient checks"""
+    compile: bool = False
+    """compile each region (attention, MoE, dense MLP) with torch.compile"""
+
+    @property
+    def head_dim_(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    def is_moe_layer(self, i: int) -> bool:
+        m = self.moe
+        return m.n_experts > 0 and i >= m.first_k_dense and i not in m.dense_layers
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    fsdp: int = 1
+    ep: int = 1
+    reshard_after_forward: bool = True
+    """re-gather a block's params in backward instead of keeping them (ZeRO-3)"""
+
+    @property
+    def world(self) -> int:
+        return self.fsdp * self.ep
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: float = 3e-3
+    """peak learning rate (Muon: the Muon lr; AdamW leaves use adamw_lr)"""
+    min_lr_ratio: float = 0.1
+    """final lr as a fraction of the peak"""
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 50
+    decay_fraction: float = 0.2
+    """wsd: fraction of the steps spent in the final decay"""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    """global gradient-norm clip; 0 disables"""
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    adjust_lr: Literal["original", "match_rms_adamw", "spectral"] = "match_rms_adamw"
+    adamw_lr: float = 0.0
+    """Muon only: lr of the AdamW leaves; 0 means the same as lr"""
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    recompute: Literal["none", "full"] = "none"
+    """activation checkpointing per block"""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0
+    """save every N steps (0: never)"""
+    keep_last: int = 3
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    corpus: str = "bundled"
+    """'bundled' (the English corpus shipped with fnmoe) or a path to a UTF-8 text file"""
+    tokenizer: Literal["byte"] = "byte"
+    seq_len: int = 128
+    val_fraction: float = 0.05
+    """the last fraction of documents is held out for validation"""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 800
+    seed: int = 0
+    batch_size: int = 16
+    """global batch in sequences per optimizer step (all ranks, all micro-batches)"""
+    grad_accum: int = 1
+    ce_chunks: int = 1
+    """cross-entropy computed in this many token chunks, logits recomputed in backward"""
+    run_dir: str = ""
+    """default ./runs/<config stem>"""
+    log_every: int = 20
+    eval_every: int = 200
+    """validation every N steps (0: only at the end)"""
+    eval_batches: int = 8
+    peak_tflops: float = 0.0
+    """accelerator peak for MFU (989 for H100/H200 bf16); 0 reports n/a"""
+    threads: int = 0
+    """torch intra-op threads (0: torch's default)"""
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    timeout_s: float = 600.0
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    steps: str = ""
+    """A:B writes a torch.profiler trace of steps A..B (1-based, inclusive)"""
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    imbalance: float = 1.0
+    """assumed max/mean expert load when planning memory"""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    resume: str = "none"
+    """auto | none | PATH"""
+    compile_cache: str = ""
+    """compile cache directory (default: the checkout's compile_cache/); TORCHINDUCTOR_CACHE_DIR wins"""
+    name: str = "run"
+    """preset name (the config file's stem); names the default run directory"""
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.world
+
+    @property
+    def micro_batch(self) -> int:
+        """sequences per rank per micro-batch"""
+        return self.train.batch_size // (self.dp_size * self.train.grad_accum)
+
+
+# ---------------------------------------------------------------- TOML <-> dataclasses
+
+def from_dict(cls: type, d: dict[str, Any], where: str = "") -> Any:
+    """Build a dataclass from a nested dict; unknown keys are errors naming the key."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in d.items():
+        name = key.replace("-", "_")
+        if name not in fields:
+            raise ValueError(f"config: unknown key '{where}{key}' (known: {', '.join(sorted(fields))})")
+        ftype = fields[name].default_factory if fields[name].default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(ftype):
+            if not isinstance(value, dict):
+                raise ValueError(f"config: '{where}{key}' must be a table, got {value!r}")
+            value = from_dict(ftype, value, f"{where}{key}.")
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = to_dict(v) if dataclasses.is_dataclass(v) else (list(v) if isinstance(v, tuple) else v)
+    return out
+
+
+def to_toml(cfg: Any) -> str:
+    """Serialise a config tree as TOML (tables for nested dataclasses)."""
+    lines: list[str] = []
+
+    def emit(d: dict, prefix: str) -> None:
+        scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
+        tables = {k: v for k, v in d.items() if isinstance(v, dict)}
+        if prefix and scalars:
+            lines.append(f"[{prefix}]")
+        for k, v in scalars.items():
+            lines.append(f"{k} = {_toml_value(v)}")
+        if scalars:
+            lines.append("")
+        for k, v in tables.items():
+            emit(v, f"{prefix}.{k}" if prefix else k)
+
+    emit(to_dict(cfg), "")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} to TOML")
+
+
+def load_config(path: str | Path, validate_config: bool = True) -> RunConfig:
+    """Read a TOML preset into a RunConfig (named after the file's stem) and validate it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        d = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config {path}: invalid TOML: {e}") from None
+    d.setdefault("name", path.stem)
+    cfg = from_dict(RunConfig, d)
+    return validate(cfg) if validate_config else cfg
+
+
+# ---------------------------------------------------------------- validation
+
+def _check(errors: list[str], ok: bool, msg: str) -> None:
+    if not ok:
+        errors.append(msg)
+
+
+def validate_model(m: ModelConfig) -> list[str]:
+    e: list[str] = []
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
+        _check(e, getattr(m, name) > 0, f"model.{name} must be > 0, got {getattr(m, name)}")
+    _check(e, m.n_heads % max(m.n_kv_heads, 1) == 0,
+           f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads}")
+    _check(e, m.head_dim > 0 or m.dim % max(m.n_heads, 1) == 0,
+           f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads} when model.head_dim=0")
+    _check(e, m.head_dim_ % 2 == 0, f"head dim {m.head_dim_} must be even for RoPE")
+    _check(e, m.compute_dtype in DTYPES, f"model.compute_dtype must be one of {DTYPES}, got {m.compute_dtype!r}")
+    moe = m.moe
+    _check(e, moe.n_experts >= 0, f"model.moe.n_experts must be >= 0, got {moe.n_experts}")
+    if moe.n_experts > 0:
+        _check(e, 1 <= moe.top_k <= moe.n_experts,
+               f"model.moe.top_k={moe.top_k} must be in 1..model.moe.n_experts={moe.n_experts}")
+        _check(e, moe.expert_hidden > 0, f"model.moe.expert_hidden must be > 0, got {moe.expert_hidden}")
+    _check(e, moe.n_shared_experts >= 0, f"model.moe.n_shared_experts must be >= 0, got {moe.n_shared_experts}")
+    _check(e, 0 <= moe.first_k_dense <= m.n_layers,
+           f"model.moe.first_k_dense={moe.first_k_dense} must be in 0..model.n_layers={m.n_layers}")
+    bad = [i for i in moe.dense_layers if not 0 <= i < m.n_layers]
+    _check(e, not bad, f"model.moe.dense_layers has indices outside 0..{m.n_layers - 1}: {bad}")
+    return e
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Return cfg unchanged, or raise ValueError listing every problem with field names and values."""
+    e = validate_model(cfg.model)
+    t, o, d = cfg.train, cfg.optim, cfg.data
+    for name in ("steps", "batch_size", "grad_accum", "ce_chunks", "log_every", "eval_batches"):
+        _check(e, getattr(t, name) > 0, f"train.{name} must be > 0, got {getattr(t, name)}")
+    _check(e, cfg.mesh.fsdp > 0 and cfg.mesh.ep > 0,
+           f"mesh.fsdp={cfg.mesh.fsdp} and mesh.ep={cfg.mesh.ep} must be > 0")
+    if t.batch_size > 0 and t.grad_accum > 0 and cfg.dp_size > 0:
+        _check(e, t.batch_size % (cfg.dp_size * t.grad_accum) == 0,
+               f"train.batch_size={t.batch_size} must be divisible by data-parallel degree "
+               f"(mesh.fsdp*mesh.ep={cfg.dp_size}) x train.grad_accum={t.grad_accum}")
+    _check(e, d.seq_len > 0, f"data.seq_len must be > 0, got {d.seq_len}")
+    _check(e, d.seq_len <= cfg.model.max_seq_len,
+           f"data.seq_len={d.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    _check(e, 0 < d.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
+    if d.tokenizer == "byte":
+        _check(e, cfg.model.vocab_size >= 257,
+               f"model.vocab_size={cfg.model.vocab_size} is too small for the byte tokenizer (needs >= 257)")
+    _check(e, o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
+    _check(e, 0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    _check(e, o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    _check(e, 0 < o.decay_fraction <= 1, f"optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
+    _check(e, o.clip_norm >= 0, f"optim.clip_norm must be >= 0, got {o.clip_norm}")
+    _check(e, cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
+    if cfg.profile.steps:
+        a, _, b = cfg.profile.steps.partition(":")
+        ok = a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)
+        _check(e, ok, f"profile.steps must be A:B with 1 <= A <= B, got {cfg.profile.steps!r}")
+    if e:
+        raise ValueError("invalid config:\n  " + "\n  ".join(e))
+    return cfg

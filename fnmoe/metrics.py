@@ -1,0 +1,70 @@
+"""FLOPs per token, MFU, expert-load statistics, and the metrics.jsonl writer.
+
+Legend: L MoE layers (in expert_counts_LE), E experts.
+
+FLOPs/token = 6·N_active + 3·n_layers·S·H·(d_qk + d_v) (DESIGN.md §7): N_active counts every
+matrix a token multiplies (the output head included, the embedding lookup not; K of E routed
+experts); the second term is causal attention's score and value matmuls, forward and backward.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from fnmoe.config import ModelConfig
+from fnmoe.model import leaf_inits
+from fnmoe.tree import flatten_with_paths
+
+
+def param_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(total params, params active per token excluding the embedding lookup)."""
+    total = active = 0
+    for path, init in flatten_with_paths(leaf_inits(cfg))[0]:
+        n = math.prod(init.shape)
+        total += n
+        if path.startswith("embed.") and not cfg.tie_embeddings:
+            continue
+        if path.endswith(("_EDF", "_EFD")):
+            n = n * cfg.moe.top_k // cfg.moe.n_experts
+        active += n
+    return total, active
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    _, active = param_counts(cfg)
+    d = cfg.head_dim_
+    return 6.0 * active + 3.0 * cfg.n_layers * seq_len * cfg.n_heads * (d + d)
+
+
+def mfu(flops_per_tok: float, tokens_per_s: float, peak_tflops: float) -> float | None:
+    """Model FLOPs utilisation in [0, 1]; None where the peak is unknown."""
+    return flops_per_tok * tokens_per_s / (peak_tflops * 1e12) if peak_tflops > 0 else None
+
+
+def load_max_over_mean(expert_counts_LE: torch.Tensor | None) -> float | None:
+    """The worst MoE layer's busiest-expert load over the mean load (1.0 is perfectly balanced)."""
+    if expert_counts_LE is None:
+        return None
+    c = expert_counts_LE.float()
+    return (c.max(-1).values / c.mean(-1).clamp_min(1e-9)).max().item()
+
+
+class JsonlWriter:
+    """Appends one JSON object a line, flushed and fsynced when written (a crash loses nothing)."""
+
+    def __init__(self, path: Path, fresh: bool):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(self.path, "w" if fresh else "a")
+
+    def write(self, row: dict) -> None:
+        self.f.write(json.dumps(row) + "\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        self.f.close()

@@ -1,0 +1,203 @@
+"""The model as pure functions: init_params and forward over a plain params tree.
+
+Legend: B batch, L sequence, D model, F ffn hidden, E experts, V vocab, N = H·A query features,
+M = G·A key/value features (H heads, G kv heads, A head dim).
+
+Tree (dotted paths): embed.w_VD; layers.<i>.{attn_norm.w_D, attn.{w_q_DN, w_k_DM, w_v_DM, w_o_ND,
+q_norm_A, k_norm_A}, mlp_norm.w_D, mlp.{w_gate_DF, w_up_DF, w_down_FD} | moe.{router_DE,
+w_gate_EDF, w_up_EDF, w_down_EFD, shared.{...}}}; final_norm.w_D; head.w_DV (absent when tied);
+buffers.* (non-trainable state).
+
+Init scheme "depth-scaled normal" (GPT-2 / Megatron): every matrix ~ N(0, init_std²), except the
+projections that write into the residual stream (w_o, w_down) use init_std / sqrt(2·n_layers) so
+the residual variance stays O(1) with depth; norms are ones. A leaf's values are a function of
+(seed, path, chunk index) where chunks are fixed independently of any mesh (one expert of an
+expert stack; blocks of CHUNK_ROWS rows otherwise), so any rank draws only the chunks its shard
+overlaps and never materialises a whole large leaf.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fnmoe import compile as fcompile
+from fnmoe.attention import gqa, rms_norm, rope_tables, upcast
+from fnmoe.config import ModelConfig
+from fnmoe.moe import moe_block, swiglu, use_grouped
+from fnmoe.tree import Tree, map_with_path, tree_map
+
+CHUNK_ROWS = 256
+DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class LeafInit:
+    shape: tuple[int, ...]
+    std: float  # 0 means ones (norm weights)
+
+    @property
+    def chunk_rows(self) -> int:
+        return 1 if len(self.shape) == 3 else CHUNK_ROWS
+
+
+def leaf_inits(cfg: ModelConfig) -> Tree:
+    """The abstract tree: every leaf's shape and init, no memory allocated."""
+    D, V, F, A = cfg.dim, cfg.vocab_size, cfg.ffn_hidden, cfg.head_dim_
+    N, M = cfg.n_heads * A, cfg.n_kv_heads * A
+    std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    ones = lambda *s: LeafInit(s, 0.0)  # noqa: E731
+    normal = lambda *s: LeafInit(s, std)  # noqa: E731
+
+    def mlp(hidden: int) -> dict:
+        return {"w_gate_DF": normal(D, hidden), "w_up_DF": normal(D, hidden),
+                "w_down_FD": LeafInit((hidden, D), out_std)}
+
+    layers = {}
+    for i in range(cfg.n_layers):
+        attn = {"w_q_DN": normal(D, N), "w_k_DM": normal(D, M), "w_v_DM": normal(D, M),
+                "w_o_ND": LeafInit((N, D), out_std)}
+        if cfg.qk_norm:
+            attn |= {"q_norm_A": ones(A), "k_norm_A": ones(A)}
+        layer = {"attn_norm": {"w_D": ones(D)}, "attn": attn, "mlp_norm": {"w_D": ones(D)}}
+        if cfg.is_moe_layer(i):
+            m = cfg.moe
+            E, FE = m.n_experts, m.expert_hidden
+            moe = {"router_DE": normal(D, E), "w_gate_EDF": normal(E, D, FE), "w_up_EDF": normal(E, D, FE),
+                   "w_down_EFD": LeafInit((E, FE, D), out_std)}
+            if m.n_shared_experts:
+                moe["shared"] = mlp(m.n_shared_experts * FE)
+            layer["moe"] = moe
+        else:
+            layer["mlp"] = mlp(F)
+        layers[str(i)] = layer
+    tree = {"embed": {"w_VD": normal(V, D)}, "layers": layers, "final_norm": {"w_D": ones(D)}}
+    if not cfg.tie_embeddings:
+        tree["head"] = {"w_DV": normal(D, V)}
+    return tree
+
+
+def _chunk_generator(seed: int, path: str, chunk: int) -> torch.Generator:
+    digest = hashlib.sha256(f"fnmoe/{seed}/{path}/{chunk}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def draw_leaf(init: LeafInit, seed: int, path: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
+    """init's values at index (one slice per leading dim; missing dims are whole), fp32 on CPU.
+
+    Only the chunks that overlap index[0] are drawn; the result is exactly that slice of the
+    full leaf whatever the slicing.
+    """
+    index = tuple(index) + (slice(None),) * (len(init.shape) - len(index))
+    rows = range(*index[0].indices(init.shape[0]))
+    if index[0].indices(init.shape[0])[2] != 1:
+        raise ValueError(f"draw_leaf({path}): only unit-step row slices are supported")
+    out_shape = [len(range(*s.indices(n))) for s, n in zip(index, init.shape)]
+    if init.std == 0.0:
+        return torch.ones(out_shape)
+    out = torch.empty(out_shape)
+    cr = init.chunk_rows
+    if not rows:
+        return out
+    for c in range(rows.start // cr, (rows.stop - 1) // cr + 1):
+        lo, hi = c * cr, min((c + 1) * cr, init.shape[0])
+        block = torch.randn((hi - lo, *init.shape[1:]), generator=_chunk_generator(seed, path, c))
+        a, b = max(lo, rows.start), min(hi, rows.stop)
+        out[a - rows.start:b - rows.start] = block[(slice(a - lo, b - lo), *index[1:])]
+        del block
+    return out.mul_(init.std)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, *, device: str | torch.device = "cpu",
+                mesh=None) -> Tree:
+    """fp32 master params for cfg, the same values for a seed on any mesh; device="meta" is abstract."""
+    if mesh is not None:
+        raise NotImplementedError("init_params(mesh=...) comes with fnmoe.sharding (the mesh issue)")
+    inits = leaf_inits(cfg)
+    if str(device) == "meta":
+        return tree_map(lambda i: torch.empty(i.shape, device="meta"), inits)
+    return map_with_path(lambda path, i: draw_leaf(i, seed, path).to(device), inits)
+
+
+# ---------------------------------------------------------------- forward
+
+def _attention_region(p, x_BLD, cos_LA, sin_LA, cfg):
+    return gqa(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cos_LA, sin_LA, cfg)
+
+
+def _mlp_region(p, x_BLD, cfg):
+    return swiglu(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps))
+
+
+def _moe_region(p, x_BLD, cfg, grouped):
+    return moe_block(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cfg, grouped)
+
+
+def _region(fn: Callable, cfg: ModelConfig, traceable: bool = True) -> Callable:
+    return fcompile.compiled(fn) if cfg.compile and traceable else fn
+
+
+def block(p: dict, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig):
+    """One transformer block on compute-dtype params: (x_BLD, (counts_E, balance loss) or None)."""
+    attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
+    x_BLD = x_BLD + _region(_attention_region, cfg)(attn, x_BLD, cos_LA, sin_LA, cfg)
+    if "moe" in p:
+        grouped = use_grouped(cfg, x_BLD.dtype)
+        if cfg.compile and not grouped:
+            fcompile.say_once("compile: the MoE region runs eager (grouped GEMM needs bfloat16 "
+                              "and 16-byte-aligned dims to trace); attention and MLP are compiled")
+        y_BLD, stats = _region(_moe_region, cfg, grouped)(
+            dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, grouped)
+        return x_BLD + y_BLD, stats
+    return x_BLD + _region(_mlp_region, cfg)(dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg), None
+
+
+def check_tokens(tokens_BL: torch.Tensor, vocab_size: int) -> None:
+    bad = (tokens_BL < 0) | (tokens_BL >= vocab_size)
+    if bad.any():
+        pos = bad.nonzero()[0].tolist()
+        raise ValueError(f"token id {tokens_BL[tuple(pos)].item()} at position {pos} is outside "
+                         f"0..model.vocab_size-1={vocab_size - 1}")
+
+
+def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
+                  block_fn: Callable | None = None):
+    """Final-norm hidden states [B, L, D] in the compute dtype, and aux: expert_counts_LE (tokens
+    per expert per MoE layer) and balance_loss (the mean over MoE layers, 0-D; None without MoE).
+
+    block_fn(fn, *args) runs a block (memory policies wrap it, e.g. recompute in backward).
+    """
+    dtype = DTYPE[cfg.compute_dtype]
+    L = tokens_BL.shape[1]
+    if L > cfg.max_seq_len:
+        raise ValueError(f"sequence length {L} exceeds model.max_seq_len={cfg.max_seq_len}")
+    cos_LA, sin_LA = rope_tables(torch.arange(L, device=tokens_BL.device), cfg.head_dim_, cfg.rope_theta)
+    x_BLD = params["embed"]["w_VD"].to(dtype)[tokens_BL]
+    stats = []
+    run = block_fn or (lambda fn, *a: fn(*a))
+    for i in range(cfg.n_layers):
+        p = tree_map(lambda t: t.to(dtype), params["layers"][str(i)])
+        x_BLD, layer_stats = run(block, p, x_BLD, cos_LA, sin_LA, cfg)
+        if layer_stats is not None:
+            stats.append(layer_stats)
+    x_BLD = rms_norm(x_BLD, params["final_norm"]["w_D"].to(dtype), cfg.norm_eps)
+    if not stats:
+        return x_BLD, {"expert_counts_LE": None, "balance_loss": None}
+    return x_BLD, {"expert_counts_LE": torch.stack([c for c, _ in stats]),
+                   "balance_loss": torch.stack([b for _, b in stats]).mean()}
+
+
+def head_weight(params: Tree, cfg: ModelConfig) -> torch.Tensor:
+    """[D, V] output projection (the embedding's transpose when tied)."""
+    return params["embed"]["w_VD"].T if cfg.tie_embeddings else params["head"]["w_DV"]
+
+
+def forward(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig):
+    """(logits_BLV fp32, aux): aux["expert_counts_LE"] holds tokens per expert per MoE layer."""
+    if tokens_BL.device.type == "cpu":  # a free check on CPU; on GPU it would sync every step
+        check_tokens(tokens_BL, cfg.vocab_size)
+    h_BLD, aux = hidden_states(params, tokens_BL, cfg)
+    return upcast(h_BLD @ head_weight(params, cfg).to(h_BLD.dtype)), aux

@@ -1,0 +1,113 @@
+"""Training: loss_fn, train_step and the loop.
+
+Legend: B batch, L sequence, D model, T tokens (B·L), V vocab.
+
+The loss of a step is the sum of token losses over every micro-batch (and, with a mesh, every
+rank) divided by the global count of non-ignored labels; each micro-batch's gradient is taken
+of its share of that sum, so k micro-batches give exactly the update of one k-times batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from fnmoe import optim
+from fnmoe.attention import upcast
+from fnmoe.config import ModelConfig, RunConfig
+from fnmoe.memory import block_runner
+from fnmoe.model import check_tokens, head_weight, hidden_states
+from fnmoe.tree import Tree, tree_map, value_and_grad
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class TrainState:
+    params: Tree
+    opt_state: Tree
+    step: int  # optimizer steps taken
+
+
+def _ce_sum(h_TD: torch.Tensor, w_DV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+    logits_TV = upcast(h_TD @ w_DV)
+    return F.cross_entropy(logits_TV, labels_T, ignore_index=IGNORE, reduction="sum")
+
+
+def ce_loss_sum(h_BLD: torch.Tensor, w_DV: torch.Tensor, labels_BL: torch.Tensor, chunks: int = 1):
+    """Sum of fp32 cross-entropy over non-ignored labels; with chunks > 1 only one chunk's logits
+    exist at a time (each chunk's are recomputed in backward)."""
+    h_TD, labels_T = h_BLD.reshape(-1, h_BLD.shape[-1]), labels_BL.reshape(-1)
+    w_DV = w_DV.to(h_TD.dtype)
+    if chunks == 1:
+        return _ce_sum(h_TD, w_DV, labels_T)
+    parts = [checkpoint(_ce_sum, h, w_DV, y, use_reentrant=False)
+             for h, y in zip(h_TD.chunk(chunks), labels_T.chunk(chunks))]
+    return torch.stack(parts).sum()
+
+
+def loss_fn(params: Tree, inputs_BL: torch.Tensor, labels_BL: torch.Tensor, cfg: ModelConfig,
+            n_global: torch.Tensor | int, ce_chunks: int = 1, block_fn: Callable | None = None):
+    """(this micro-batch's share of the step loss, aux); n_global counts the step's non-ignored labels.
+
+    The load-balancing loss is weighted by this micro-batch's share of the labels, so the step's
+    total weights it once; aux["ce_loss"] is the cross-entropy part alone.
+    """
+    h_BLD, aux = hidden_states(params, inputs_BL, cfg, block_fn)
+    ce = ce_loss_sum(h_BLD, head_weight(params, cfg), labels_BL, ce_chunks) / n_global
+    aux["ce_loss"] = ce.detach()
+    if aux["balance_loss"] is None or cfg.moe.aux_loss_coeff == 0:
+        return ce, aux
+    share = (labels_BL != IGNORE).sum() / n_global
+    return ce + cfg.moe.aux_loss_coeff * share * aux["balance_loss"], aux
+
+
+def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callable:
+    """train_step(state, micro_batches) -> (state, metrics); micro_batches: [(inputs_BL, labels_BL)]."""
+    cfg = run.model
+    grad_fn = value_and_grad(loss_fn, has_aux=True)
+    block_fn = block_runner(run.memory)
+
+    def train_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
+        for inputs_BL, labels_BL in micro_batches:
+            check_tokens(inputs_BL, cfg.vocab_size)
+        n_global = sum(int((y != IGNORE).sum()) for _, y in micro_batches)
+        if n_global == 0:
+            raise ValueError("every label of this step is ignored (-100): the loss is undefined")
+        loss, grads, counts = torch.zeros(()), None, None
+        for inputs_BL, labels_BL in micro_batches:
+            (_, aux), g = grad_fn(state.params, inputs_BL, labels_BL, cfg, n_global, run.train.ce_chunks, block_fn)
+            loss = loss + aux["ce_loss"]
+            grads = g if grads is None else tree_map(torch.add, grads, g)
+            c = aux["expert_counts_LE"]
+            counts = c if counts is None else counts + c
+        grad_norm = optim.global_norm(grads)
+        finite = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss))
+        if finite:
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optim.apply_updates(state.params, updates)
+        else:  # a skipped step leaves params and optimizer state exactly as they were
+            params, opt_state = state.params, state.opt_state
+        metrics = {"loss": loss.item(), "grad_norm": grad_norm.item(), "skipped": int(not finite),
+                   "n_tokens": n_global, "expert_counts_LE": counts}
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    return train_step
+
+
+def eval_loss(params: Tree, batches: list[tuple[torch.Tensor, torch.Tensor]], run: RunConfig) -> float:
+    """Mean token cross-entropy over batches, no gradients."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for inputs_BL, labels_BL in batches:
+            h_BLD, _ = hidden_states(params, inputs_BL, run.model)
+            total += ce_loss_sum(h_BLD, head_weight(params, run.model), labels_BL, run.train.ce_chunks).item()
+            count += int((labels_BL != IGNORE).sum())
+    return total / max(count, 1)
+
+
+def init_state(params: Tree, tx: optim.GradientTransformation) -> TrainState:
+    return TrainState(params, tx.init(params), 0)

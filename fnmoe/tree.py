@@ -1,0 +1,80 @@
+"""Trees of tensors: the one import site of torch.utils._pytree, and value_and_grad.
+
+A params tree is a nested `dict[str, Tensor]`; a leaf's path is its dotted key
+("layers.0.attn.w_q_DN"). `value_and_grad` has JAX's signature and runs on autograd, so it
+passes compiled regions, checkpointing and saved-tensor hooks (torch.func's grad does not).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+try:
+    import torch.utils._pytree as _pytree
+except ImportError as e:  # pragma: no cover - only on a torch without the private module
+    raise ImportError(f"fnmoe needs torch.utils._pytree (private torch API): {e}") from e
+
+Tree = Any
+
+tree_map = _pytree.tree_map
+tree_leaves = _pytree.tree_leaves
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
+
+
+def _key_str(k: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def flatten_with_paths(tree: Tree) -> tuple[list[tuple[str, Any]], Any]:
+    """[(dotted path, leaf)] in the tree's traversal order, and the spec to rebuild it."""
+    pairs, spec = _pytree.tree_flatten_with_path(tree)
+    return [(".".join(_key_str(k) for k in path), leaf) for path, leaf in pairs], spec
+
+
+def map_with_path(fn: Callable[[str, Any], Any], tree: Tree) -> Tree:
+    pairs, spec = flatten_with_paths(tree)
+    return tree_unflatten([fn(p, leaf) for p, leaf in pairs], spec)
+
+
+def flatten_dict(tree: Tree) -> dict[str, Any]:
+    return dict(flatten_with_paths(tree)[0])
+
+
+def unflatten_dict(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        node = out
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = leaf
+    return out
+
+
+def value_and_grad(fn: Callable, argnums: int = 0, has_aux: bool = False) -> Callable:
+    """JAX's value_and_grad on autograd: grads of fn's 0-D output w.r.t. the tree args[argnums].
+
+    Leaves that the output does not depend on (buffers, integer leaves) get zero gradients so
+    the grads tree always matches the params tree.
+    """
+
+    def wrapped(*args: Any, **kwargs: Any):
+        leaves, spec = tree_flatten(args[argnums])
+        diff = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
+        args = (*args[:argnums], tree_unflatten(diff, spec), *args[argnums + 1:])
+        out = fn(*args, **kwargs)
+        value = out[0] if has_aux else out
+        wrt = [x for x in diff if x.requires_grad]
+        got = iter(torch.autograd.grad(value, wrt, allow_unused=True))
+        grads = [(next(got) if x.requires_grad else None) for x in diff]
+        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(diff, grads)]
+        value = value.detach()
+        out = (value, out[1]) if has_aux else value
+        return out, tree_unflatten(grads, spec)
+
+    return wrapped
