@@ -1,1 +1,31 @@
-"""fnmoe: functional Mixture-of-Experts training in PyTorch."""
+"""fnmoe: functional Mixture-of-Experts training in PyTorch.
+
+Parameters are a plain tree of tensors; the model, the optimizer and the training step are
+pure functions over it. The names below are the public API (DESIGN.md §3).
+"""
+from fnmoe import optim
+from fnmoe.config import (
+    CheckpointConfig,
+    DataConfig,
+    DistConfig,
+    MemoryConfig,
+    MeshConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimConfig,
+    PlanConfig,
+    ProfileConfig,
+    RunConfig,
+    TrainConfig,
+    load_config,
+)
+from fnmoe.model import forward, init_params
+from fnmoe.train import TrainState, init_state, loss_fn, make_train_step
+from fnmoe.tree import value_and_grad
+
+__all__ = [
+    "CheckpointConfig", "DataConfig", "DistConfig", "MemoryConfig", "MeshConfig", "ModelConfig",
+    "MoEConfig", "OptimConfig", "PlanConfig", "ProfileConfig", "RunConfig", "TrainConfig",
+    "TrainState", "forward", "init_params", "init_state", "load_config", "loss_fn",
+    "make_train_step", "optim", "value_and_grad",
+]

@@ -1,0 +1,114 @@
+"""The CLI: flags of DESIGN.md §3, overrides, run-directory files, errors, Ctrl-C."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fnmoe.cli import main, parse_run
+from fnmoe.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTRACT_FLAGS = [
+    "--config", "--train.steps", "--train.seed", "--train.grad-accum", "--train.ce-chunks",
+    "--train.run-dir", "--checkpoint.every", "--checkpoint.keep-last", "--resume",
+    "--mesh.fsdp", "--mesh.ep", "--mesh.reshard-after-forward", "--mesh.no-reshard-after-forward",
+    "--dist.timeout-s", "--model.compute-dtype", "--model.compile", "--model.no-compile",
+    "--compile-cache", "--profile.steps", "--plan.imbalance",
+]
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu",
+               "expert_load_max_over_mean", "time_s"}
+SMALL = ["--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
+         "--train.batch-size", "4", "--data.seq-len", "32", "--train.eval-batches", "2"]
+
+
+def fnmoe(*args, cwd, timeout=240):
+    env = dict(os.environ, COLUMNS="200", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "fnmoe", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_subcommands_and_contract_flags(capsys):
+    assert main(["--help"]) == 0
+    assert "train" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    missing = [f for f in CONTRACT_FLAGS if f not in out]
+    assert not missing
+
+
+def test_overrides_apply_on_top_of_a_preset():
+    run = parse_run(["--config", str(ROOT / "configs/tiny.toml"), "--train.steps", "7",
+                     "--model.compute-dtype", "bfloat16", "--model.compile", "--mesh.no-reshard-after-forward",
+                     "--model.moe.top-k", "3", "--resume", "none"], "fnmoe train")
+    assert run.name == "tiny" and run.train.steps == 7 and run.model.compute_dtype == "bfloat16"
+    assert run.model.compile and not run.mesh.reshard_after_forward and run.model.moe.top_k == 3
+    assert run.model.dim == load_config(ROOT / "configs/tiny.toml").model.dim
+
+
+def test_train_writes_the_run_files_in_a_fresh_process(tmp_path):
+    r = fnmoe("train", "--train.steps", "3", "--train.log-every", "1", "--train.ce-chunks", "2", *SMALL,
+              cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    run_dir = tmp_path / "runs" / "tiny"
+    resolved = load_config(run_dir / "config.toml")
+    assert resolved.train.steps == 3 and resolved.model.dim == 32 and resolved.train.ce_chunks == 2
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(METRIC_KEYS <= r.keys() for r in steps)
+    assert steps[-1]["tokens"] == 3 * 4 * 32 and steps[0]["mfu"] is None
+    assert rows[-1].keys() == {"step", "val_loss"} and rows[-1]["step"] == 3
+    assert "step 3/3" in r.stdout and "held-out loss" in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model.moe.top-k", "9"], "model.moe.top_k=9 must be in 1..model.moe.n_experts=8"),
+    (["--train.batch-size", "6", "--train.grad-accum", "4"], "train.batch_size=6 must be divisible"),
+    (["--config", "nope.toml"], "config file not found: nope.toml"),
+    (["--mesh.fsdp", "2"], "multi-rank training is not built yet"),
+    (["--profile.steps", "5"], "profile.steps must be A:B"),
+])
+def test_bad_configs_are_named(args, message, capsys, tmp_path):
+    assert main(["train", "--train.run-dir", str(tmp_path), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_flag_is_rejected(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--train.stepz", "3"])
+    assert e.value.code == 2
+    assert "--train.stepz" in capsys.readouterr().err
+
+
+def test_unknown_subcommand(capsys):
+    assert main(["trian"]) == 2
+    assert "unknown subcommand 'trian'" in capsys.readouterr().err
+
+
+def test_profile_steps_writes_a_trace(tmp_path):
+    assert main(["train", "--train.steps", "3", "--profile.steps", "2:3", "--train.run-dir", str(tmp_path),
+                 *SMALL]) == 0
+    trace = tmp_path / "profile" / "trace_steps_2_3.json"
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_ctrl_c_stops_cleanly_and_says_what_was_done(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "fnmoe", "train", "--train.steps", "100000", *SMALL],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "runs" / "tiny" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "interrupted at step" in out
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))

@@ -1,0 +1,262 @@
+"""fnmoe.optim against torch.optim.AdamW and torch.nn.utils.clip_grad_norm_, plus the
+combinators, schedules and from_config."""
+import math
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+from fnmoe import optim
+from fnmoe.config import OptimConfig
+
+SHAPES = [(64, 32), (17,), (8, 3, 5)]
+
+
+def leaves(tree) -> list:
+    return optim.tree_flatten_with_paths(tree)[1]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to the largest |b|"""
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def model_like() -> dict:
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.02  # noqa: E731
+    return {
+        "embed": {"w_VD": r(40, 16)},
+        "layers": {"0": {"attn": {"w_q_DN": r(16, 24), "w_o_ND": r(24, 16)}, "attn_norm": {"w_D": torch.ones(16)},
+                         "moe": {"w_router_DE": r(16, 4), "w_up_EDF": r(4, 16, 8), "w_down_EFD": r(4, 8, 16)}}},
+        "final_norm": {"w_D": torch.ones(16)},
+        "head": {"w_DV": r(16, 40)},
+        "buffers": {"layers": {"0": {"router_bias_E": torch.tensor([0.5, -0.0, 0.0, -1.0])}}},
+    }
+
+
+def run_torch_adamw(params0, grads, lr, wd, decayed, betas=(0.9, 0.999), eps=1e-8, lr_at=None):
+    tps = [torch.nn.Parameter(p.clone()) for p in params0]
+    groups = [{"params": [t for t, d in zip(tps, decayed) if d], "weight_decay": wd},
+              {"params": [t for t, d in zip(tps, decayed) if not d], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW([gr for gr in groups if gr["params"]], lr=lr, betas=betas, eps=eps, foreach=False)
+    for step, gs in enumerate(grads):
+        if lr_at is not None:
+            for gr in opt.param_groups:
+                gr["lr"] = lr_at(step)
+        for t, g in zip(tps, gs):
+            t.grad = g.clone()
+        opt.step()
+    return [t.detach() for t in tps], [opt.state[t] for t in tps]
+
+
+def random_grads(shapes, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=g) for s in shapes] for _ in range(steps)]
+
+
+def run_fnmoe(tx, params, grads_per_step):
+    state = tx.init(params)
+    for gs in grads_per_step:
+        updates, state = tx.update(gs, state, params)
+        params = optim.apply_updates(params, updates)
+    return params, state
+
+
+# ------------------------------------------------------------------ AdamW
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_adamw_matches_torch(wd):
+    g = torch.Generator().manual_seed(0)
+    params0 = [torch.randn(s, generator=g) for s in SHAPES]
+    grads = random_grads(SHAPES, 12)
+    ref, ref_state = run_torch_adamw(params0, grads, 1e-2, wd, [True] * 3, betas=(0.9, 0.95))
+    tree = {str(i): p for i, p in enumerate(params0)}
+    out, state = run_fnmoe(optim.adamw(1e-2, 0.9, 0.95, 1e-8, wd), tree,
+                           [{str(i): x for i, x in enumerate(gs)} for gs in grads])
+    assert state.count.item() == 12
+    for i, r in enumerate(ref):
+        assert torch.equal(state.mu[str(i)], ref_state[i]["exp_avg"])
+        assert torch.equal(state.nu[str(i)], ref_state[i]["exp_avg_sq"])
+        if wd == 0:  # no decay: torch's order of operations, bitwise
+            assert torch.equal(out[str(i)], r)
+        else:  # decay rounds twice in place in torch, once in p + update here
+            assert rel(out[str(i)], r) <= 1e-6
+
+
+def test_adamw_mask():
+    g = torch.Generator().manual_seed(0)
+    params0 = [torch.randn(s, generator=g) for s in SHAPES]
+    grads = random_grads(SHAPES, 10)
+    decayed = [len(s) >= 2 for s in SHAPES]
+    ref, _ = run_torch_adamw(params0, grads, 3e-3, 0.1, decayed)
+    tree = {"a": {"w": params0[0], "b": params0[1]}, "c": params0[2]}
+    to_tree = lambda gs: {"a": {"w": gs[0], "b": gs[1]}, "c": gs[2]}  # noqa: E731
+    tx = optim.adamw(3e-3, weight_decay=0.1, mask=optim.decay_mask)
+    out, state = run_fnmoe(tx, tree, [to_tree(gs) for gs in grads])
+    assert torch.equal(out["a"]["b"], ref[1])  # the undecayed 1-D leaf
+    assert rel(out["a"]["w"], ref[0]) <= 1e-6 and rel(out["c"], ref[2]) <= 1e-6
+    # a mask given as a tree does the same
+    mask = {"a": {"w": True, "b": False}, "c": True}
+    out2, _ = run_fnmoe(optim.adamw(3e-3, weight_decay=0.1, mask=mask), tree, [to_tree(gs) for gs in grads])
+    assert all(torch.equal(x, y) for x, y in zip(leaves(out), leaves(out2)))
+
+
+def test_adam_building_blocks_equal_adamw():
+    g = torch.Generator().manual_seed(0)
+    tree = {str(i): torch.randn(s, generator=g) for i, s in enumerate(SHAPES)}
+    grads = [{str(i): x for i, x in enumerate(gs)} for gs in random_grads(SHAPES, 10)]
+    fused, _ = run_fnmoe(optim.adamw(1e-2, weight_decay=0.1), tree, grads)
+    composed, _ = run_fnmoe(optim.chain(optim.scale_by_adam(), optim.add_decayed_weights(0.1),
+                                        optim.scale_by_learning_rate(1e-2)), tree, grads)
+    for k in tree:
+        assert rel(composed[k], fused[k]) <= 1e-6
+
+
+def test_lr_change_via_state_matches_torch_and_does_not_recompile():
+    g = torch.Generator().manual_seed(0)
+    params0 = [torch.randn(s, generator=g) for s in SHAPES]
+    grads = random_grads(SHAPES, 6)
+    lr_at = lambda step: 1e-2 if step < 3 else 2e-3  # noqa: E731
+    ref, _ = run_torch_adamw(params0, grads, 1e-2, 0.0, [True] * 3, lr_at=lr_at)
+    tx = optim.adamw(1e-2, weight_decay=0.0)
+    counter = torch._dynamo.testing.CompileCounter()
+    update = torch.compile(tx.update, backend=counter, fullgraph=True)
+    params = {str(i): p for i, p in enumerate(params0)}
+    state = tx.init(params)
+    for step, gs in enumerate(grads):
+        state = optim.set_hyperparams(state, lr=lr_at(step))
+        updates, state = update({str(i): x for i, x in enumerate(gs)}, state, params)
+        params = optim.apply_updates(params, updates)
+    assert counter.frame_count == 1  # one graph for every step and both lrs
+    for i, r in enumerate(ref):
+        assert torch.equal(params[str(i)], r)
+
+
+# ------------------------------------------------------------------ combinators
+
+def test_chain_partition_and_frozen():
+    params = model_like()
+    labels = optim.default_labels(params, muon=False)
+    tx = optim.partition({"adamw": optim.chain(optim.identity(), optim.scale_by_learning_rate(0.5)),
+                          "frozen": optim.set_to_zero()}, labels)
+    state = tx.init(params)
+    assert set(state) == {"adamw", "frozen"}
+    # the adamw group's state is keyed by path; buffers are not in it
+    grads = optim.tree_map(torch.ones_like, params)
+    updates, state = tx.update(grads, state, params)
+    assert torch.equal(updates["layers"]["0"]["attn"]["w_q_DN"], torch.full((16, 24), -0.5))
+    assert state["adamw"][1].count.item() == 1
+    new = optim.apply_updates(params, updates)
+    bias = params["buffers"]["layers"]["0"]["router_bias_E"]
+    new_bias = new["buffers"]["layers"]["0"]["router_bias_E"]
+    assert torch.equal(new_bias, bias) and torch.equal(new_bias.signbit(), bias.signbit())  # -0.0 stays -0.0
+    # a callable gives the same labels; an unknown label names the leaf
+    tx2 = optim.partition({"adamw": optim.scale_by_learning_rate(0.5), "frozen": optim.set_to_zero()},
+                          lambda p: optim.default_labels(p, muon=False))
+    u2, _ = tx2.update(grads, tx2.init(params), params)
+    assert all(torch.equal(a, b) for a, b in zip(leaves(updates), leaves(u2)))
+    with pytest.raises(ValueError, match="embed.w_VD"):
+        optim.partition({"frozen": optim.set_to_zero()}, lambda p: optim.default_labels(p, muon=False)).init(params)
+
+
+def test_chain_order_and_state():
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.scale_by_learning_rate(2.0))
+    state = tx.init({"w": torch.zeros(3)})
+    u, state = tx.update({"w": torch.tensor([3.0, 4.0, 0.0])}, state)
+    assert torch.allclose(u["w"], torch.tensor([-1.2, -1.6, 0.0]))  # clipped to norm 1, then * -2
+    assert isinstance(state, tuple) and len(state) == 2
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_apply_updates(inplace):
+    params = {"a": torch.ones(3, dtype=torch.bfloat16), "b": torch.ones(2, requires_grad=True)}
+    a0, b0 = params["a"], params["b"]
+    new = optim.apply_updates(params, {"a": torch.full((3,), 0.5), "b": torch.full((2,), -1.0)}, inplace=inplace)
+    assert new["a"].dtype == torch.bfloat16 and torch.equal(new["a"], torch.full((3,), 1.5, dtype=torch.bfloat16))
+    assert new["b"].requires_grad and new["b"].is_leaf
+    assert (new["a"] is a0) == inplace and (new["b"] is b0) == inplace
+    if not inplace:
+        assert torch.equal(a0, torch.ones(3, dtype=torch.bfloat16))  # inputs untouched
+
+
+# ------------------------------------------------------------------ clipping
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])
+def test_clip_matches_torch(max_norm):
+    grads = random_grads(SHAPES, 1)[0]
+    tps = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+    for t, g in zip(tps, grads):
+        t.grad = g.clone()
+    norm_ref = torch.nn.utils.clip_grad_norm_(tps, max_norm, foreach=False)
+    tree = {str(i): g for i, g in enumerate(grads)}
+    tx = optim.clip_by_global_norm(max_norm)
+    out, _ = tx.update(tree, tx.init(tree))
+    assert torch.equal(optim.global_norm(tree), norm_ref)
+    for i, t in enumerate(tps):
+        assert torch.equal(out[str(i)], t.grad)
+
+
+def test_global_norm_accumulates_fp32():
+    x = torch.full((4096,), 0.01, dtype=torch.bfloat16)
+    n = optim.global_norm({"a": x, "b": x.float()})
+    assert n.dtype == torch.float32
+    exact = math.sqrt(2 * 4096) * x[0].double().item()
+    assert abs(n.item() - exact) / exact < 1e-6
+
+
+# ------------------------------------------------------------------ schedules
+
+def test_schedules_at_key_steps():
+    peak, w, total, m = 1e-3, 10, 100, 0.1
+    at = lambda s, step: s(torch.tensor(step)).item()  # noqa: E731
+    cos = optim.warmup_cosine(peak, w, total, m)
+    assert cos(torch.tensor(0)).dtype == torch.float32
+    expect_cos = lambda step: peak * (m + (1 - m) * 0.5 * (1 + math.cos(math.pi * (step - 9) / 90)))  # noqa: E731
+    for step, want in [(0, peak / 10), (4, peak / 2), (9, peak), (10, expect_cos(10)), (54, expect_cos(54)),
+                       (99, peak * m), (150, peak * m)]:
+        assert at(cos, step) == pytest.approx(want, rel=1e-6), step
+    # no warmup: the first step is at peak
+    assert at(optim.warmup_cosine(peak, 0, total, m), 0) == pytest.approx(peak, rel=1e-6)
+    w_s_d = optim.wsd(peak, w, total, decay_fraction=0.2, min_ratio=m)
+    # 20 decay steps, 80..99; the last stable step is 79
+    for step, want in [(0, peak / 10), (9, peak), (50, peak), (79, peak), (80, peak * (1 - 0.9 / 20)),
+                       (89, peak * (1 - 0.9 * 10 / 20)), (99, peak * m), (120, peak * m)]:
+        assert at(w_s_d, step) == pytest.approx(want, rel=1e-6), step
+    assert at(optim.constant(3e-4), 77) == pytest.approx(3e-4)
+
+
+def test_scheduled_lr_is_used_and_logged():
+    sched = optim.warmup_cosine(1.0, 2, 5, 0.0)
+    tx = optim.scale_by_learning_rate(sched)
+    state = tx.init({"w": torch.zeros(1)})
+    for step in range(4):
+        u, state = tx.update({"w": torch.ones(1)}, state)
+        assert u["w"].item() == pytest.approx(-sched(torch.tensor(step)).item())
+        assert state.lr.item() == pytest.approx(sched(torch.tensor(step)).item())
+
+
+# ------------------------------------------------------------------ from_config
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_from_config_builds_and_steps(name):
+    ocfg = OptimConfig(name=name, lr=0.02, adamw_lr=0.004, warmup_steps=2, schedule="wsd", clip_norm=1.0)
+    tx, sched = optim.from_config(ocfg, total_steps=10)
+    assert sched(torch.tensor(1)).item() == pytest.approx(0.02)
+    params = model_like()
+    state = tx.init(params)
+    clip_state, inner = state
+    assert isinstance(clip_state, optim.ClipState)
+    assert set(inner) == ({"adamw", "muon", "frozen"} if name == "muon" else {"adamw", "frozen"})
+    if name == "muon":
+        assert "layers.0.moe.w_up_EDF" in inner["muon"][0].mu and "embed.w_VD" in inner["adamw"].mu
+        assert inner["adamw"].lr.item() == pytest.approx(0.002)  # adamw_lr on the same schedule, warmup step 0
+    grads = optim.tree_map(torch.randn_like, params)
+    p = params
+    for _ in range(3):
+        updates, state = tx.update(grads, state, p)
+        p = optim.apply_updates(p, updates)
+    assert torch.equal(p["buffers"]["layers"]["0"]["router_bias_E"], params["buffers"]["layers"]["0"]["router_bias_E"])
+    assert not torch.equal(p["layers"]["0"]["attn"]["w_q_DN"], params["layers"]["0"]["attn"]["w_q_DN"])
+    assert all(torch.isfinite(x).all() for x in leaves(p))
+    no_clip, _ = optim.from_config(OptimConfig(name=name, clip_norm=0.0), total_steps=10)
+    assert not isinstance(no_clip.init(params), tuple)
