@@ -17,13 +17,13 @@ import torch
 
 from fnmoe.config import ModelConfig
 from fnmoe.model import leaf_inits
-from fnmoe.tree import flatten_with_paths
+from fnmoe.tree import flatten_dict
 
 
 def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     """(total params, params active per token excluding the embedding lookup)."""
     total = active = 0
-    for path, init in flatten_with_paths(leaf_inits(cfg))[0]:
+    for path, init in flatten_dict(leaf_inits(cfg)).items():
         n = math.prod(init.shape)
         total += n
         if path.startswith("embed.") and not cfg.tie_embeddings:

@@ -26,9 +26,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils import _pytree as pytree
-
 from fnmoe.config import OptimConfig
+from fnmoe.tree import tree_flatten_with_paths, tree_map
 
 Tree = Any
 """a nested dict (str keys) of tensors; states also hold NamedTuples and tuples"""
@@ -37,26 +36,6 @@ Schedule = Callable[[Tensor], Tensor]
 ScalarOrSchedule = float | Schedule
 PerLeaf = Any
 """a per-leaf annotation (labels, decay mask): a tree shaped like the params, or params -> that tree"""
-
-
-# ------------------------------------------------------------------ trees
-# The only use of torch.utils._pytree in fnmoe/optim.py and fnmoe/muon.py; these two
-# functions move to fnmoe/tree.py unchanged.
-
-def tree_map(fn: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:
-    return pytree.tree_map(fn, tree, *rest)
-
-
-def tree_flatten_with_paths(tree: Tree) -> tuple[list[str], list[Any], Callable[[list[Any]], Tree]]:
-    """(dotted paths, leaves, rebuild) where rebuild(new_leaves) gives a tree of the same shape."""
-    pairs, spec = pytree.tree_flatten_with_path(tree)
-
-    def name(k: Any) -> str:
-        if isinstance(k, pytree.MappingKey):
-            return str(k.key)
-        return str(k.idx) if isinstance(k, pytree.SequenceKey) else k.name
-
-    return [".".join(name(k) for k in kp) for kp, _ in pairs], [leaf for _, leaf in pairs], spec.unflatten
 
 
 # ------------------------------------------------------------------ core

@@ -18,31 +18,31 @@ except ImportError as e:  # pragma: no cover - only on a torch without the priva
 Tree = Any
 
 tree_map = _pytree.tree_map
-tree_leaves = _pytree.tree_leaves
 tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
 
 
 def _key_str(k: Any) -> str:
-    for attr in ("key", "idx", "name"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
+    if isinstance(k, _pytree.MappingKey):
+        return str(k.key)
+    return str(k.idx) if isinstance(k, _pytree.SequenceKey) else k.name
 
 
-def flatten_with_paths(tree: Tree) -> tuple[list[tuple[str, Any]], Any]:
-    """[(dotted path, leaf)] in the tree's traversal order, and the spec to rebuild it."""
+def tree_flatten_with_paths(tree: Tree) -> tuple[list[str], list[Any], Callable[[list[Any]], Tree]]:
+    """(dotted paths, leaves, rebuild) in traversal order; rebuild(new_leaves) gives a tree of the same shape."""
     pairs, spec = _pytree.tree_flatten_with_path(tree)
-    return [(".".join(_key_str(k) for k in path), leaf) for path, leaf in pairs], spec
+    paths = [".".join(_key_str(k) for k in kp) for kp, _ in pairs]
+    return paths, [leaf for _, leaf in pairs], spec.unflatten
 
 
 def map_with_path(fn: Callable[[str, Any], Any], tree: Tree) -> Tree:
-    pairs, spec = flatten_with_paths(tree)
-    return tree_unflatten([fn(p, leaf) for p, leaf in pairs], spec)
+    paths, leaves, rebuild = tree_flatten_with_paths(tree)
+    return rebuild([fn(p, leaf) for p, leaf in zip(paths, leaves)])
 
 
 def flatten_dict(tree: Tree) -> dict[str, Any]:
-    return dict(flatten_with_paths(tree)[0])
+    paths, leaves, _ = tree_flatten_with_paths(tree)
+    return dict(zip(paths, leaves))
 
 
 def unflatten_dict(flat: dict[str, Any]) -> dict[str, Any]:
