@@ -1,14 +1,24 @@
-"""Attention: RoPE and GQA (optional per-head q/k RMSNorm) through SDPA.
+"""Attention: RoPE (half-split or interleaved, optionally YaRN-scaled), GQA (optional per-head
+q/k RMSNorm) and MLA (DeepSeek's multi-head latent attention), all through SDPA.
 
 Legend: B batch, L sequence, D model, H heads, G kv heads, A head dim, N = H·A, M = G·A.
+MLA: J no-RoPE and P RoPE dims of a query/key head, I = J + P, U value head dim, C kv-lora rank,
+Q q-lora rank; N = H·I query features, W = C + P (latent plus the shared RoPE key),
+X = H·(J + U) keys and values from the latent, Y = H·U attention output features.
 Weights are [in, out] (y = x @ w).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 from fnmoe.config import ModelConfig
+
+# DeepSeek's reference and transformers build the q/kv latent RMSNorms with their default eps,
+# whatever rms_norm_eps says.
+MLA_LATENT_EPS = 1e-6
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -23,15 +33,65 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y.to(x.dtype) * w.to(x.dtype)
 
 
-def rope_tables(positions_L: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [L, A] in fp32 for half-split RoPE (rotate_half pairs i with i + A/2)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    ang_LP = positions_L.double()[:, None] * inv_freq.to(positions_L.device)[None, :]
+def rope_tables(positions_L: torch.Tensor, head_dim: int, theta: float,
+                inv_freq_P: torch.Tensor | None = None, attention_factor: float = 1.0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [L, A] in fp32 for half-split RoPE (rotate_half pairs i with i + A/2).
+
+    inv_freq_P (A/2 frequencies) overrides theta's; attention_factor scales both tables (YaRN)."""
+    if inv_freq_P is None:
+        inv_freq_P = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    ang_LP = positions_L.double()[:, None] * inv_freq_P.double().to(positions_L.device)[None, :]
     ang_LA = torch.cat([ang_LP, ang_LP], dim=-1)
-    return ang_LA.cos().float(), ang_LA.sin().float()
+    cos, sin = ang_LA.cos(), ang_LA.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.float(), sin.float()
 
 
-def apply_rope(x_BLHA: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Tensor) -> torch.Tensor:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(A/2 frequencies fp64, cos/sin factor) of YaRN, the rule of transformers' yarn RoPE."""
+    dim, base, factor = cfg.rope_dim_, cfg.rope_theta, cfg.yarn_factor
+    orig = cfg.yarn_original_max_seq_len
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(cfg.yarn_beta_fast), correction_dim(cfg.yarn_beta_slow)
+    if cfg.yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # the reference's guard against a zero-width ramp
+    ramp_P = torch.clamp((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low), 0, 1)
+    pos_freqs_P = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    extrapolate_P = 1 - ramp_P  # 1 keeps a dim's original frequency, 0 interpolates it by factor
+    inv_freq_P = (1 / (factor * pos_freqs_P)) * (1 - extrapolate_P) + (1 / pos_freqs_P) * extrapolate_P
+    if cfg.yarn_attention_factor:
+        return inv_freq_P, cfg.yarn_attention_factor
+    if cfg.yarn_mscale and cfg.yarn_mscale_all_dim:
+        return inv_freq_P, yarn_mscale(factor, cfg.yarn_mscale) / yarn_mscale(factor, cfg.yarn_mscale_all_dim)
+    return inv_freq_P, yarn_mscale(factor)
+
+
+def rope(cfg: ModelConfig, positions_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [L, P] for cfg's RoPE (its rotated head dims, YaRN when configured)."""
+    if cfg.rope_scaling == "yarn":
+        return rope_tables(positions_L, cfg.rope_dim_, cfg.rope_theta, *yarn_inv_freq(cfg))
+    return rope_tables(positions_L, cfg.rope_dim_, cfg.rope_theta)
+
+
+def apply_rope(x_BLHA: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Tensor,
+               interleaved: bool = False) -> torch.Tensor:
+    """Rotate x by the tables. Interleaved pairs (x0, x1), (x2, x3), ... are first gathered into
+    halves [x0, x2, ...; x1, x3, ...]: queries and keys get the same permutation, so their dot
+    products are those of the interleaved rotation (transformers' DeepSeek-V3 does the same)."""
+    if interleaved:
+        x_BLHA = torch.cat([x_BLHA[..., 0::2], x_BLHA[..., 1::2]], dim=-1)
     half = x_BLHA.shape[-1] // 2
     rot = torch.cat([-x_BLHA[..., half:], x_BLHA[..., :half]], dim=-1)
     cos, sin = cos_LA[:, None, :].to(x_BLHA.dtype), sin_LA[:, None, :].to(x_BLHA.dtype)
@@ -49,9 +109,47 @@ def gqa(p: dict, x_BLD: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Tensor
     if cfg.qk_norm:
         q_BLHA = rms_norm(q_BLHA, p["q_norm_A"], cfg.norm_eps)
         k_BLGA = rms_norm(k_BLGA, p["k_norm_A"], cfg.norm_eps)
-    q_BLHA = apply_rope(q_BLHA, cos_LA, sin_LA)
-    k_BLGA = apply_rope(k_BLGA, cos_LA, sin_LA)
+    q_BLHA = apply_rope(q_BLHA, cos_LA, sin_LA, cfg.rope_interleave)
+    k_BLGA = apply_rope(k_BLGA, cos_LA, sin_LA, cfg.rope_interleave)
     o_BHLA = F.scaled_dot_product_attention(
         q_BLHA.transpose(1, 2), k_BLGA.transpose(1, 2), v_BLGA.transpose(1, 2),
         is_causal=True, enable_gqa=H != G)
     return o_BHLA.transpose(1, 2).reshape(B, L, H * A) @ p["w_o_ND"]
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(I), times mscale(factor, mscale_all_dim)^2 under YaRN (DeepSeek-V3's rule)."""
+    scale = cfg.qk_head_dim_ ** -0.5
+    if cfg.rope_scaling == "yarn" and cfg.yarn_mscale_all_dim:
+        scale *= yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim) ** 2
+    return scale
+
+
+def mla(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor,
+        cfg: ModelConfig) -> torch.Tensor:
+    """Causal multi-head latent attention; p holds w_q_DN or (w_q_a_DQ, q_a_norm_Q, w_q_b_QN),
+    w_kv_a_DW, kv_a_norm_C, w_kv_b_CX, w_o_YD."""
+    B, L, _ = x_BLD.shape
+    H, J, P, U, C = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if "w_q_DN" in p:
+        q_BLN = x_BLD @ p["w_q_DN"]
+    else:
+        q_BLN = rms_norm(x_BLD @ p["w_q_a_DQ"], p["q_a_norm_Q"], MLA_LATENT_EPS) @ p["w_q_b_QN"]
+    q_nope_BLHJ, q_rope_BLHP = q_BLN.view(B, L, H, J + P).split([J, P], dim=-1)
+    c_BLC, k_rope_BLP = (x_BLD @ p["w_kv_a_DW"]).split([C, P], dim=-1)
+    kv_BLHX = (rms_norm(c_BLC, p["kv_a_norm_C"], MLA_LATENT_EPS) @ p["w_kv_b_CX"]).view(B, L, H, J + U)
+    k_nope_BLHJ, v_BLHU = kv_BLHX.split([J, U], dim=-1)
+    q_rope_BLHP = apply_rope(q_rope_BLHP, cos_LP, sin_LP, cfg.rope_interleave)
+    k_rope_BL1P = apply_rope(k_rope_BLP[:, :, None, :], cos_LP, sin_LP, cfg.rope_interleave)
+    q_BLHI = torch.cat([q_nope_BLHJ, q_rope_BLHP], dim=-1)
+    k_BLHI = torch.cat([k_nope_BLHJ, k_rope_BL1P.expand(B, L, H, P)], dim=-1)
+    o_BHLU = F.scaled_dot_product_attention(
+        q_BLHI.transpose(1, 2), k_BLHI.transpose(1, 2), v_BLHU.transpose(1, 2),
+        is_causal=True, scale=mla_softmax_scale(cfg))
+    return o_BHLU.transpose(1, 2).reshape(B, L, H * U) @ p["w_o_YD"]
+
+
+def attention(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor,
+              cfg: ModelConfig) -> torch.Tensor:
+    """cfg's attention kind (GQA or MLA) on already-normalised inputs."""
+    return (mla if cfg.attention == "mla" else gqa)(p, x_BLD, cos_LP, sin_LP, cfg)

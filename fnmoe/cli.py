@@ -21,6 +21,10 @@ TOP_HELP = """usage: fnmoe SUBCOMMAND [--config FILE] [OVERRIDES]
 
 subcommands:
   train     train a model (default: the tiny MoE on the bundled corpus, CPU, a few minutes)
+  inspect   what torch.compile makes of each region: graphs, breaks, recompiles, kernels, host syncs
+  checkpoint verify DIR   check a checkpoint's files (sizes, sha256, tensor shapes) against its index.json
+  convert   --from-hf SRC --out DST: a Hugging Face checkpoint to the native tree format;
+            --to-hf SRC --out DST: a native tree to a Hugging Face checkpoint
 
 Run `fnmoe SUBCOMMAND --help` for the flags of one subcommand.
 """
@@ -58,7 +62,70 @@ def cmd_train(argv: list[str]) -> int:
     return 130 if summary["interrupted"] else 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train}
+def cmd_inspect(argv: list[str]) -> int:
+    """Per-region compile report; exits 1 when a region breaks, so CI can use it."""
+    from pathlib import Path
+
+    from fnmoe.compile import setup_cache
+    from fnmoe.inspect_compile import format_reports, inspect_model
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--dump", default="", help="write FX graphs and inductor output code per region here")
+    known, rest = pre.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        print("fnmoe inspect [--config FILE] [overrides] [--dump DIR]: graphs, breaks, recompiles, "
+              "FX nodes, kernels and host syncs per compiled region\n")
+    run = parse_run(rest, "fnmoe inspect")
+    setup_cache(run.compile_cache)
+    reports, note = inspect_model(run.model, Path(known.dump) if known.dump else None)
+    if note:
+        print(note)
+    print(format_reports(reports))
+    if known.dump:
+        print(f"FX graphs and inductor output written under {known.dump}")
+    return 0 if all(r.ok for r in reports) else 1
+
+
+def cmd_checkpoint(argv: list[str]) -> int:
+    from pathlib import Path
+
+    from fnmoe.checkpoint import SECTIONS, verify
+
+    parser = argparse.ArgumentParser(prog="fnmoe checkpoint", description="check training checkpoints")
+    actions = parser.add_subparsers(dest="action", required=True)
+    p = actions.add_parser("verify", help="check every file's size, sha256 and tensor shapes against index.json; "
+                                          "exit 2 naming the first bad file")
+    p.add_argument("dir", help="a checkpoint directory, <run-dir>/checkpoints/step_<N>")
+    args = parser.parse_args(argv)
+    index = verify(Path(args.dir))
+    n = sum(len(index[section]) for section in SECTIONS)
+    print(f"ok: {args.dir} (step {index['step']}): {len(index['files'])} files and {n} tensors match index.json")
+    return 0
+
+
+def cmd_convert(argv: list[str]) -> int:
+    from fnmoe import hf
+    from fnmoe.tree_io import load_tree, save_tree
+
+    parser = argparse.ArgumentParser(prog="fnmoe convert", description="convert between Hugging Face "
+                                     "checkpoints and fnmoe's native tree format (safetensors + index.json)")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-hf", metavar="SRC", help="a Hugging Face checkpoint directory (config.json + safetensors)")
+    src.add_argument("--to-hf", metavar="SRC", help="a native tree directory (index.json + params.safetensors)")
+    parser.add_argument("--out", metavar="DST", required=True, help="the output directory (new or empty)")
+    args = parser.parse_args(argv)
+    if args.from_hf:
+        cfg, params = hf.load(args.from_hf)
+        save_tree(args.out, params, cfg)
+    else:
+        cfg, params = load_tree(args.to_hf)
+        hf.save(args.out, params, cfg)
+    print(f"wrote {args.out} ({'native tree' if args.from_hf else hf.hf_architecture(cfg)})")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "inspect": cmd_inspect,
+                                                   "checkpoint": cmd_checkpoint, "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:

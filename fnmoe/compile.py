@@ -6,6 +6,7 @@ code as 0-D tensors, so changing them never recompiles.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -19,12 +20,17 @@ _compiled: dict[Callable, Callable] = {}
 _said: set[str] = set()
 
 
+def compile_fn(fn: Callable, fullgraph: bool = True) -> Callable:
+    """torch.compile(fn): the one call site. Inspection passes fullgraph=False to count breaks."""
+    # The EP count exchange and routing counts read device scalars; capture them in-graph.
+    torch._dynamo.config.capture_scalar_outputs = True
+    return torch.compile(fn, fullgraph=fullgraph)
+
+
 def compiled(fn: Callable) -> Callable:
     """fn compiled once per process (fullgraph: a graph break is an error, not a slowdown)."""
     if fn not in _compiled:
-        # The EP count exchange and routing counts read device scalars; capture them in-graph.
-        torch._dynamo.config.capture_scalar_outputs = True
-        _compiled[fn] = torch.compile(fn, fullgraph=True)
+        _compiled[fn] = compile_fn(fn)
     return _compiled[fn]
 
 
@@ -50,3 +56,42 @@ def setup_cache(cache_dir: str = "") -> Path:
     path.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     return path
+
+
+def artifacts_path(cache_dir: Path, key: str) -> Path:
+    """Where the portable cache artifacts of one (torch version, model config) live."""
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return Path(cache_dir) / "artifacts" / f"torch-{torch.__version__.replace('+', '_')}-{digest}.bin"
+
+
+def load_artifacts(path: Path) -> bool:
+    """Pre-populate inductor's caches from a previous run's artifacts (a warm start compiles nothing)."""
+    if not path.is_file():
+        return False
+    torch.compiler.load_cache_artifacts(path.read_bytes())
+    return True
+
+
+def save_artifacts(path: Path) -> None:
+    """Write the artifacts of everything compiled so far (atomically: temp file, then rename)."""
+    saved = torch.compiler.save_cache_artifacts()
+    if not saved:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(saved[0])
+    tmp.replace(path)
+
+
+def warm_start(cache_dir: str, key: str) -> Path:
+    """Set up the compile cache and load the artifacts saved for key; returns where to save them."""
+    path = artifacts_path(setup_cache(cache_dir), key)
+    if load_artifacts(path):
+        log.info("compile: loaded cache artifacts %s", path)
+    return path
+
+
+def cache_stats() -> dict[str, int]:
+    """Inductor FX-graph cache hits and misses in this process (a miss is a real compilation)."""
+    c = torch._dynamo.utils.counters["inductor"]
+    return {"fxgraph_cache_hit": c["fxgraph_cache_hit"], "fxgraph_cache_miss": c["fxgraph_cache_miss"]}

@@ -26,16 +26,34 @@ class MoEConfig:
     """hidden size F of one routed expert"""
     n_shared_experts: int = 0
     """shared experts, fused into one SwiGLU of hidden n_shared_experts * expert_hidden"""
-    score_func: Literal["softmax"] = "softmax"
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    """router scores: softmax over experts (Qwen3, Mixtral) or per-expert sigmoid (DeepSeek-V3)"""
     norm_topk_prob: bool = True
     """renormalise the top-k weights to sum to one"""
     routed_scaling_factor: float = 1.0
+    """multiplies the routed experts' weights (after renormalisation)"""
+    n_group: int = 1
+    """expert groups for group-limited routing (DeepSeek-V3); 1 disables it"""
+    topk_group: int = 1
+    """groups a token may route into; a group's score is the sum of its top-2 choice scores"""
+    router_bias: bool = False
+    """a per-expert score-correction bias (buffers.layers.<i>.moe.router_bias_E) added to the
+    scores for top-k selection only; the expert weights come from the unbiased scores"""
+    bias_update_coeff: float = 0.0
+    """aux-loss-free balancing (DeepSeek-V3): after each optimizer step
+    bias += coeff * sign(mean count - count) per expert; 0 keeps the bias fixed"""
     first_k_dense: int = 1
     """the first k layers use the dense MLP instead of MoE"""
     dense_layers: tuple[int, ...] = ()
     """explicit extra dense layer indices"""
+    moe_every: int = 1
+    """only layers i with (i + 1) % moe_every == 0 are MoE (Qwen's decoder_sparse_step)"""
     aux_loss_coeff: float = 0.01
     """weight of the Switch-style load-balancing loss (per micro-batch, averaged over MoE layers)"""
+    seq_aux_loss_coeff: float = 0.0
+    """weight of DeepSeek-V3's sequence-wise balance loss (per sequence, averaged over sequences)"""
+    z_loss_coeff: float = 0.0
+    """weight of the router z-loss, mean over tokens of logsumexp(router logits)^2 (ST-MoE)"""
     impl: Literal["auto", "grouped", "loop"] = "auto"
     """expert GEMMs: grouped (torch._grouped_mm, bf16, 16-byte aligned dims) or a loop;
     auto picks grouped where it applies"""
@@ -48,13 +66,44 @@ class ModelConfig:
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int = 2
+    """key/value heads of GQA (MLA ignores it: every head has its own keys and values)"""
     head_dim: int = 0
-    """0 means dim // n_heads"""
+    """GQA head dim; 0 means dim // n_heads"""
     qk_norm: bool = False
     """per-head RMSNorm on queries and keys (Qwen3)"""
+    attention: Literal["gqa", "mla"] = "gqa"
+    """grouped-query attention, or DeepSeek's multi-head latent attention"""
+    q_lora_rank: int = 0
+    """MLA: rank of the low-rank query projection; 0 projects queries directly"""
+    kv_lora_rank: int = 0
+    """MLA: rank of the compressed key/value latent"""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key dims without RoPE"""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query/key dims with RoPE (the rotary key is shared by all heads)"""
+    v_head_dim: int = 0
+    """MLA: per-head value dim"""
     ffn_hidden: int = 512
     """hidden size of the dense SwiGLU MLP"""
     rope_theta: float = 10000.0
+    rope_interleave: bool = False
+    """RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of (x_i, x_i+A/2)"""
+    rope_scaling: Literal["none", "yarn"] = "none"
+    yarn_factor: float = 1.0
+    """YaRN: context extension factor"""
+    yarn_original_max_seq_len: int = 4096
+    """YaRN: the pre-extension context length"""
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 0.0
+    """YaRN: with yarn_mscale_all_dim, sets the cos/sin factor mscale(mscale) / mscale(mscale_all_dim);
+    0 (either) means mscale(1) = 0.1 ln(factor) + 1"""
+    yarn_mscale_all_dim: float = 0.0
+    """YaRN: MLA multiplies its softmax scale by mscale(mscale_all_dim)^2 (DeepSeek-V3); 0: no change"""
+    yarn_attention_factor: float = 0.0
+    """YaRN: explicit cos/sin factor; 0 derives it from the mscales"""
+    yarn_truncate: bool = True
+    """YaRN: round the correction range to whole dims"""
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     max_seq_len: int = 1024
@@ -69,9 +118,24 @@ class ModelConfig:
     def head_dim_(self) -> int:
         return self.head_dim or self.dim // self.n_heads
 
+    @property
+    def qk_head_dim_(self) -> int:
+        """per-head query/key dim (MLA: no-RoPE plus RoPE dims)"""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim_
+
+    @property
+    def v_head_dim_(self) -> int:
+        return self.v_head_dim if self.attention == "mla" else self.head_dim_
+
+    @property
+    def rope_dim_(self) -> int:
+        """dims of a query/key head that RoPE rotates"""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim_
+
     def is_moe_layer(self, i: int) -> bool:
         m = self.moe
-        return m.n_experts > 0 and i >= m.first_k_dense and i not in m.dense_layers
+        return (m.n_experts > 0 and i >= m.first_k_dense and i not in m.dense_layers
+                and (i + 1) % m.moe_every == 0)
 
 
 @dataclass(frozen=True)
@@ -119,9 +183,14 @@ class MemoryConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """Checkpoints go to <run-dir>/checkpoints/step_<N> (fnmoe/checkpoint.py); resume with --resume auto."""
+
     every: int = 0
-    """save every N steps (0: never)"""
+    """save every N steps (0: only the final save, and one on Ctrl-C)"""
     keep_last: int = 3
+    """keep the newest K complete checkpoints; older ones are deleted after each save"""
+    async_save: bool = False
+    """copy tensors to CPU and write on a background thread while training goes on (one write in flight)"""
 
 
 @dataclass(frozen=True)
@@ -153,6 +222,9 @@ class TrainConfig:
     """accelerator peak for MFU (989 for H100/H200 bf16); 0 reports n/a"""
     threads: int = 0
     """torch intra-op threads (0: torch's default)"""
+    deterministic: bool = False
+    """deterministic kernels only (torch.use_deterministic_algorithms; the cuBLAS workspace setting on
+    CUDA): needed for bit-exact resume on GPUs, slower there; on CPU resume is bit-exact without it"""
 
 
 @dataclass(frozen=True)
@@ -288,24 +360,73 @@ def validate_model(m: ModelConfig) -> list[str]:
     e: list[str] = []
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
         _check(e, getattr(m, name) > 0, f"model.{name} must be > 0, got {getattr(m, name)}")
-    _check(e, m.n_heads % max(m.n_kv_heads, 1) == 0,
-           f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads}")
-    _check(e, m.head_dim > 0 or m.dim % max(m.n_heads, 1) == 0,
-           f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads} when model.head_dim=0")
-    _check(e, m.head_dim_ % 2 == 0, f"head dim {m.head_dim_} must be even for RoPE")
+    _check(e, m.attention in ("gqa", "mla"), f"model.attention must be 'gqa' or 'mla', got {m.attention!r}")
+    if m.attention == "mla":
+        _validate_mla(e, m)
+    else:
+        _check(e, m.n_heads % max(m.n_kv_heads, 1) == 0,
+               f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads}")
+        _check(e, m.head_dim > 0 or m.dim % max(m.n_heads, 1) == 0,
+               f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads} when model.head_dim=0")
+        _check(e, m.head_dim_ % 2 == 0, f"head dim {m.head_dim_} must be even for RoPE")
+    _validate_rope(e, m)
     _check(e, m.compute_dtype in DTYPES, f"model.compute_dtype must be one of {DTYPES}, got {m.compute_dtype!r}")
+    _validate_moe(e, m)
+    return e
+
+
+def _validate_mla(e: list[str], m: ModelConfig) -> None:
+    for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+        _check(e, getattr(m, name) > 0, f"model.{name} must be > 0 for MLA, got {getattr(m, name)}")
+    for name in ("q_lora_rank", "qk_nope_head_dim"):
+        _check(e, getattr(m, name) >= 0, f"model.{name} must be >= 0, got {getattr(m, name)}")
+    _check(e, m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE")
+    _check(e, not m.qk_norm, "model.qk_norm is a GQA option; MLA normalises its latents instead")
+
+
+def _validate_rope(e: list[str], m: ModelConfig) -> None:
+    _check(e, m.rope_theta > 0, f"model.rope_theta must be > 0, got {m.rope_theta}")
+    _check(e, m.rope_scaling in ("none", "yarn"), f"model.rope_scaling must be 'none' or 'yarn', got {m.rope_scaling!r}")
+    if m.rope_scaling == "yarn":
+        _check(e, m.yarn_factor > 0, f"model.yarn_factor must be > 0, got {m.yarn_factor}")
+        _check(e, m.yarn_original_max_seq_len > 0,
+               f"model.yarn_original_max_seq_len must be > 0, got {m.yarn_original_max_seq_len}")
+
+
+def _validate_moe(e: list[str], m: ModelConfig) -> None:
     moe = m.moe
     _check(e, moe.n_experts >= 0, f"model.moe.n_experts must be >= 0, got {moe.n_experts}")
     if moe.n_experts > 0:
         _check(e, 1 <= moe.top_k <= moe.n_experts,
                f"model.moe.top_k={moe.top_k} must be in 1..model.moe.n_experts={moe.n_experts}")
         _check(e, moe.expert_hidden > 0, f"model.moe.expert_hidden must be > 0, got {moe.expert_hidden}")
+        _validate_groups(e, moe)
+    _check(e, moe.score_func in ("softmax", "sigmoid"),
+           f"model.moe.score_func must be 'softmax' or 'sigmoid', got {moe.score_func!r}")
     _check(e, moe.n_shared_experts >= 0, f"model.moe.n_shared_experts must be >= 0, got {moe.n_shared_experts}")
     _check(e, 0 <= moe.first_k_dense <= m.n_layers,
            f"model.moe.first_k_dense={moe.first_k_dense} must be in 0..model.n_layers={m.n_layers}")
     bad = [i for i in moe.dense_layers if not 0 <= i < m.n_layers]
     _check(e, not bad, f"model.moe.dense_layers has indices outside 0..{m.n_layers - 1}: {bad}")
-    return e
+    _check(e, moe.moe_every >= 1, f"model.moe.moe_every must be >= 1, got {moe.moe_every}")
+    for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_coeff"):
+        _check(e, getattr(moe, name) >= 0, f"model.moe.{name} must be >= 0, got {getattr(moe, name)}")
+    _check(e, moe.bias_update_coeff == 0 or moe.router_bias,
+           f"model.moe.bias_update_coeff={moe.bias_update_coeff} needs model.moe.router_bias=true")
+
+
+def _validate_groups(e: list[str], moe: MoEConfig) -> None:
+    G = moe.n_group
+    if G < 1 or moe.n_experts % G:
+        _check(e, False, f"model.moe.n_group={G} must be >= 1 and divide model.moe.n_experts={moe.n_experts}")
+        return
+    _check(e, 1 <= moe.topk_group <= G, f"model.moe.topk_group={moe.topk_group} must be in 1..model.moe.n_group={G}")
+    per_group = moe.n_experts // G
+    _check(e, G == 1 or per_group >= 2,
+           f"model.moe.n_group={G} leaves {per_group} expert per group; group scores need >= 2")
+    _check(e, moe.top_k <= moe.topk_group * per_group,
+           f"model.moe.top_k={moe.top_k} exceeds the {moe.topk_group * per_group} experts of "
+           f"model.moe.topk_group={moe.topk_group} groups")
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -333,6 +454,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(e, 0 < o.decay_fraction <= 1, f"optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
     _check(e, o.clip_norm >= 0, f"optim.clip_norm must be >= 0, got {o.clip_norm}")
     _check(e, cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
+    _check(e, cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
     if cfg.profile.steps:
         a, _, b = cfg.profile.steps.partition(":")
         ok = a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)

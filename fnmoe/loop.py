@@ -5,20 +5,24 @@ Legend: B batch, L sequence.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 
 import torch
 
-from fnmoe import optim
-from fnmoe.compile import setup_cache
+from fnmoe import checkpoint, optim
+from fnmoe.compile import cache_stats, save_artifacts, warm_start
 from fnmoe.config import RunConfig, to_toml
 from fnmoe.data import Loader, load_data, val_batches
-from fnmoe.metrics import JsonlWriter, flops_per_token, load_max_over_mean, mfu
+from fnmoe.metrics import JsonlWriter, drop_rows_after, flops_per_token, load_max_over_mean, mfu
 from fnmoe.model import init_params
-from fnmoe.train import eval_loss, init_state, make_train_step
+from fnmoe.train import TrainState, eval_loss, init_state, make_train_step
 
 log = logging.getLogger("fnmoe")
+# test hook (tests/test_checkpoint.py): SIGKILL the process after this step on torchrun's first attempt
+KILL_AT_STEP_ENV = "FNMOE_TEST_KILL_AT_STEP"
 
 
 def run_dir_of(run: RunConfig) -> Path:
@@ -30,10 +34,57 @@ def _unsupported(run: RunConfig) -> None:
     if run.mesh.world > 1:
         raise ValueError(f"mesh.fsdp={run.mesh.fsdp} x mesh.ep={run.mesh.ep}: multi-rank training is not "
                          "built yet; use mesh.fsdp=1 mesh.ep=1")
-    if run.resume != "none":
-        raise ValueError(f"--resume {run.resume!r}: checkpoint resume is not built yet; use --resume none")
-    if run.checkpoint.every:
-        raise ValueError(f"checkpoint.every={run.checkpoint.every}: checkpoint saving is not built yet; use 0")
+
+
+def _use_deterministic(on: bool) -> None:
+    """--train.deterministic: deterministic kernels only, which bit-exact resume on GPUs needs."""
+    if not on:
+        return
+    if torch.cuda.is_available():
+        # cuBLAS reads this when its handle is created, so it must be set before the first GPU matmul
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
+def _resume_point(run: RunConfig, root: Path) -> tuple[Path, dict] | None:
+    """The checkpoint --resume names (and its verified index), or None for a fresh start; a fresh
+    start is refused where it would replace an earlier run's checkpoints."""
+    found = checkpoint.resume_point(run.resume, root)
+    existing = checkpoint.list_checkpoints(root)
+    if found is None and run.resume == "none" and existing:
+        raise checkpoint.CheckpointError(
+            f"{root} holds checkpoints of an earlier run (newest {existing[0][1].name}): continue it with "
+            "--resume auto, or choose another --train.run-dir")
+    if found:
+        log.info("resuming from %s (step %d)", found[0], found[1]["step"])
+    return found
+
+
+def _metrics_writer(path: Path, resumed_from: int | None) -> JsonlWriter:
+    """A fresh metrics.jsonl; on resume from step N the old one without its rows after N, plus a resume row."""
+    if resumed_from is None:
+        return JsonlWriter(path, fresh=True)
+    drop_rows_after(path, resumed_from)
+    writer = JsonlWriter(path, fresh=False)
+    writer.write({"event": "resume", "from_step": resumed_from})
+    return writer
+
+
+def _fault_injection(step: int) -> None:
+    """Dies like a crashed worker (SIGKILL, no cleanup) after step FNMOE_TEST_KILL_AT_STEP, on the
+    first attempt only (torchrun sets TORCHELASTIC_RESTART_COUNT), so a restart can resume."""
+    if os.environ.get(KILL_AT_STEP_ENV) == str(step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _save_on_interrupt(saver: checkpoint.Saver, state: TrainState, run: RunConfig, loader: Loader) -> str:
+    """Ctrl-C: finish the save in flight, save the last finished step; say where the work is."""
+    saver.join()
+    if state.step > saver.last_step:
+        return f"saved checkpoint {saver.save(state, run, loader, blocking=True)}; continue with --resume auto"
+    if state.step:
+        return f"checkpoint {saver.root / f'step_{state.step}'} holds it; continue with --resume auto"
+    return "no step finished, so no checkpoint was saved"
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:
@@ -51,37 +102,47 @@ def _profile_window(run: RunConfig, run_dir: Path):
 
 
 def train(run: RunConfig) -> dict:
-    """Train run from scratch; returns a summary (steps done, last loss, final val_loss)."""
+    """Train run from scratch or from the checkpoint --resume names, saving checkpoints on the way;
+    returns a summary (steps done, last loss, final val_loss, the last checkpoint)."""
     _unsupported(run)
+    _use_deterministic(run.train.deterministic)
     torch.manual_seed(run.train.seed)
     if run.train.threads:
         torch.set_num_threads(run.train.threads)
-    if run.model.compile:
-        setup_cache(run.compile_cache)
+    artifacts = warm_start(run.compile_cache, to_toml(run.model)) if run.model.compile else None
     run_dir = run_dir_of(run)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(run))
+    ckpt_root = run_dir / "checkpoints"
+    found = _resume_point(run, ckpt_root)
 
     t, L = run.train, run.data.seq_len
     data = load_data(run.data, run.model.vocab_size)
     loader = Loader(data, L, t.batch_size, t.grad_accum, t.seed)
     val = val_batches(data, L, run.micro_batch, t.eval_batches)
     tx, schedule = optim.from_config(run.optim, t.steps)
-    state = init_state(init_params(run.model, t.seed), tx)
+    state = checkpoint.load_state(*found, run, tx, loader) if found else init_state(init_params(run.model, t.seed), tx)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if state.step >= t.steps:
+        log.info("%s is at step %d and train.steps=%d: nothing to train", found[0], state.step, t.steps)
+        return {"steps": state.step, "loss": None, "val_loss": None, "run_dir": str(run_dir),
+                "params": state.params, "interrupted": False, "checkpoint": str(found[0])}
+    (run_dir / "config.toml").write_text(to_toml(run))
+    checkpoint.discard_after(ckpt_root, state.step)
     train_step = make_train_step(run, tx)
     fpt = flops_per_token(run.model, L)
-    writer = JsonlWriter(run_dir / "metrics.jsonl", fresh=True)
+    writer = _metrics_writer(run_dir / "metrics.jsonl", state.step if found else None)
+    saver = checkpoint.Saver(ckpt_root, run.checkpoint, last_step=state.step)
     prof = _profile_window(run, run_dir)
-    log.info("run %s: %d steps x %d sequences x %d tokens -> %s", run.name, t.steps, t.batch_size, L, run_dir)
+    log.info("run %s: steps %d..%d x %d sequences x %d tokens -> %s", run.name, state.step + 1, t.steps,
+             t.batch_size, L, run_dir)
 
-    start, tokens, row, val_loss = time.perf_counter(), 0, {}, None
+    start, tokens, row, first = time.perf_counter(), state.step * t.batch_size * L, {}, state.step + 1
     try:
-        for step in range(1, t.steps + 1):
+        for step in range(state.step + 1, t.steps + 1):
             if prof and step == prof[0]:
                 prof[2].start()
             batch = [loader.batch_at(step - 1, 0, 1, m) for m in range(t.grad_accum)]
             t_step = time.perf_counter()
-            state, m = train_step(state, batch)
+            new_state, m = train_step(state, batch)
             dt = time.perf_counter() - t_step
             tokens += t.batch_size * L
             tps = t.batch_size * L / dt
@@ -91,6 +152,10 @@ def train(run: RunConfig) -> dict:
                    "expert_load_max_over_mean": load_max_over_mean(m["expert_counts_LE"]),
                    "skipped": m["skipped"], "time_s": time.perf_counter() - start}
             writer.write(row)
+            state = new_state  # only now: a checkpoint of `state` never lacks its metrics row
+            if artifacts and step == first:  # everything is compiled after this process's first step
+                save_artifacts(artifacts)
+                log.info("compile: %s (artifacts in %s)", cache_stats(), artifacts)
             if prof and step == prof[1]:
                 prof[2].stop()
                 prof[3].parent.mkdir(parents=True, exist_ok=True)
@@ -100,19 +165,23 @@ def train(run: RunConfig) -> dict:
                 log.info(_progress_line(row, t.steps))
             if t.eval_every and step % t.eval_every == 0 and step < t.steps:
                 writer.write({"step": step, "val_loss": eval_loss(state.params, val, run)})
+            if run.checkpoint.every and step % run.checkpoint.every == 0 and step < t.steps:
+                saver.save(state, run, loader)
+            _fault_injection(step)
+        saved = saver.save(state, run, loader, blocking=True)
+        val_loss = eval_loss(state.params, val, run)
+        writer.write({"step": t.steps, "val_loss": val_loss})
     except KeyboardInterrupt:
-        done = row.get("step", 0)
-        log.warning("interrupted at step %d of %d; %s holds %d step rows; no checkpoint was saved "
-                    "(checkpointing is not built yet)", done, t.steps, run_dir / "metrics.jsonl", done)
+        log.warning("interrupted at step %d of %d; %s", state.step, t.steps,
+                    _save_on_interrupt(saver, state, run, loader))
+        return {"steps": state.step, "interrupted": True, "run_dir": str(run_dir)}
+    finally:
+        saver.join()
         writer.close()
-        return {"steps": done, "interrupted": True, "run_dir": str(run_dir)}
-    val_loss = eval_loss(state.params, val, run)
-    writer.write({"step": t.steps, "val_loss": val_loss})
-    writer.close()
-    log.info("done: %d steps in %.1f s, final train loss %.4f, held-out loss %.4f; metrics in %s",
-             t.steps, time.perf_counter() - start, row["loss"], val_loss, run_dir / "metrics.jsonl")
+    log.info("done: %d steps in %.1f s, final train loss %.4f, held-out loss %.4f; metrics in %s, checkpoint %s",
+             t.steps, time.perf_counter() - start, row["loss"], val_loss, run_dir / "metrics.jsonl", saved)
     return {"steps": t.steps, "loss": row["loss"], "val_loss": val_loss, "run_dir": str(run_dir),
-            "params": state.params, "interrupted": False}
+            "params": state.params, "interrupted": False, "checkpoint": str(saved)}
 
 
 def _progress_line(row: dict, total: int) -> str:

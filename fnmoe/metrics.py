@@ -21,9 +21,12 @@ from fnmoe.tree import flatten_dict
 
 
 def param_counts(cfg: ModelConfig) -> tuple[int, int]:
-    """(total params, params active per token excluding the embedding lookup)."""
+    """(total params, params active per token excluding the embedding lookup); buffers (the
+    router bias) are state, not params."""
     total = active = 0
     for path, init in flatten_dict(leaf_inits(cfg)).items():
+        if path.startswith("buffers."):
+            continue
         n = math.prod(init.shape)
         total += n
         if path.startswith("embed.") and not cfg.tie_embeddings:
@@ -36,8 +39,7 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     _, active = param_counts(cfg)
-    d = cfg.head_dim_
-    return 6.0 * active + 3.0 * cfg.n_layers * seq_len * cfg.n_heads * (d + d)
+    return 6.0 * active + 3.0 * cfg.n_layers * seq_len * cfg.n_heads * (cfg.qk_head_dim_ + cfg.v_head_dim_)
 
 
 def mfu(flops_per_tok: float, tokens_per_s: float, peak_tflops: float) -> float | None:
@@ -68,3 +70,31 @@ class JsonlWriter:
 
     def close(self) -> None:
         self.f.close()
+
+
+def drop_rows_after(path: Path, step: int) -> None:
+    """Rewrite a metrics.jsonl without the rows of steps after `step` (resume events from after it
+    included), atomically: a temp file, fsynced, renamed over it. A line torn by a crash mid-write
+    is dropped too. No file: nothing to do."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("step", row.get("from_step", 0)) <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)  # the rename is durable once its directory is synced
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

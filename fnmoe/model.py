@@ -1,12 +1,15 @@
 """The model as pure functions: init_params and forward over a plain params tree.
 
 Legend: B batch, L sequence, D model, F ffn hidden, E experts, V vocab, N = H·A query features,
-M = G·A key/value features (H heads, G kv heads, A head dim).
+M = G·A key/value features (H heads, G kv heads, A head dim); MLA letters (Q, C, W, X, Y) as in
+attention.py.
 
-Tree (dotted paths): embed.w_VD; layers.<i>.{attn_norm.w_D, attn.{w_q_DN, w_k_DM, w_v_DM, w_o_ND,
-q_norm_A, k_norm_A}, mlp_norm.w_D, mlp.{w_gate_DF, w_up_DF, w_down_FD} | moe.{router_DE,
-w_gate_EDF, w_up_EDF, w_down_EFD, shared.{...}}}; final_norm.w_D; head.w_DV (absent when tied);
-buffers.* (non-trainable state).
+Tree (dotted paths): embed.w_VD; layers.<i>.{attn_norm.w_D, attn.{...}, mlp_norm.w_D,
+mlp.{w_gate_DF, w_up_DF, w_down_FD} | moe.{router_DE, w_gate_EDF, w_up_EDF, w_down_EFD,
+shared.{...}}}; final_norm.w_D; head.w_DV (absent when tied); buffers.layers.<i>.moe.router_bias_E
+(non-trainable state, present with model.moe.router_bias).
+attn is GQA {w_q_DN, w_k_DM, w_v_DM, w_o_ND, q_norm_A, k_norm_A} or MLA {w_q_DN | (w_q_a_DQ,
+q_a_norm_Q, w_q_b_QN), w_kv_a_DW, kv_a_norm_C, w_kv_b_CX, w_o_YD}.
 
 Init scheme "depth-scaled normal" (GPT-2 / Megatron): every matrix ~ N(0, init_std²), except the
 projections that write into the residual stream (w_o, w_down) use init_std / sqrt(2·n_layers) so
@@ -25,7 +28,7 @@ from typing import Callable
 import torch
 
 from fnmoe import compile as fcompile
-from fnmoe.attention import gqa, rms_norm, rope_tables, upcast
+from fnmoe.attention import attention, rms_norm, rope, upcast
 from fnmoe.config import ModelConfig
 from fnmoe.moe import moe_block, swiglu, use_grouped
 from fnmoe.tree import Tree, map_with_path, tree_map
@@ -37,7 +40,8 @@ DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.
 @dataclass(frozen=True)
 class LeafInit:
     shape: tuple[int, ...]
-    std: float  # 0 means ones (norm weights)
+    std: float  # 0 means the constant `value`
+    value: float = 1.0  # 1 for norm weights, 0 for the router bias
 
     @property
     def chunk_rows(self) -> int:
@@ -56,10 +60,11 @@ def leaf_inits(cfg: ModelConfig) -> Tree:
         return {"w_gate_DF": normal(D, hidden), "w_up_DF": normal(D, hidden),
                 "w_down_FD": LeafInit((hidden, D), out_std)}
 
-    layers = {}
+    layers, buffers = {}, {}
     for i in range(cfg.n_layers):
-        attn = {"w_q_DN": normal(D, N), "w_k_DM": normal(D, M), "w_v_DM": normal(D, M),
-                "w_o_ND": LeafInit((N, D), out_std)}
+        attn = _mla_inits(cfg, normal, ones, out_std) if cfg.attention == "mla" else {
+            "w_q_DN": normal(D, N), "w_k_DM": normal(D, M), "w_v_DM": normal(D, M),
+            "w_o_ND": LeafInit((N, D), out_std)}
         if cfg.qk_norm:
             attn |= {"q_norm_A": ones(A), "k_norm_A": ones(A)}
         layer = {"attn_norm": {"w_D": ones(D)}, "attn": attn, "mlp_norm": {"w_D": ones(D)}}
@@ -71,13 +76,26 @@ def leaf_inits(cfg: ModelConfig) -> Tree:
             if m.n_shared_experts:
                 moe["shared"] = mlp(m.n_shared_experts * FE)
             layer["moe"] = moe
+            if m.router_bias:
+                buffers[str(i)] = {"moe": {"router_bias_E": LeafInit((E,), 0.0, 0.0)}}
         else:
             layer["mlp"] = mlp(F)
         layers[str(i)] = layer
     tree = {"embed": {"w_VD": normal(V, D)}, "layers": layers, "final_norm": {"w_D": ones(D)}}
     if not cfg.tie_embeddings:
         tree["head"] = {"w_DV": normal(D, V)}
+    if buffers:
+        tree["buffers"] = {"layers": buffers}
     return tree
+
+
+def _mla_inits(cfg: ModelConfig, normal: Callable, ones: Callable, out_std: float) -> dict:
+    D, H, C, P = cfg.dim, cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    N, X, Y = H * cfg.qk_head_dim_, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), H * cfg.v_head_dim
+    Q = cfg.q_lora_rank
+    q = {"w_q_a_DQ": normal(D, Q), "q_a_norm_Q": ones(Q), "w_q_b_QN": normal(Q, N)} if Q else {"w_q_DN": normal(D, N)}
+    return q | {"w_kv_a_DW": normal(D, C + P), "kv_a_norm_C": ones(C), "w_kv_b_CX": normal(C, X),
+                "w_o_YD": LeafInit((Y, D), out_std)}
 
 
 def _chunk_generator(seed: int, path: str, chunk: int) -> torch.Generator:
@@ -97,7 +115,7 @@ def draw_leaf(init: LeafInit, seed: int, path: str, index: tuple[slice, ...] = (
         raise ValueError(f"draw_leaf({path}): only unit-step row slices are supported")
     out_shape = [len(range(*s.indices(n))) for s, n in zip(index, init.shape)]
     if init.std == 0.0:
-        return torch.ones(out_shape)
+        return torch.full(out_shape, init.value)
     out = torch.empty(out_shape)
     cr = init.chunk_rows
     if not rows:
@@ -125,7 +143,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, *, device: str | torch.device =
 # ---------------------------------------------------------------- forward
 
 def _attention_region(p, x_BLD, cos_LA, sin_LA, cfg):
-    return gqa(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cos_LA, sin_LA, cfg)
+    return attention(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cos_LA, sin_LA, cfg)
 
 
 def _mlp_region(p, x_BLD, cfg):
@@ -141,7 +159,7 @@ def _region(fn: Callable, cfg: ModelConfig, traceable: bool = True) -> Callable:
 
 
 def block(p: dict, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig):
-    """One transformer block on compute-dtype params: (x_BLD, (counts_E, balance loss) or None)."""
+    """One transformer block on compute-dtype params: (x_BLD, the MoE stats of moe_block or None)."""
     attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
     x_BLD = x_BLD + _region(_attention_region, cfg)(attn, x_BLD, cos_LA, sin_LA, cfg)
     if "moe" in p:
@@ -163,10 +181,20 @@ def check_tokens(tokens_BL: torch.Tensor, vocab_size: int) -> None:
                          f"0..model.vocab_size-1={vocab_size - 1}")
 
 
+def layer_params(params: Tree, i: int, dtype: torch.dtype) -> dict:
+    """Layer i's params in the compute dtype, with its router bias (kept fp32) merged in."""
+    p = tree_map(lambda t: t.to(dtype), params["layers"][str(i)])
+    buffers = params.get("buffers", {}).get("layers", {})
+    if str(i) in buffers:  # the router bias stays fp32: it only ranks fp32 router scores
+        p["moe"] = dict(p["moe"], router_bias_E=buffers[str(i)]["moe"]["router_bias_E"])
+    return p
+
+
 def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
                   block_fn: Callable | None = None):
     """Final-norm hidden states [B, L, D] in the compute dtype, and aux: expert_counts_LE (tokens
-    per expert per MoE layer) and balance_loss (the mean over MoE layers, 0-D; None without MoE).
+    per expert per MoE layer) and balance_loss (the mean over MoE layers, 0-D; both None without
+    MoE), plus seq_balance_loss and z_loss (the same means) only when their coefficients are set.
 
     block_fn(fn, *args) runs a block (memory policies wrap it, e.g. recompute in backward).
     """
@@ -174,20 +202,22 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     L = tokens_BL.shape[1]
     if L > cfg.max_seq_len:
         raise ValueError(f"sequence length {L} exceeds model.max_seq_len={cfg.max_seq_len}")
-    cos_LA, sin_LA = rope_tables(torch.arange(L, device=tokens_BL.device), cfg.head_dim_, cfg.rope_theta)
+    cos_LA, sin_LA = rope(cfg, torch.arange(L, device=tokens_BL.device))
     x_BLD = params["embed"]["w_VD"].to(dtype)[tokens_BL]
     stats = []
     run = block_fn or (lambda fn, *a: fn(*a))
     for i in range(cfg.n_layers):
-        p = tree_map(lambda t: t.to(dtype), params["layers"][str(i)])
-        x_BLD, layer_stats = run(block, p, x_BLD, cos_LA, sin_LA, cfg)
+        x_BLD, layer_stats = run(block, layer_params(params, i, dtype), x_BLD, cos_LA, sin_LA, cfg)
         if layer_stats is not None:
             stats.append(layer_stats)
     x_BLD = rms_norm(x_BLD, params["final_norm"]["w_D"].to(dtype), cfg.norm_eps)
     if not stats:
         return x_BLD, {"expert_counts_LE": None, "balance_loss": None}
-    return x_BLD, {"expert_counts_LE": torch.stack([c for c, _ in stats]),
-                   "balance_loss": torch.stack([b for _, b in stats]).mean()}
+    aux = {"expert_counts_LE": torch.stack([s["counts_E"] for s in stats])}
+    for key in ("balance_loss", "seq_balance_loss", "z_loss"):
+        if key in stats[0]:
+            aux[key] = torch.stack([s[key] for s in stats]).mean()
+    return x_BLD, aux
 
 
 def head_weight(params: Tree, cfg: ModelConfig) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""MoE block: route -> permute -> expert_mlp -> unpermute, plus shared experts.
+"""MoE block: route -> permute -> expert_mlp -> unpermute, plus shared experts; the router-bias rule.
 
-Legend: T tokens (B·L), D model, F expert hidden, E experts, K top-k, R routed rows (T·K).
+Legend: B batch, L sequence, T tokens (B·L), D model, F expert hidden, E experts, K top-k,
+R routed rows (T·K; per sequence L·K), G expert groups, S experts per group (E/G), N MoE layers.
 Expert weights are stacked [E, in, out]. Dropless: every token reaches its K experts, so R is
 fixed and no shape depends on routing (a compiled region never recompiles as counts change).
 
@@ -21,14 +22,36 @@ except AttributeError:  # pragma: no cover - torch without grouped GEMM
     _grouped_mm = None
 
 
-def route(x_TD: torch.Tensor, router_DE: torch.Tensor, cfg: ModelConfig):
-    """Softmax top-k router in fp32: (weights_TK fp32, idx_TK, probs_TE)."""
+def route(x_TD: torch.Tensor, router_DE: torch.Tensor, cfg: ModelConfig,
+          bias_E: torch.Tensor | None = None):
+    """Top-k router in fp32: (weights_TK, idx_TK, scores_TE, logits_TE).
+
+    Scores are softmax(logits) or sigmoid(logits). The score-correction bias and the group limit
+    decide which experts are chosen; the weights are the chosen experts' unbiased scores,
+    renormalised if norm_topk_prob, times routed_scaling_factor.
+    """
     m = cfg.moe
-    probs_TE = torch.softmax(upcast(x_TD) @ upcast(router_DE), dim=-1)
-    w_TK, idx_TK = torch.topk(probs_TE, m.top_k, dim=-1)
-    if m.norm_topk_prob:
-        w_TK = w_TK / w_TK.sum(-1, keepdim=True)
-    return w_TK * m.routed_scaling_factor, idx_TK, probs_TE
+    logits_TE = upcast(x_TD) @ upcast(router_DE)
+    scores_TE = torch.softmax(logits_TE, dim=-1) if m.score_func == "softmax" else torch.sigmoid(logits_TE)
+    choice_TE = scores_TE if bias_E is None else scores_TE + bias_E.detach().to(scores_TE.dtype)
+    if m.n_group > 1:
+        choice_TE = limit_groups(choice_TE, m.n_group, m.topk_group)
+    idx_TK = torch.topk(choice_TE, m.top_k, dim=-1).indices
+    w_TK = scores_TE.gather(1, idx_TK)
+    if m.norm_topk_prob:  # + 1e-20 guards all-zero sigmoid scores; it cannot change a softmax sum
+        w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)
+    return w_TK * m.routed_scaling_factor, idx_TK, scores_TE, logits_TE
+
+
+def limit_groups(choice_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """choice_TE with every expert outside the token's best topk_group groups set to -inf; a
+    group's score is the sum of its two best choice scores (DeepSeek-V3)."""
+    T, E = choice_TE.shape
+    choice_TGS = choice_TE.view(T, n_group, E // n_group)
+    group_TG = choice_TGS.topk(2, dim=-1).values.sum(-1)
+    keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
+    keep_TG = keep_TG.scatter(1, group_TG.topk(topk_group, dim=-1).indices, True)
+    return choice_TGS.masked_fill(~keep_TG[:, :, None], float("-inf")).view(T, E)
 
 
 def permute(x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int):
@@ -95,14 +118,61 @@ def balance_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> 
     return E * (counts_E.to(probs_TE.dtype) / (T * top_k) * probs_TE.mean(0)).sum()
 
 
+def seq_balance_loss(probs_BLE: torch.Tensor, idx_BLK: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss: the Switch loss of each sequence, averaged over
+    sequences (probs are normalised over experts; 1.0 when every sequence is balanced)."""
+    B, L, E = probs_BLE.shape
+    K = idx_BLK.shape[-1]
+    counts_BE = torch.zeros(B, E, dtype=probs_BLE.dtype, device=probs_BLE.device)
+    ones_BR = torch.ones(B, L * K, dtype=probs_BLE.dtype, device=probs_BLE.device)
+    counts_BE = counts_BE.scatter_add(1, idx_BLK.reshape(B, L * K), ones_BR)
+    return (E * counts_BE / (L * K) * probs_BLE.mean(1)).sum(-1).mean()
+
+
+def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2; keeps logits small."""
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+def _balance_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Scores as a distribution over experts (sigmoid scores are normalised per token)."""
+    return scores_TE if score_func == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
+
+
 def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, grouped: bool):
-    """(out_BLD, (counts_E, balance loss)): routed experts (+ shared experts) for every token."""
+    """(out_BLD, stats): routed experts (+ shared experts) for every token. p holds router_DE,
+    the expert stacks, optionally shared.* and router_bias_E. stats: counts_E, balance_loss, and
+    seq_balance_loss / z_loss when their coefficients are non-zero."""
+    m = cfg.moe
     B, L, D = x_BLD.shape
     x_TD = x_BLD.reshape(B * L, D)
-    w_TK, idx_TK, probs_TE = route(x_TD, p["router_DE"], cfg)
-    x_RD, counts_E, order_R = permute(x_TD, idx_TK, cfg.moe.n_experts)
+    w_TK, idx_TK, scores_TE, logits_TE = route(x_TD, p["router_DE"], cfg, p.get("router_bias_E"))
+    x_RD, counts_E, order_R = permute(x_TD, idx_TK, m.n_experts)
     y_RD = expert_mlp(x_RD, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"], counts_E, grouped)
     out_TD = unpermute(y_RD, order_R, w_TK)
     if "shared" in p:
         out_TD = out_TD + swiglu(p["shared"], x_TD)
-    return out_TD.view(B, L, D), (counts_E, balance_loss(probs_TE, counts_E, cfg.moe.top_k))
+    probs_TE = _balance_probs(scores_TE, m.score_func)
+    stats = {"counts_E": counts_E, "balance_loss": balance_loss(probs_TE, counts_E, m.top_k)}
+    if m.seq_aux_loss_coeff:
+        stats["seq_balance_loss"] = seq_balance_loss(probs_TE.view(B, L, -1), idx_TK.view(B, L, -1))
+    if m.z_loss_coeff:
+        stats["z_loss"] = z_loss(logits_TE)
+    return out_TD.view(B, L, D), stats
+
+
+def update_router_bias(params: dict, counts_NE: torch.Tensor | None, cfg: ModelConfig) -> dict:
+    """DeepSeek-V3's aux-loss-free balancing, once per optimizer step: each MoE layer's
+    bias += bias_update_coeff * sign(mean count - count), from the step's token counts (row n of
+    counts_NE is the n-th MoE layer). A new tree; params is not changed. No-op when the coeff is 0."""
+    coeff = cfg.moe.bias_update_coeff
+    if not coeff or counts_NE is None:
+        return params
+    moe_layers = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+    layers = dict(params["buffers"]["layers"])
+    for counts_E, i in zip(counts_NE, moe_layers, strict=True):
+        buf = layers[str(i)]["moe"]
+        c_E = counts_E.to(torch.float64)
+        bias_E = buf["router_bias_E"] + coeff * torch.sign(c_E.mean() - c_E).to(buf["router_bias_E"].dtype)
+        layers[str(i)] = dict(layers[str(i)], moe=dict(buf, router_bias_E=bias_E))
+    return dict(params, buffers=dict(params["buffers"], layers=layers))

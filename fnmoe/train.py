@@ -20,6 +20,7 @@ from fnmoe.attention import upcast
 from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.memory import block_runner
 from fnmoe.model import check_tokens, head_weight, hidden_states
+from fnmoe.moe import update_router_bias
 from fnmoe.tree import Tree, tree_map, value_and_grad
 
 IGNORE = -100
@@ -53,16 +54,24 @@ def loss_fn(params: Tree, inputs_BL: torch.Tensor, labels_BL: torch.Tensor, cfg:
             n_global: torch.Tensor | int, ce_chunks: int = 1, block_fn: Callable | None = None):
     """(this micro-batch's share of the step loss, aux); n_global counts the step's non-ignored labels.
 
-    The load-balancing loss is weighted by this micro-batch's share of the labels, so the step's
-    total weights it once; aux["ce_loss"] is the cross-entropy part alone.
+    The router losses (load balance, sequence-wise balance, z-loss) are weighted by this
+    micro-batch's share of the labels, so the step's total weights each once; aux["ce_loss"] is
+    the cross-entropy part alone.
     """
     h_BLD, aux = hidden_states(params, inputs_BL, cfg, block_fn)
     ce = ce_loss_sum(h_BLD, head_weight(params, cfg), labels_BL, ce_chunks) / n_global
     aux["ce_loss"] = ce.detach()
-    if aux["balance_loss"] is None or cfg.moe.aux_loss_coeff == 0:
+    m = cfg.moe
+    terms = [(m.aux_loss_coeff, aux["balance_loss"]), (m.seq_aux_loss_coeff, aux.get("seq_balance_loss")),
+             (m.z_loss_coeff, aux.get("z_loss"))]
+    terms = [(coeff, value) for coeff, value in terms if coeff and value is not None]
+    if not terms:
         return ce, aux
     share = (labels_BL != IGNORE).sum() / n_global
-    return ce + cfg.moe.aux_loss_coeff * share * aux["balance_loss"], aux
+    loss = ce
+    for coeff, value in terms:
+        loss = loss + coeff * share * value
+    return loss, aux
 
 
 def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callable:
@@ -89,6 +98,8 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
         if finite:
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optim.apply_updates(state.params, updates)
+            # the router bias follows its own rule, after the optimizer (which leaves buffers alone)
+            params = update_router_bias(params, counts, cfg)
         else:  # a skipped step leaves params and optimizer state exactly as they were
             params, opt_state = state.params, state.opt_state
         metrics = {"loss": loss.item(), "grad_norm": grad_norm.item(), "skipped": int(not finite),

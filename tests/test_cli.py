@@ -112,3 +112,17 @@ def test_ctrl_c_stops_cleanly_and_says_what_was_done(tmp_path):
     assert "interrupted at step" in out
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+
+
+def test_checkpoint_verify_is_a_subcommand_and_names_a_missing_index(capsys, tmp_path):
+    assert main(["--help"]) == 0
+    assert "checkpoint verify DIR" in capsys.readouterr().out
+    assert main(["checkpoint", "verify", str(tmp_path)]) == 2
+    assert f"{tmp_path / 'index.json'} is missing" in capsys.readouterr().err
+
+
+def test_checkpoint_flags_are_fields_of_the_config():
+    run = parse_run(["--checkpoint.every", "5", "--checkpoint.keep-last", "2", "--checkpoint.async-save",
+                     "--train.deterministic", "--resume", "auto"], "fnmoe train")
+    assert (run.checkpoint.every, run.checkpoint.keep_last, run.checkpoint.async_save) == (5, 2, True)
+    assert run.train.deterministic and run.resume == "auto"

@@ -94,7 +94,8 @@ def test_moe_matches_per_token_loop(norm_topk, scale, shared):
     p = init_params(cfg, seed=2)["layers"]["1"]["moe"]
     p["router_DE"] = p["router_DE"] * 50  # decisive routing
     x = torch.randn(3, 7, cfg.dim)
-    out, (counts, _) = moe_block(p, x, cfg, grouped=False)
+    out, stats = moe_block(p, x, cfg, grouped=False)
+    counts = stats["counts_E"]
     ref, ref_counts = naive_moe(p, x.reshape(-1, cfg.dim), cfg)
     assert rel(out.reshape(-1, cfg.dim), ref) <= 1e-5
     assert torch.equal(counts, ref_counts)
@@ -106,7 +107,8 @@ def test_moe_extreme_routing_all_to_one_expert_and_empty_experts():
     p["router_DE"] = torch.zeros_like(p["router_DE"])
     p["router_DE"][:, 2] = 100.0  # every token prefers expert 2
     x = torch.rand(2, 5, cfg.dim) + 0.1
-    out, (counts, _) = moe_block(p, x, cfg, grouped=False)
+    out, stats = moe_block(p, x, cfg, grouped=False)
+    counts = stats["counts_E"]
     ref, _ = naive_moe(p, x.reshape(-1, cfg.dim), cfg)
     assert counts[2] == 10 and (counts == 0).sum() >= 1
     assert rel(out.reshape(-1, cfg.dim), ref) <= 1e-5
@@ -121,9 +123,9 @@ def test_grouped_mm_matches_loop_in_bf16():
     p = {k: v.bfloat16() for k, v in init_params(cfg, seed=4)["layers"]["0"]["moe"].items()}
     x = torch.randn(2, 16, cfg.dim).bfloat16()
     assert grouped_ok(x, cfg.dim, cfg.moe.expert_hidden)
-    out_g, (c_g, _) = moe_block(p, x, cfg, grouped=True)
-    out_l, (c_l, _) = moe_block(p, x, cfg, grouped=False)
-    assert torch.equal(c_g, c_l)
+    out_g, s_g = moe_block(p, x, cfg, grouped=True)
+    out_l, s_l = moe_block(p, x, cfg, grouped=False)
+    assert torch.equal(s_g["counts_E"], s_l["counts_E"])
     assert rel(out_g.float(), out_l.float()) <= 2e-2
 
 
@@ -227,7 +229,8 @@ def test_balance_loss_from_its_definition():
     cfg = SMALL
     p = init_params(cfg, seed=6)["layers"]["1"]["moe"]
     x = torch.randn(2, 9, cfg.dim)
-    _, (counts, bl) = moe_block(p, x, cfg, grouped=False)
+    _, stats = moe_block(p, x, cfg, grouped=False)
+    counts, bl = stats["counts_E"], stats["balance_loss"]
     x_TD = x.reshape(-1, cfg.dim)
     probs = torch.stack([torch.softmax(x_TD[t] @ p["router_DE"], -1) for t in range(18)])
     frac = torch.tensor([sum(e in probs[t].topk(2).indices.tolist() for t in range(18)) for e in range(4)]) / 36

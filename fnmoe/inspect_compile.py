@@ -1,0 +1,140 @@
+"""Compile-graph inspection: what torch.compile makes of each region (`fnmoe inspect`).
+
+Legend: B batch, L sequence, D model.
+
+For every region (attention, dense MLP, MoE) of a config this reports the graph count, graph
+breaks with reasons and source lines, recompiles when routing changes, FX node and generated
+kernel counts, and host syncs (data-dependent scalar reads such as `.item()` / `.tolist()` /
+`_local_scalar_dense`). Regions trace in bfloat16: float32 MoE cannot trace (torch._grouped_mm's
+fake-tensor rule is bf16 only), so a float32 config is inspected as its bf16 twin, said once.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from fnmoe import compile as fcompile
+from fnmoe.config import ModelConfig
+from fnmoe.attention import rope
+from fnmoe.model import DTYPE, _attention_region, _mlp_region, _moe_region, init_params, layer_params
+from fnmoe.moe import use_grouped
+
+try:  # private torch APIs, imported here only
+    import torch._dynamo as _dynamo
+    from torch._dynamo.utils import guard_failures as _guard_failures
+    from torch._inductor.utils import run_and_get_code as _run_and_get_code
+except ImportError as e:  # pragma: no cover
+    raise ImportError(f"fnmoe inspect needs torch._dynamo / torch._inductor internals: {e}") from e
+
+SYNC_TARGETS = {"item", "tolist", "_local_scalar_dense", "nonzero", "_local_scalar_dense.default"}
+
+
+@dataclass
+class RegionReport:
+    name: str
+    graphs: int = 0
+    breaks: list[str] = field(default_factory=list)
+    recompiles: list[str] = field(default_factory=list)
+    fx_nodes: int = 0
+    kernels: int = 0
+    host_syncs: list[str] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.breaks and not self.error and self.graphs == 1
+
+
+def traceable_config(cfg: ModelConfig) -> tuple[ModelConfig, str]:
+    """The config regions are traced with (bf16), and a note when it differs from cfg."""
+    if cfg.compute_dtype == "bfloat16":
+        return cfg, ""
+    return (dataclasses.replace(cfg, compute_dtype="bfloat16"),
+            f"note: model.compute_dtype={cfg.compute_dtype!r}: regions are traced in bfloat16 "
+            "(the float32 MoE path runs eager)")
+
+
+def region_cases(cfg: ModelConfig, B: int = 2, L: int = 64, seed: int = 0) -> list[tuple[str, Callable, list[tuple]]]:
+    """(region name, function, two argument tuples whose routing differs) for each region kind."""
+    dtype = DTYPE[cfg.compute_dtype]
+    params = init_params(cfg, seed)
+    cos, sin = rope(cfg, torch.arange(L))
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(B, L, cfg.dim, generator=gen).to(dtype) for _ in range(2)]
+    cases, seen = [], set()
+    for i in range(cfg.n_layers):
+        p = layer_params(params, i, dtype)
+        attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
+        if "attention" not in seen:
+            cases.append(("attention", _attention_region, [(attn, x, cos, sin, cfg) for x in xs]))
+        kind = "moe" if "moe" in p else "mlp"
+        if kind not in seen:
+            mp = dict(p[kind], norm_D=p["mlp_norm"]["w_D"])
+            if kind == "moe":
+                grouped = use_grouped(cfg, dtype)
+                cases.append(("moe", _moe_region, [(mp, x, cfg, grouped) for x in xs]))
+            else:
+                cases.append(("mlp", _mlp_region, [(mp, x, cfg) for x in xs]))
+        seen |= {"attention", kind}
+    return cases
+
+
+def _is_sync(node: torch.fx.Node) -> bool:
+    target = getattr(node.target, "__name__", str(node.target))
+    return node.op in ("call_method", "call_function") and target in SYNC_TARGETS
+
+
+def inspect_region(name: str, fn: Callable, args_list: list[tuple], dump: Path | None = None) -> RegionReport:
+    rep = RegionReport(name)
+    _dynamo.reset()
+    explained = _dynamo.explain(fn)(*args_list[0])
+    rep.graphs = explained.graph_count
+    for r in explained.break_reasons:
+        where = r.user_stack[-1] if r.user_stack else None
+        loc = f" at {where.filename}:{where.lineno} ({where.line})" if where else ""
+        rep.breaks.append(f"{r.reason.splitlines()[0]}{loc}")
+    for g in explained.graphs:
+        rep.fx_nodes += len(g.graph.nodes)
+        rep.host_syncs += [f"{n.op} {n.target}" for n in g.graph.nodes if _is_sync(n)]
+    _dynamo.reset()
+    _guard_failures.clear()
+    compiled = fcompile.compile_fn(fn, fullgraph=False)
+    try:
+        _, codes = _run_and_get_code(compiled, *args_list[0])
+        for args in args_list[1:]:
+            compiled(*args)
+    except Exception as e:  # report, do not crash the inspection of other regions
+        rep.error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        codes = []
+    rep.kernels = sum(code.count("= async_compile.") for code in codes)  # one per generated kernel
+    rep.recompiles = [str(reason) for reasons in _guard_failures.values() for reason in reasons]
+    if dump:
+        out = dump / name
+        out.mkdir(parents=True, exist_ok=True)
+        for k, g in enumerate(explained.graphs):
+            (out / f"fx_graph_{k}.py").write_text(g.code)
+        for k, code in enumerate(codes):
+            (out / f"inductor_output_{k}.py").write_text(code)
+    return rep
+
+
+def inspect_model(cfg: ModelConfig, dump: Path | None = None) -> tuple[list[RegionReport], str]:
+    cfg, note = traceable_config(cfg)
+    return [inspect_region(name, fn, args, dump) for name, fn, args in region_cases(cfg)], note
+
+
+def format_reports(reports: list[RegionReport]) -> str:
+    lines = [f"{'region':<10} {'graphs':>6} {'breaks':>6} {'recompiles':>10} {'fx nodes':>8} "
+             f"{'kernels':>7} {'host syncs':>10}  status"]
+    for r in reports:
+        status = "ok" if r.ok else ("ERROR " + r.error if r.error else "BREAKS")
+        lines.append(f"{r.name:<10} {r.graphs:>6} {len(r.breaks):>6} {len(r.recompiles):>10} {r.fx_nodes:>8} "
+                     f"{r.kernels:>7} {len(r.host_syncs):>10}  {status}")
+        lines += [f"  break: {b}" for b in r.breaks]
+        lines += [f"  recompile: {x}" for x in r.recompiles]
+        lines += [f"  host sync: {s}" for s in r.host_syncs]
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""The native tree format (DESIGN.md §3): one model's params as safetensors under dotted paths.
+
+A tree directory holds
+
+  params.safetensors   every leaf (buffers included) under its dotted path ("layers.0.attn.w_q_DN")
+  index.json           {"format": "fnmoe-tree", "version": 1, "model": {ModelConfig fields},
+                        "tensors": {PATH: {"file": "params.safetensors", "dtype": "float32", "shape": [...]}}}
+
+`fnmoe convert` reads and writes it; checkpoints (fnmoe/checkpoint.py) extend the format with
+optimizer state, shards and checksums, never redefine it.
+
+Legend: no shape-suffixed tensors here; leaves are handled by dotted path.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from fnmoe.config import ModelConfig, from_dict, to_dict, validate_model
+from fnmoe.tree import Tree, flatten_dict, unflatten_dict
+
+FORMAT, VERSION = "fnmoe-tree", 1
+PARAMS, INDEX = "params.safetensors", "index.json"
+
+
+def save_tree(out_dir: str | Path, params: Tree, cfg: ModelConfig) -> Path:
+    """Write params and their model config to out_dir (created; must be new or empty)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"{out_dir} is not empty")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    flat = {path: t.detach().cpu().contiguous() for path, t in flatten_dict(params).items()}
+    save_file(flat, out_dir / PARAMS, metadata={"format": "pt"})
+    tensors = {path: {"file": PARAMS, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+               for path, t in flat.items()}
+    index = {"format": FORMAT, "version": VERSION, "model": to_dict(cfg), "tensors": tensors}
+    (out_dir / INDEX).write_text(json.dumps(index, indent=1) + "\n")  # last: its presence marks a complete tree
+    return out_dir
+
+
+def load_tree(tree_dir: str | Path) -> tuple[ModelConfig, Tree]:
+    """(ModelConfig, params) of a tree directory written by save_tree."""
+    tree_dir = Path(tree_dir)
+    if not (tree_dir / INDEX).is_file():
+        raise FileNotFoundError(f"{tree_dir}: no {INDEX} (not an fnmoe tree directory)")
+    index = json.loads((tree_dir / INDEX).read_text())
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise ValueError(f"{tree_dir / INDEX}: format {index.get('format')!r} version {index.get('version')!r}, "
+                         f"expected {FORMAT!r} version {VERSION}")
+    cfg = from_dict(ModelConfig, index["model"], "model.")
+    errors = validate_model(cfg)
+    if errors:
+        raise ValueError(f"{tree_dir / INDEX}: invalid model config:\n  " + "\n  ".join(errors))
+    flat = {}
+    files: dict[str, object] = {}
+    for path, meta in index["tensors"].items():
+        if meta["file"] not in files:
+            with safe_open(tree_dir / meta["file"], framework="pt") as f:
+                files[meta["file"]] = {k: f.get_tensor(k) for k in f.keys()}
+        stored = files[meta["file"]]
+        if path not in stored:
+            raise ValueError(f"{tree_dir / meta['file']}: missing tensor '{path}' listed in {INDEX}")
+        flat[path] = stored[path]
+    return cfg, unflatten_dict(flat)

@@ -1,0 +1,96 @@
+"""Compiled regions: no graph breaks, no recompiles as routing and lr change, warm starts, inspect."""
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from fnmoe import optim
+from fnmoe.cli import main
+from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig
+from fnmoe.inspect_compile import inspect_region
+from fnmoe.model import init_params
+from fnmoe.train import init_state, make_train_step
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--model.dim", "64", "--model.ffn-hidden", "128", "--model.moe.expert-hidden", "64",
+         "--train.batch-size", "4", "--data.seq-len", "32", "--train.eval-batches", "1"]
+
+
+def test_no_breaks_and_no_recompiles_as_routing_and_lr_change():
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = ModelConfig(dim=64, ffn_hidden=128, moe=MoEConfig(expert_hidden=64), compute_dtype="bfloat16", compile=True)
+    run = RunConfig(model=cfg, train=TrainConfig(batch_size=4), data=DataConfig(seq_len=32),
+                    optim=OptimConfig(warmup_steps=3))
+    tx, schedule = optim.from_config(run.optim, 6)
+    step = make_train_step(run, tx)
+    state = init_state(init_params(cfg, 0), tx)
+    gen = torch.Generator().manual_seed(0)
+    counts, lrs = [], []
+    for i in range(6):
+        x = torch.randint(0, 256, (4, 32), generator=gen)
+        if i == 1:  # everything compiled by now: any further compilation is a recompile
+            torch._dynamo.config.error_on_recompile = True
+        try:
+            state, m = step(state, [(x, torch.roll(x, -1, 1))])
+        finally:
+            torch._dynamo.config.error_on_recompile = False
+        counts.append(m["expert_counts_LE"])
+        lrs.append(schedule(torch.tensor(i)).item())
+    assert len({tuple(c.flatten().tolist()) for c in counts}) == 6  # routing differed every step
+    assert len(set(lrs)) >= 4
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 3  # attention, dense MLP, MoE
+
+
+def test_inspect_reports_clean_regions_and_dumps(tmp_path, capsys):
+    code = main(["inspect", "--config", str(ROOT / "configs/tiny.toml"), "--dump", str(tmp_path), *SMALL])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "traced in bfloat16" in out
+    for region in ("attention", "mlp", "moe"):
+        assert re.search(rf"^{region}\s+1\s+0\s+0\s+\d+\s+[1-9]\d*\s+0\s+ok$", out, re.M), out
+        assert (tmp_path / region / "fx_graph_0.py").exists()
+        assert (tmp_path / region / "inductor_output_0.py").read_text().count("async_compile") > 0
+
+
+def test_inspect_flags_breaks_and_host_syncs():
+    def leaky(x):
+        y = x * 2
+        n = int(y.sum().item())  # a host sync, and a break without captured scalars
+        torch._dynamo.graph_break()
+        return y + n
+
+    rep = inspect_region("leaky", leaky, [(torch.ones(4),), (torch.ones(4) * 2,)])
+    assert not rep.ok and rep.breaks and rep.graphs >= 2
+    assert any("graph_break" in b or "break" in b.lower() for b in rep.breaks)
+
+
+@pytest.mark.timeout(900)
+def test_warm_start_from_artifacts_compiles_nothing(tmp_path):
+    """A cold run saves cache artifacts; a run with an empty inductor cache plus those artifacts
+    makes no inductor compilation (every FX graph is a cache hit)."""
+    def run(cache: Path, run_dir: Path) -> str:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), OMP_NUM_THREADS="1")
+        r = subprocess.run([sys.executable, "-m", "fnmoe", "train", "--model.compile", "--model.compute-dtype",
+                            "bfloat16", "--train.steps", "2", "--train.run-dir", str(run_dir), *SMALL],
+                           env=env, capture_output=True, text=True, timeout=400)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+
+    cold = run(tmp_path / "cold", tmp_path / "r1")
+    miss = int(re.search(r"'fxgraph_cache_miss': (\d+)", cold).group(1))
+    assert miss >= 6  # 3 regions x forward and backward
+    warm_cache = tmp_path / "warm"
+    shutil.copytree(tmp_path / "cold" / "artifacts", warm_cache / "artifacts")
+    warm = run(warm_cache, tmp_path / "r2")
+    assert "loaded cache artifacts" in warm
+    assert re.search(r"'fxgraph_cache_hit': (\d+), 'fxgraph_cache_miss': 0", warm), warm

@@ -1,0 +1,315 @@
+"""Hugging Face interop: tiny random transformers models loaded by fnmoe.hf give the same fp32 logits
+(<= 1e-4 of the logits' scale); fnmoe.hf.save is loaded by transformers with the same logits and
+expert ids; load after save is the identity; errors name the key; `fnmoe convert`."""
+import dataclasses
+import importlib.util
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fnmoe import hf
+from fnmoe.config import ModelConfig, MoEConfig, load_config
+from fnmoe.model import forward, init_params
+from fnmoe.tree import flatten_dict, map_with_path
+
+transformers = pytest.importorskip("transformers")
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM,
+    Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = 1e-4
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def randomize(model, seed):
+    """Weights ~ N(0, 1/fan_in), norm weights 1 + N(0, 0.1^2), routers decisive (logits ~ N(0, 4))
+    and score-correction biases ~ N(0, 0.1^2): every part matters, routing has no near-ties."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if p.ndim == 1:
+                p.copy_(1 + 0.1 * noise)
+            else:
+                p.copy_(noise * (2.0 if name.endswith("gate.weight") else 1.0) / math.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    return model.eval()
+
+
+def tokens(vocab, L=13, seed=0):
+    return torch.randint(0, vocab, (2, L), generator=torch.Generator().manual_seed(seed))
+
+
+def logits_rel_diff(model, cfg, params, L=13):
+    x = tokens(cfg.vocab_size, L)
+    with torch.no_grad():
+        ref = model(x).logits
+    got, _ = forward(params, x, cfg)
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+def roundtrip(model, path, **save_kw):
+    model.save_pretrained(path, **save_kw)
+    return hf.load(path)
+
+
+def qwen3(seed=0, **kw):
+    base = dict(vocab_size=70, hidden_size=36, intermediate_size=44, moe_intermediate_size=12, num_hidden_layers=3,
+                num_attention_heads=3, num_key_value_heads=1, head_dim=10, num_experts=5, num_experts_per_tok=3,
+                max_position_embeddings=64)
+    torch.manual_seed(seed)
+    return randomize(Qwen3MoeForCausalLM(Qwen3MoeConfig(**(base | kw), attn_implementation="eager")), seed)
+
+
+def deepseek(seed=0, **kw):
+    base = dict(vocab_size=70, hidden_size=36, intermediate_size=44, moe_intermediate_size=12, num_hidden_layers=3,
+                num_attention_heads=3, num_key_value_heads=3, n_shared_experts=2, n_routed_experts=8, n_group=4,
+                topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1, q_lora_rank=20, kv_lora_rank=14,
+                qk_rope_head_dim=6, qk_nope_head_dim=10, v_head_dim=7, max_position_embeddings=128,
+                routed_scaling_factor=2.5, num_nextn_predict_layers=0)
+    torch.manual_seed(seed)
+    return randomize(DeepseekV3ForCausalLM(DeepseekV3Config(**(base | kw), attn_implementation="eager")), seed)
+
+
+def mixtral(seed=0, **kw):
+    base = dict(vocab_size=70, hidden_size=32, intermediate_size=20, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, num_local_experts=5, num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    return randomize(MixtralForCausalLM(MixtralConfig(**(base | kw), attn_implementation="eager")), seed)
+
+
+# ---------------------------------------------------------------- transformers -> fnmoe
+
+@pytest.mark.parametrize("norm,tied,sparse_step,mlp_only", [(False, True, 1, [1]), (True, False, 2, [])])
+def test_qwen3_moe_logits(norm, tied, sparse_step, mlp_only, tmp_path):
+    model = qwen3(norm_topk_prob=norm, tie_word_embeddings=tied, decoder_sparse_step=sparse_step, mlp_only_layers=mlp_only)
+    cfg, params = roundtrip(model, tmp_path, max_shard_size="20KB")  # sharded, with an index
+    assert (tmp_path / hf.INDEX).is_file()
+    assert cfg.qk_norm and cfg.moe.norm_topk_prob == norm and cfg.tie_embeddings == tied and ("head" in params) != tied
+    assert [cfg.is_moe_layer(i) for i in range(3)] == [model.model.layers[i].mlp.__class__.__name__.endswith("Block")
+                                                        for i in range(3)]
+    assert logits_rel_diff(model, cfg, params) <= TOL
+
+
+DEEPSEEK_CASES = {
+    "yarn+interleave+q_lora+groups": dict(rope_parameters=dict(YARN), rope_interleave=True),
+    "no_q_lora+half_split+norm_off": dict(q_lora_rank=None, rope_interleave=False, norm_topk_prob=False, n_group=1,
+                                          topk_group=1, n_shared_experts=1, first_k_dense_replace=2),
+}
+
+
+@pytest.mark.parametrize("case", DEEPSEEK_CASES)
+def test_deepseek_v3_logits(case, tmp_path):
+    model = deepseek(**DEEPSEEK_CASES[case])
+    cfg, params = roundtrip(model, tmp_path)
+    assert cfg.attention == "mla" and cfg.moe.score_func == "sigmoid" and cfg.moe.router_bias
+    bias = params["buffers"]["layers"]["2"]["moe"]["router_bias_E"]
+    assert torch.equal(bias, model.model.layers[2].mlp.gate.e_score_correction_bias)
+    assert logits_rel_diff(model, cfg, params, L=40) <= TOL  # past YaRN's original 32 positions
+
+
+def test_mixtral_logits(tmp_path):
+    model = mixtral()
+    cfg, params = roundtrip(model, tmp_path)
+    assert all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) and not cfg.qk_norm
+    assert logits_rel_diff(model, cfg, params) <= TOL
+
+
+def to_legacy(path: Path, **renames):
+    """Rewrite config.json in the published hub dialect: top-level rope_theta, rope_scaling with "type"."""
+    c = json.loads((path / "config.json").read_text())
+    rope = c.pop("rope_parameters")
+    c["rope_theta"] = rope.pop("rope_theta")
+    kind = rope.pop("rope_type")
+    c["rope_scaling"] = None if kind == "default" else {"type": kind, **rope}
+    for old, new in renames.items():
+        c[new] = c.pop(old)
+    (path / "config.json").write_text(json.dumps(c))
+
+
+def test_legacy_config_dialect(tmp_path):
+    model = deepseek(rope_parameters=dict(YARN))
+    cfg_new, _ = roundtrip(model, tmp_path / "ds")
+    to_legacy(tmp_path / "ds")
+    cfg, params = hf.load(tmp_path / "ds")
+    assert cfg == cfg_new and cfg.rope_scaling == "yarn" and cfg.yarn_mscale_all_dim == 0.8
+    assert logits_rel_diff(model, cfg, params, L=40) <= TOL
+    model = qwen3(seed=1, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    cfg_new, _ = roundtrip(model, tmp_path / "qw")
+    to_legacy(tmp_path / "qw", num_local_experts="num_experts")
+    cfg, params = hf.load(tmp_path / "qw")
+    assert cfg == cfg_new and cfg.rope_theta == 5e5
+    assert logits_rel_diff(model, cfg, params) <= TOL
+
+
+def naive_dequant(w, s, block):
+    out = torch.empty(w.shape)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            rs, cs = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
+            out[rs, cs] = w[rs, cs].float() * s[i, j]
+    return out
+
+
+def test_block_fp8_fixture_and_mtp_layers(tmp_path, caplog):
+    tool = _tool("make_fp8_fixture")
+    src = tool.make_fixture(tmp_path / "fp8")
+    stored = load_file(src / "model.safetensors")
+    assert stored["model.layers.0.self_attn.q_a_proj.weight"].dtype == torch.float8_e4m3fn
+    with caplog.at_level(logging.INFO, logger="fnmoe"):
+        cfg, params = hf.load(src)
+    assert "multi-token-prediction layers [2]" in caplog.text
+    # the reference: the dequantized weights as a plain checkpoint, loaded by transformers
+    block = tuple(json.loads((src / "config.json").read_text())["quantization_config"]["weight_block_size"])
+    plain = {k: (naive_dequant(t, stored[k + "_scale_inv"], block) if k + "_scale_inv" in stored else t)
+             for k, t in stored.items() if not k.endswith("_scale_inv") and not k.startswith("model.layers.2.")}
+    ref_dir = tmp_path / "plain"
+    tool.tiny_config(num_nextn_predict_layers=0).save_pretrained(ref_dir)
+    save_file(plain, ref_dir / "model.safetensors", metadata={"format": "pt"})
+    model = AutoModelForCausalLM.from_pretrained(ref_dir, attn_implementation="eager").eval()
+    q_a = plain["model.layers.1.self_attn.q_a_proj.weight"]
+    assert torch.equal(params["layers"]["1"]["attn"]["w_q_a_DQ"], q_a.T)
+    assert logits_rel_diff(model, cfg, params) <= TOL
+
+
+# ---------------------------------------------------------------- fnmoe -> transformers
+
+def fn_model(kind: str) -> tuple[ModelConfig, dict]:
+    """A small fnmoe model of each exportable kind, its weights at HF-like scales."""
+    small = dict(vocab_size=72, dim=40, ffn_hidden=48, max_seq_len=64)
+    if kind == "mla":
+        cfg = load_config(ROOT / "configs" / "tiny_mla.toml").model
+        cfg = dataclasses.replace(cfg, **small, rope_scaling="yarn", yarn_factor=4.0, yarn_original_max_seq_len=16,
+                                  yarn_mscale=1.0, yarn_mscale_all_dim=1.0,
+                                  moe=dataclasses.replace(cfg.moe, expert_hidden=24, routed_scaling_factor=1.5))
+    elif kind == "qwen3":
+        cfg = load_config(ROOT / "configs" / "tiny_qwen3.toml").model
+        cfg = dataclasses.replace(cfg, **small, moe=dataclasses.replace(cfg.moe, expert_hidden=24, dense_layers=(2,)))
+    else:
+        cfg = ModelConfig(**small, n_layers=2, n_heads=4, n_kv_heads=2, moe=MoEConfig(n_experts=6, top_k=2, expert_hidden=24,
+                                                                                      first_k_dense=0))
+    g = torch.Generator().manual_seed(0)
+
+    def scale(path, t):
+        if "norm" in path and t.ndim == 1:
+            return 1 + 0.1 * torch.randn(t.shape, generator=g)
+        if path.startswith("buffers."):
+            return 0.1 * torch.randn(t.shape, generator=g)
+        gain = 2.0 if "router" in path else 1.0
+        return gain * torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-2])
+    return cfg, map_with_path(scale, init_params(cfg, seed=0))
+
+
+@pytest.mark.parametrize("kind,arch", [("mla", "DeepseekV3ForCausalLM"), ("qwen3", "Qwen3MoeForCausalLM"),
+                                       ("mixtral", "MixtralForCausalLM")])
+def test_export_loads_in_transformers_with_same_logits_and_expert_ids(kind, arch, tmp_path):
+    cfg, params = fn_model(kind)
+    hf.save(tmp_path, params, cfg)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [arch]
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", output_loading_info=True)
+    assert type(model).__name__ == arch
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert logits_rel_diff(model.eval(), cfg, params, L=30) <= TOL
+    layer = next(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
+    w_gate = params["layers"][str(layer)]["moe"]["w_gate_EDF"]  # [E, D, F]
+    experts = model.model.layers[layer].mlp.experts
+    for k in range(cfg.moe.n_experts):  # HF expert k (fused gate_up [E, 2F, D]) is fnmoe expert k
+        assert torch.equal(experts.gate_up_proj[k, :cfg.moe.expert_hidden].detach(), w_gate[k].T)
+    cfg2, params2 = hf.load(tmp_path)
+    a, b = flatten_dict(params), flatten_dict(params2)
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # config.json has no field for these training knobs, nor a dense hidden size in Mixtral
+    assert cfg2 == dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, bias_update_coeff=0.0, z_loss_coeff=0.0),
+                                       ffn_hidden=cfg.moe.expert_hidden if kind == "mixtral" else cfg.ffn_hidden)
+
+
+def test_load_after_save_is_the_identity(tmp_path):
+    model = deepseek(seed=3)
+    cfg, params = roundtrip(model, tmp_path / "a")
+    hf.save(tmp_path / "b", params, cfg, max_shard_bytes=30_000)
+    cfg2, params2 = hf.load(tmp_path / "b")
+    a, b = flatten_dict(params), flatten_dict(params2)
+    assert cfg2 == cfg and list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_models_fnmoe_cannot_export_are_named(tmp_path):
+    cfg = load_config(ROOT / "configs" / "tiny.toml").model  # GQA without qk-norm, a dense first layer
+    with pytest.raises(ValueError, match="MixtralForCausalLM, which needs: every layer must be MoE"):
+        hf.save(tmp_path / "x", init_params(cfg), cfg)
+
+
+# ---------------------------------------------------------------- errors name the key
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    qwen3(seed=5, num_hidden_layers=2).save_pretrained(path)
+    return path
+
+
+def edited(src: Path, dst: Path, config=None, tensors=None) -> Path:
+    dst.mkdir()
+    c = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config(c) if config else c))
+    t = load_file(src / "model.safetensors")
+    save_file(tensors(t) if tensors else t, dst / "model.safetensors")
+    return dst
+
+
+@pytest.mark.parametrize("config,tensors,message", [
+    (lambda c: c | {"architectures": ["LlamaForCausalLM"]}, None, r"unknown 'architectures'=\['LlamaForCausalLM'\]"),
+    (None, lambda t: {k: v for k, v in t.items() if k != "model.layers.1.mlp.experts.3.up_proj.weight"},
+     r"missing tensor 'model.layers.1.mlp.experts.3.up_proj.weight'"),
+    (None, lambda t: t | {"model.layers.0.self_attn.extra.weight": torch.zeros(2)},
+     r"unexpected tensor 'model.layers.0.self_attn.extra.weight'"),
+    (None, lambda t: t | {"model.layers.2.input_layernorm.weight": torch.ones(36)},  # past the model, not MTP
+     r"unexpected tensor 'model.layers.2.input_layernorm.weight'"),
+    (None, lambda t: t | {"model.layers.1.self_attn.k_norm.weight": torch.ones(12)},
+     r"tensor 'model.layers.1.self_attn.k_norm.weight' has shape \[12\], expected \[10\]"),
+    (lambda c: c | {"hidden_act": "gelu"}, None, r"unsupported option 'hidden_act'='gelu'"),
+    (lambda c: c | {"attention_bias": True}, None, r"unsupported option 'attention_bias'=True"),
+    (lambda c: c | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, None,
+     r"unsupported option 'rope_parameters.rope_type'='llama3'"),
+    (lambda c: c | {"use_sliding_window": True, "sliding_window": 16}, None, r"unsupported option 'use_sliding_window'"),
+    (lambda c: c | {"quantization_config": {"quant_method": "bitsandbytes"}}, None,
+     r"unsupported option 'quantization_config.quant_method'='bitsandbytes'"),
+])
+def test_errors_name_the_key(qwen3_dir, tmp_path, config, tensors, message):
+    with pytest.raises(ValueError, match=message):
+        hf.load(edited(qwen3_dir, tmp_path / "bad", config, tensors))
+
+
+def test_convert_command_round_trip(qwen3_dir, tmp_path, capsys):
+    from fnmoe.cli import main
+    from fnmoe.tree_io import load_tree
+
+    assert main(["convert", "--from-hf", str(qwen3_dir), "--out", str(tmp_path / "tree")]) == 0
+    index = json.loads((tmp_path / "tree" / "index.json").read_text())
+    assert index["format"] == "fnmoe-tree" and "layers.1.moe.w_up_EDF" in index["tensors"]
+    assert main(["convert", "--to-hf", str(tmp_path / "tree"), "--out", str(tmp_path / "hf")]) == 0
+    cfg0, p0 = hf.load(qwen3_dir)
+    cfg1, p1 = load_tree(tmp_path / "tree")
+    cfg2, p2 = hf.load(tmp_path / "hf")
+    assert cfg0 == cfg1 == cfg2
+    a, b, c = flatten_dict(p0), flatten_dict(p1), flatten_dict(p2)
+    assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+    assert main(["convert", "--from-hf", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert main(["convert", "--from-hf", str(qwen3_dir), "--out", str(tmp_path / "tree")]) == 2
+    assert "is not empty" in capsys.readouterr().err
