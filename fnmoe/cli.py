@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
+from pathlib import Path
 from typing import Annotated, Callable
 
 import tyro
@@ -64,8 +66,6 @@ def cmd_train(argv: list[str]) -> int:
 
 def cmd_inspect(argv: list[str]) -> int:
     """Per-region compile report; exits 1 when a region breaks, so CI can use it."""
-    from pathlib import Path
-
     from fnmoe.compile import setup_cache
     from fnmoe.inspect_compile import format_reports, inspect_model
 
@@ -87,7 +87,6 @@ def cmd_inspect(argv: list[str]) -> int:
 
 
 def cmd_checkpoint(argv: list[str]) -> int:
-    from pathlib import Path
 
     from fnmoe.checkpoint import SECTIONS, verify
 
@@ -103,22 +102,35 @@ def cmd_checkpoint(argv: list[str]) -> int:
     return 0
 
 
+def _load_native(src: Path):
+    """(ModelConfig, params) of a native tree directory or of a training checkpoint (verified)."""
+    from fnmoe import checkpoint
+    from fnmoe.tree_io import load_tree
+
+    index = src / "index.json"
+    if index.is_file() and json.loads(index.read_text()).get("format") == checkpoint.FORMAT:
+        run, params = checkpoint.load_params(src)
+        return run.model, params
+    return load_tree(src)
+
+
 def cmd_convert(argv: list[str]) -> int:
     from fnmoe import hf
-    from fnmoe.tree_io import load_tree, save_tree
+    from fnmoe.tree_io import save_tree
 
     parser = argparse.ArgumentParser(prog="fnmoe convert", description="convert between Hugging Face "
                                      "checkpoints and fnmoe's native tree format (safetensors + index.json)")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="SRC", help="a Hugging Face checkpoint directory (config.json + safetensors)")
-    src.add_argument("--to-hf", metavar="SRC", help="a native tree directory (index.json + params.safetensors)")
+    src.add_argument("--to-hf", metavar="SRC", help="a native tree directory (index.json + params.safetensors) "
+                     "or a training checkpoint (<run-dir>/checkpoints/step_N)")
     parser.add_argument("--out", metavar="DST", required=True, help="the output directory (new or empty)")
     args = parser.parse_args(argv)
     if args.from_hf:
         cfg, params = hf.load(args.from_hf)
         save_tree(args.out, params, cfg)
     else:
-        cfg, params = load_tree(args.to_hf)
+        cfg, params = _load_native(Path(args.to_hf))
         hf.save(args.out, params, cfg)
     print(f"wrote {args.out} ({'native tree' if args.from_hf else hf.hf_architecture(cfg)})")
     return 0

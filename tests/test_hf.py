@@ -313,3 +313,24 @@ def test_convert_command_round_trip(qwen3_dir, tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
     assert main(["convert", "--from-hf", str(qwen3_dir), "--out", str(tmp_path / "tree")]) == 2
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_convert_a_training_checkpoint_to_hf(tmp_path):
+    """A checkpoint of a run (tiny Qwen3 preset) exports through the HF interop, and transformers
+    loads it with fnmoe's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from fnmoe.checkpoint import load_params
+    from fnmoe.cli import main
+
+    root = Path(__file__).resolve().parent.parent
+    assert main(["train", "--config", str(root / "configs/tiny_qwen3.toml"), "--train.steps", "2",
+                 "--train.batch-size", "2", "--data.seq-len", "32", "--train.eval-batches", "1",
+                 "--train.run-dir", str(tmp_path / "run")]) == 0
+    ckpt = tmp_path / "run" / "checkpoints" / "step_2"
+    assert main(["convert", "--to-hf", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
+    run, params = load_params(ckpt)
+    tokens = torch.randint(0, run.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours, _ = forward(params, tokens, run.model)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(tokens).logits
+    assert (ours - theirs).abs().max() <= 1e-4 * ours.abs().max()
