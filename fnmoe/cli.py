@@ -23,6 +23,7 @@ TOP_HELP = """usage: fnmoe SUBCOMMAND [--config FILE] [OVERRIDES]
 
 subcommands:
   train     train a model (default: the tiny MoE on the bundled corpus, CPU, a few minutes)
+  prepare   tokenise text / JSONL files into memory-mapped shards (--data.corpus DIR)
   inspect   what torch.compile makes of each region: graphs, breaks, recompiles, kernels, host syncs
   checkpoint verify DIR   check a checkpoint's files (sizes, sha256, tensor shapes) against its index.json
   convert   --from-hf SRC --out DST: a Hugging Face checkpoint to the native tree format;
@@ -136,7 +137,28 @@ def cmd_convert(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "inspect": cmd_inspect,
+def cmd_prepare(argv: list[str]) -> int:
+    from fnmoe.prepare import prepare
+
+    parser = argparse.ArgumentParser(prog="fnmoe prepare", description="tokenise text / JSONL files into "
+                                     "memory-mapped token shards for --data.corpus DIR")
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                        help="text files (form-feed lines separate documents) or .jsonl[.gz] files")
+    parser.add_argument("--tokenizer", default="byte", help="'byte' or a Hugging Face tokenizer.json")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory (resumes if interrupted)")
+    parser.add_argument("--text-field", default="text", help="the JSONL field holding a document's text")
+    parser.add_argument("--val-fraction", type=float, default=0.05, help="held-out fraction of documents")
+    parser.add_argument("--workers", type=int, default=2, help="tokeniser processes")
+    args = parser.parse_args(argv)
+    index = prepare(args.input, args.tokenizer, args.out, args.text_field, args.val_fraction, args.workers)
+    sp = index["splits"]
+    print(f"wrote {args.out}: {sp['train']['tokens']:,} train tokens ({sp['train']['docs']} documents), "
+          f"{sp['val']['tokens']:,} held-out tokens ({sp['val']['docs']}), {index['dtype']}, "
+          f"vocab {index['vocab_size']}, fingerprint {index['fingerprint']}")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "prepare": cmd_prepare, "inspect": cmd_inspect,
                                                    "checkpoint": cmd_checkpoint, "convert": cmd_convert}
 
 

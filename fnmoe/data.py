@@ -45,14 +45,14 @@ class ByteTokenizer:
 
 # ---------------------------------------------------------------- reading documents
 
-def read_documents(corpus: str) -> list[str]:
+def read_documents(corpus: str, text_field: str = "text") -> list[str]:
     """Documents of `corpus`: "bundled" (fnmoe/assets/corpus.jsonl.gz), a .jsonl or .jsonl.gz
     file with one {"text": ...} object per line, or any other file read as UTF-8 text (gunzipped
     if its name ends in .gz) in which a line holding only a form feed ('\\f') separates documents
     (no such line: the file is one document); newlines around a separator are not kept."""
     if corpus == BUNDLED:
         raw = resources.files("fnmoe").joinpath("assets/corpus.jsonl.gz").read_bytes()
-        return _parse_jsonl(_decode(gzip.decompress(raw), corpus), corpus)
+        return _parse_jsonl(_decode(gzip.decompress(raw), corpus), corpus, "text")
     path = Path(corpus)
     if not path.is_file():
         raise FileNotFoundError(f"corpus file not found: {corpus}")
@@ -64,7 +64,7 @@ def read_documents(corpus: str) -> list[str]:
             raise ValueError(f"corpus {corpus}: not a valid gzip file ({e})") from None
     text = _decode(raw, corpus)
     if path.name.endswith((".jsonl", ".jsonl.gz")):
-        docs = _parse_jsonl(text, corpus)
+        docs = _parse_jsonl(text, corpus, text_field)
     else:
         docs = [d.strip("\n") for d in re.split(r"^\f$", text, flags=re.M) if d.strip()]
     if not docs:
@@ -79,7 +79,7 @@ def _decode(raw: bytes, where: str) -> str:
         raise ValueError(f"corpus {where}: not valid UTF-8 at byte {e.start}") from None
 
 
-def _parse_jsonl(text: str, where: str) -> list[str]:
+def _parse_jsonl(text: str, where: str, field: str) -> list[str]:
     docs = []
     for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
@@ -88,9 +88,9 @@ def _parse_jsonl(text: str, where: str) -> list[str]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"corpus {where}, line {lineno}: invalid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            raise ValueError(f'corpus {where}, line {lineno}: expected an object with a string "text"')
-        docs.append(obj["text"])
+        if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
+            raise ValueError(f'corpus {where}, line {lineno}: expected an object with a string "{field}"')
+        docs.append(obj[field])
     return docs
 
 
@@ -119,7 +119,22 @@ def check_token_ids(tokens, vocab_size: int, where: str) -> None:
         raise ValueError(f"token id {tok} at position {pos} of {where} {why}")
 
 
+def load_prepared(path: Path, vocab_size: int) -> TokenData:
+    """A `fnmoe prepare` directory: memory-mapped streams, validated against the model's vocab."""
+    from fnmoe.prepare import open_prepared
+
+    index, arrays = open_prepared(path)
+    if index["vocab_size"] > vocab_size:
+        raise ValueError(f"corpus {path} was tokenised with a vocabulary of {index['vocab_size']} "
+                         f"ids (> model.vocab_size={vocab_size})")
+    train_T, val_T = (torch.from_numpy(arrays[s]) for s in ("train", "val"))
+    return TokenData(train_T, val_T, index["fingerprint"], index["splits"]["train"]["docs"],
+                     index["splits"]["val"]["docs"])
+
+
 def load_data(dcfg: DataConfig, vocab_size: int) -> TokenData:
+    if dcfg.corpus != BUNDLED and (Path(dcfg.corpus) / "index.json").is_file():
+        return load_prepared(Path(dcfg.corpus), vocab_size)
     if dcfg.tokenizer != "byte":
         raise ValueError(f"data.tokenizer={dcfg.tokenizer!r} is not supported (only 'byte')")
     tok = ByteTokenizer()

@@ -1,0 +1,167 @@
+"""`fnmoe prepare`: text / JSONL files -> memory-mapped token shards with an index and a fingerprint.
+
+Legend: T tokens.
+
+Layout of a prepared directory (read by fnmoe.data when `--data.corpus DIR`):
+
+    index.json   {"format": "fnmoe-tokens", "version": 1, "tokenizer": ..., "vocab_size", "eos_id",
+                  "dtype": "uint16" | "uint32", "splits": {"train"|"val": {"file", "tokens", "docs",
+                  "sha256"}}, "fingerprint"}
+    train.bin    the training documents' tokens, EOS after each (raw little-endian dtype)
+    val.bin      the held-out documents (the last val_fraction of all documents, in input order)
+
+Documents are tokenised in parallel in parts of PART_DOCS documents; each finished part is
+renamed into `parts/` with its token count, so an interrupted run resumes at the first missing
+part. The final files are written to temporary names and renamed, so a crash never leaves a
+half-written `train.bin` behind an index that claims it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from fnmoe.data import EOS_ID, ByteTokenizer, read_documents
+
+FORMAT, VERSION = "fnmoe-tokens", 1
+PART_DOCS = 64
+
+
+def load_tokenizer(spec: str):
+    """(name, encode(str) -> list[int], vocab_size, eos_id) for 'byte' or a tokenizer.json path."""
+    if spec == "byte":
+        tok = ByteTokenizer()
+        return "byte", tok.encode, tok.vocab_size, EOS_ID
+    path = Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file not found: {spec} (use 'byte' or a tokenizer.json)")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError("a tokenizer.json needs the `tokenizers` package: pip install tokenizers") from None
+    tok = Tokenizer.from_file(str(path))
+    eos = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+                if tok.token_to_id(t) is not None), None)
+    if eos is None:
+        raise ValueError(f"{spec}: no end-of-text token (<|endoftext|>, </s>, <eos>) in the vocabulary")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return f"tokenizers:{digest}", (lambda s: tok.encode(s, add_special_tokens=False).ids), \
+        tok.get_vocab_size(), eos
+
+
+def read_inputs(inputs: list[str], text_field: str) -> list[str]:
+    docs: list[str] = []
+    for name in inputs:
+        docs += read_documents(name, text_field)
+    if not docs:
+        raise ValueError(f"no documents in {inputs}")
+    return docs
+
+
+def _encode_part(args: tuple[str, str, list[str]]) -> np.ndarray:
+    spec, dtype, docs = args
+    _, encode, _, eos = load_tokenizer(spec)
+    ids: list[int] = []
+    for doc in docs:
+        ids += encode(doc)
+        ids.append(eos)
+    return np.asarray(ids, dtype=dtype)
+
+
+def _progress(done: int, total: int) -> None:
+    n = 30 * done // total
+    sys.stderr.write(f"\rprepare [{'#' * n}{'.' * (30 - n)}] {done}/{total} parts")
+    sys.stderr.flush()
+
+
+def _tokenise_parts(docs: list[str], spec: str, dtype: str, parts_dir: Path, workers: int) -> None:
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    chunks = [docs[i:i + PART_DOCS] for i in range(0, len(docs), PART_DOCS)]
+    todo = [k for k in range(len(chunks)) if not (parts_dir / f"{k:06d}.npy").exists()]
+    done = len(chunks) - len(todo)
+    _progress(done, len(chunks))
+    with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+        for k, ids_T in zip(todo, pool.map(_encode_part, [(spec, dtype, chunks[k]) for k in todo])):
+            tmp = parts_dir / f"{k:06d}.tmp.npy"
+            np.save(tmp, ids_T)
+            os.replace(tmp, parts_dir / f"{k:06d}.npy")
+            done += 1
+            _progress(done, len(chunks))
+    sys.stderr.write("\n")
+
+
+def _concat(parts: list[Path], out: Path, dtype: str) -> dict:
+    """Stream parts into out (via a temp name) and return its index entry."""
+    tmp, h, n = out.with_suffix(".tmp"), hashlib.sha256(), 0
+    with open(tmp, "wb") as f:
+        for part in parts:
+            b = np.load(part).astype(dtype).astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+            f.write(b)
+            h.update(b)
+            n += len(b) // np.dtype(dtype).itemsize
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    return {"file": out.name, "tokens": n, "sha256": h.hexdigest()}
+
+
+def prepare(inputs: list[str], tokenizer: str, out_dir: str | Path, text_field: str = "text",
+            val_fraction: float = 0.05, workers: int = 2) -> dict:
+    """Tokenise inputs into out_dir (resuming an interrupted run there); returns the index."""
+    out = Path(out_dir)
+    name, _, vocab, eos = load_tokenizer(tokenizer)
+    docs = read_inputs(inputs, text_field)
+    n_val = max(1, round(len(docs) * val_fraction))
+    if not 0 < val_fraction < 1 or n_val >= len(docs):
+        raise ValueError(f"{len(docs)} documents cannot hold out val_fraction={val_fraction} and still train")
+    dtype = "uint16" if vocab <= 2**16 else "uint32"
+    parts_dir = out / "parts"
+    _tokenise_parts(docs, tokenizer, dtype, parts_dir, workers)
+    # parts hold PART_DOCS documents each; split exactly at the first held-out document
+    split = len(docs) - n_val
+    parts = sorted(p for p in parts_dir.glob("*.npy") if ".tmp" not in p.name)
+    boundary, cut = divmod(split, PART_DOCS)
+    if cut:  # the boundary part holds both splits: split it by document
+        head = _encode_part((tokenizer, dtype, docs[boundary * PART_DOCS:split]))
+        whole = np.load(parts[boundary])
+        np.save(parts_dir / "split_train.npy", whole[:len(head)])
+        np.save(parts_dir / "split_val.npy", whole[len(head):])
+        train_parts = parts[:boundary] + [parts_dir / "split_train.npy"]
+        val_parts = [parts_dir / "split_val.npy"] + parts[boundary + 1:]
+    else:
+        train_parts, val_parts = parts[:boundary], parts[boundary:]
+    splits = {"train": _concat(train_parts, out / "train.bin", dtype) | {"docs": split},
+              "val": _concat(val_parts, out / "val.bin", dtype) | {"docs": n_val}}
+    fingerprint = hashlib.sha256((name + splits["train"]["sha256"] + splits["val"]["sha256"]).encode())
+    index = {"format": FORMAT, "version": VERSION, "tokenizer": name, "tokenizer_spec": tokenizer,
+             "vocab_size": vocab, "eos_id": eos, "dtype": dtype, "splits": splits,
+             "fingerprint": fingerprint.hexdigest()[:16]}
+    tmp = out / "index.json.tmp"
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, out / "index.json")
+    for p in parts_dir.glob("*"):
+        p.unlink()
+    parts_dir.rmdir()
+    return index
+
+
+def open_prepared(dir_: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(index, {split: memory-mapped token array}) of a prepared directory."""
+    d = Path(dir_)
+    index = json.loads((d / "index.json").read_text())
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise ValueError(f"{d / 'index.json'}: not a {FORMAT} v{VERSION} index")
+    arrays = {}
+    for split, entry in index["splits"].items():
+        path = d / entry["file"]
+        expected = entry["tokens"] * np.dtype(index["dtype"]).itemsize
+        if not path.is_file() or path.stat().st_size != expected:
+            raise ValueError(f"{path}: missing or truncated (expected {expected} bytes)")
+        # copy-on-write: readers never write, and torch wants a writable buffer to wrap
+        arrays[split] = np.memmap(path, dtype=np.dtype(index["dtype"]).newbyteorder("<"), mode="c")
+    return index, arrays

@@ -1,0 +1,89 @@
+"""`fnmoe prepare`: shards round-trip, the held-out split, resume after interruption, tokenizers."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fnmoe.cli import main
+from fnmoe.config import DataConfig
+from fnmoe.data import EOS_ID, load_data, read_documents
+from fnmoe.prepare import PART_DOCS, open_prepared, prepare
+
+
+def write_jsonl(path, docs, field="text"):
+    path.write_text("".join(json.dumps({field: d, "other": 1}) + "\n" for d in docs))
+    return path
+
+
+def byte_stream(docs):
+    return [t for d in docs for t in list(d.encode()) + [EOS_ID]]
+
+
+def test_round_trip_split_and_same_stream_as_raw_text(tmp_path):
+    docs = [f"document {i}: " + "héllo wörld " * (i % 7 + 1) for i in range(150)]
+    src = write_jsonl(tmp_path / "in.jsonl", docs, field="body")
+    assert main(["prepare", "--input", str(src), "--text-field", "body", "--out", str(tmp_path / "out")]) == 0
+    index, arrays = open_prepared(tmp_path / "out")
+    n_val = round(150 * 0.05)
+    assert index["splits"]["val"]["docs"] == n_val and index["dtype"] == "uint16"
+    assert arrays["train"].tolist() == byte_stream(docs[:-n_val])
+    assert arrays["val"].tolist() == byte_stream(docs[-n_val:])
+    assert not (tmp_path / "out" / "parts").exists()
+    data = load_data(DataConfig(corpus=str(tmp_path / "out")), 264)
+    assert data.train_T.tolist() == byte_stream(docs[:-n_val])
+
+
+def test_prepared_bundled_corpus_equals_the_raw_loader(tmp_path):
+    src = write_jsonl(tmp_path / "bundled.jsonl", read_documents("bundled"))
+    prepare([str(src)], "byte", tmp_path / "out")
+    raw = load_data(DataConfig(), 264)
+    prepared = load_data(DataConfig(corpus=str(tmp_path / "out")), 264)
+    assert torch.equal(prepared.train_T.long(), raw.train_T.long())
+    assert torch.equal(prepared.val_T.long(), raw.val_T.long())
+
+
+def test_an_interrupted_run_resumes_from_finished_parts(tmp_path):
+    docs = [f"doc {i} " * 5 for i in range(3 * PART_DOCS)]
+    src = write_jsonl(tmp_path / "in.jsonl", docs)
+    parts = tmp_path / "out" / "parts"
+    parts.mkdir(parents=True)
+    # a part finished before the interruption (marked so we can see it was reused, not redone)
+    marked = np.asarray(byte_stream(docs[:PART_DOCS]), dtype="uint16")
+    marked[0] = ord("X")
+    np.save(parts / "000000.npy", marked)
+    (parts / "000001.tmp.npy").write_bytes(b"torn")  # an unfinished write is ignored
+    prepare([str(src)], "byte", tmp_path / "out")
+    _, arrays = open_prepared(tmp_path / "out")
+    expected = byte_stream(docs[:-round(len(docs) * 0.05)])
+    expected[0] = ord("X")
+    assert arrays["train"].tolist() == expected
+
+
+def test_truncated_shard_is_named(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [f"d{i}" * 10 for i in range(40)])
+    prepare([str(src)], "byte", tmp_path / "out")
+    with open(tmp_path / "out" / "train.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ValueError, match="train.bin: missing or truncated"):
+        open_prepared(tmp_path / "out")
+
+
+def test_tokenizers_tokenizer_json(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    docs = [f"the quick brown fox {i} jumps over the lazy dog" for i in range(60)]
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "</s>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    src = write_jsonl(tmp_path / "in.jsonl", docs)
+    index = prepare([str(src)], str(tmp_path / "tokenizer.json"), tmp_path / "out")
+    eos = tok.token_to_id("</s>")
+    assert index["eos_id"] == eos and index["vocab_size"] == tok.get_vocab_size()
+    _, arrays = open_prepared(tmp_path / "out")
+    expected = [t for d in docs[:-3] for t in tok.encode(d).ids + [eos]]
+    assert arrays["train"].tolist() == expected
+    with pytest.raises(ValueError, match="model.vocab_size=10"):
+        load_data(DataConfig(corpus=str(tmp_path / "out")), 10)
