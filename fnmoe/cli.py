@@ -24,6 +24,7 @@ TOP_HELP = """usage: fnmoe SUBCOMMAND [--config FILE] [OVERRIDES]
 subcommands:
   train     train a model (default: the tiny MoE on the bundled corpus, CPU, a few minutes)
   prepare   tokenise text / JSONL files into memory-mapped shards (--data.corpus DIR)
+  plot      PNG charts of a run: loss, tokens/s, MFU, expert load per layer
   inspect   what torch.compile makes of each region: graphs, breaks, recompiles, kernels, host syncs
   checkpoint verify DIR   check a checkpoint's files (sizes, sha256, tensor shapes) against its index.json
   convert   --from-hf SRC --out DST: a Hugging Face checkpoint to the native tree format;
@@ -158,8 +159,21 @@ def cmd_prepare(argv: list[str]) -> int:
     return 0
 
 
+def cmd_plot(argv: list[str]) -> int:
+    from fnmoe.plot import plot_run
+
+    parser = argparse.ArgumentParser(prog="fnmoe plot", description="PNG charts of a run's metrics.jsonl: "
+                                     "loss, tokens/s, MFU and a per-layer expert-load heatmap")
+    parser.add_argument("run_dir", metavar="RUN_DIR")
+    parser.add_argument("--out", default="", help="output directory (default RUN_DIR/plots)")
+    args = parser.parse_args(argv)
+    drawn = plot_run(args.run_dir, args.out or None)
+    print(f"wrote {', '.join(drawn)} to {args.out or Path(args.run_dir) / 'plots'}")
+    return 0
+
+
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "prepare": cmd_prepare, "inspect": cmd_inspect,
-                                                   "checkpoint": cmd_checkpoint, "convert": cmd_convert}
+                                                   "checkpoint": cmd_checkpoint, "convert": cmd_convert, "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> int:

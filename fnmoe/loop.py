@@ -16,7 +16,8 @@ from fnmoe import checkpoint, optim
 from fnmoe.compile import cache_stats, save_artifacts, warm_start
 from fnmoe.config import RunConfig, to_toml
 from fnmoe.data import Loader, load_data, val_batches
-from fnmoe.metrics import JsonlWriter, drop_rows_after, flops_per_token, load_max_over_mean, mfu
+from fnmoe.metrics import (JsonlWriter, drop_rows_after, flops_per_token, load_by_layer, load_max_over_mean,
+                           mfu)
 from fnmoe.model import init_params
 from fnmoe.train import TrainState, eval_loss, init_state, make_train_step
 
@@ -150,6 +151,7 @@ def train(run: RunConfig) -> dict:
                    "grad_norm": m["grad_norm"], "tokens": tokens, "tokens_per_s": tps,
                    "mfu": mfu(fpt, tps, t.peak_tflops),
                    "expert_load_max_over_mean": load_max_over_mean(m["expert_counts_LE"]),
+                   "expert_load_by_layer": load_by_layer(m["expert_counts_LE"]),
                    "skipped": m["skipped"], "time_s": time.perf_counter() - start}
             writer.write(row)
             state = new_state  # only now: a checkpoint of `state` never lacks its metrics row

@@ -47,12 +47,18 @@ def mfu(flops_per_tok: float, tokens_per_s: float, peak_tflops: float) -> float 
     return flops_per_tok * tokens_per_s / (peak_tflops * 1e12) if peak_tflops > 0 else None
 
 
-def load_max_over_mean(expert_counts_LE: torch.Tensor | None) -> float | None:
-    """The worst MoE layer's busiest-expert load over the mean load (1.0 is perfectly balanced)."""
+def load_by_layer(expert_counts_LE: torch.Tensor | None) -> list[float] | None:
+    """Per MoE layer, the busiest expert's load over the mean load (1.0 is perfectly balanced)."""
     if expert_counts_LE is None:
         return None
     c = expert_counts_LE.float()
-    return (c.max(-1).values / c.mean(-1).clamp_min(1e-9)).max().item()
+    return (c.max(-1).values / c.mean(-1).clamp_min(1e-9)).tolist()
+
+
+def load_max_over_mean(expert_counts_LE: torch.Tensor | None) -> float | None:
+    """The worst MoE layer's load_by_layer value."""
+    by_layer = load_by_layer(expert_counts_LE)
+    return max(by_layer) if by_layer else None
 
 
 class JsonlWriter:

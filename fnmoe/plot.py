@@ -1,0 +1,91 @@
+"""`fnmoe plot RUN_DIR`: PNG charts of a run's metrics.jsonl (matplotlib, an optional extra).
+
+Charts: loss.png (train loss and held-out loss over steps), tokens_per_s.png, mfu.png (only
+when the run had a peak configured), expert_load.png (per-MoE-layer busiest-expert load over the
+mean, a heatmap over steps). Each returns the series it drew so tests can check them against the
+file.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
+    """(step rows, val rows) of run_dir/metrics.jsonl, the last value winning for a repeated step."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
+    steps: dict[int, dict] = {}
+    vals: dict[int, dict] = {}
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}, line {lineno}: invalid JSON") from None
+        if "loss" in row:
+            steps[row["step"]] = row
+        elif "val_loss" in row:
+            vals[row["step"]] = row
+    return [steps[k] for k in sorted(steps)], [vals[k] for k in sorted(vals)]
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("fnmoe plot needs matplotlib: pip install 'fnmoe[plot]' (or matplotlib)") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _line_chart(plt, path: Path, title: str, ylabel: str, series: dict[str, tuple[list, list]]) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for label, (x, y) in series.items():
+        ax.plot(x, y, label=label, marker="o" if len(x) < 30 else None)
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, dict]:
+    """Write the PNGs; returns {file name: {series label: (x, y)}} of what was drawn."""
+    plt = _pyplot()
+    rows, vals = read_metrics(run_dir)
+    if not rows:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no step rows to plot")
+    out = Path(out_dir or Path(run_dir) / "plots")
+    out.mkdir(parents=True, exist_ok=True)
+    x = [r["step"] for r in rows]
+    drawn: dict[str, dict] = {
+        "loss.png": {"train": (x, [r["loss"] for r in rows]),
+                     **({"held-out": ([v["step"] for v in vals], [v["val_loss"] for v in vals])} if vals else {})},
+        "tokens_per_s.png": {"tokens/s": (x, [r["tokens_per_s"] for r in rows])},
+    }
+    if any(r.get("mfu") is not None for r in rows):
+        mfu_rows = [r for r in rows if r.get("mfu") is not None]
+        drawn["mfu.png"] = {"MFU %": ([r["step"] for r in mfu_rows], [100 * r["mfu"] for r in mfu_rows])}
+    titles = {"loss.png": ("loss", "cross-entropy (nats/token)"), "tokens_per_s.png": ("throughput", "tokens/s"),
+              "mfu.png": ("model FLOPs utilisation", "MFU %")}
+    for name, series in drawn.items():
+        _line_chart(plt, out / name, *titles[name], series)
+    loads = [r["expert_load_by_layer"] for r in rows if r.get("expert_load_by_layer")]
+    if loads:
+        steps = [r["step"] for r in rows if r.get("expert_load_by_layer")]
+        fig, ax = plt.subplots(figsize=(8, 3 + 0.25 * len(loads[0])), dpi=100)
+        im = ax.imshow(list(map(list, zip(*loads))), aspect="auto", cmap="magma", interpolation="nearest",
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5, len(loads[0]) - 0.5, -0.5))
+        ax.set(title="busiest expert / mean load per MoE layer", xlabel="step", ylabel="MoE layer")
+        fig.colorbar(im, ax=ax, label="max / mean")
+        fig.tight_layout()
+        fig.savefig(out / "expert_load.png")
+        plt.close(fig)
+        drawn["expert_load.png"] = {f"layer {k}": (steps, [l[k] for l in loads]) for k in range(len(loads[0]))}
+    return drawn

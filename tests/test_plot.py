@@ -1,0 +1,41 @@
+"""`fnmoe plot`: every PNG decodes, and its series and point counts match metrics.jsonl."""
+import json
+
+import pytest
+
+from fnmoe.cli import main
+from fnmoe.plot import plot_run
+
+pytest.importorskip("matplotlib")
+SMALL = ["--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
+         "--train.batch-size", "4", "--data.seq-len", "32", "--train.eval-batches", "1"]
+
+
+def test_plots_match_the_metrics_file(tmp_path):
+    import matplotlib.image
+
+    run_dir = tmp_path / "run"
+    assert main(["train", "--train.steps", "6", "--train.eval-every", "2", "--train.peak-tflops", "1",
+                 "--train.run-dir", str(run_dir), *SMALL]) == 0
+    assert main(["plot", str(run_dir)]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    vals = [r for r in rows if "val_loss" in r]
+    drawn = plot_run(run_dir, tmp_path / "again")
+    assert set(drawn) == {"loss.png", "tokens_per_s.png", "mfu.png", "expert_load.png"}
+    for name in drawn:
+        img = matplotlib.image.imread(run_dir / "plots" / name)
+        assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    assert drawn["loss.png"]["train"] == ([r["step"] for r in steps], [r["loss"] for r in steps])
+    assert drawn["loss.png"]["held-out"] == ([r["step"] for r in vals], [r["val_loss"] for r in vals])
+    assert len(vals) == 3  # steps 2, 4 and the final one
+    assert drawn["tokens_per_s.png"]["tokens/s"][1] == [r["tokens_per_s"] for r in steps]
+    assert drawn["mfu.png"]["MFU %"][1] == [100 * r["mfu"] for r in steps]
+    n_moe = len(steps[0]["expert_load_by_layer"])
+    assert n_moe == 3 and len(drawn["expert_load.png"]) == n_moe
+    assert all(len(x) == len(steps) for x, _ in drawn["expert_load.png"].values())
+
+
+def test_plot_errors_name_the_problem(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
