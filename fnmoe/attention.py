@@ -1,7 +1,8 @@
 """Attention: RoPE (half-split or interleaved, optionally YaRN-scaled), GQA (optional per-head
 q/k RMSNorm) and MLA (DeepSeek's multi-head latent attention), all through SDPA.
 
-Legend: B batch, L sequence, D model, H heads, G kv heads, A head dim, N = H·A, M = G·A.
+Legend: B batch, L sequence, D model, H heads, G kv heads, A head dim, N = H·A, M = G·A,
+R = H/G query heads per kv head, S query positions of one chunk.
 MLA: J no-RoPE and P RoPE dims of a query/key head, I = J + P, U value head dim, C kv-lora rank,
 Q q-lora rank; N = H·I query features, W = C + P (latent plus the shared RoPE key),
 X = H·(J + U) keys and values from the latent, Y = H·U attention output features.
@@ -98,19 +99,27 @@ def apply_rope(x_BLHA: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Tensor,
     return x_BLHA * cos + rot * sin
 
 
+def gqa_qk(p: dict, x_BLD: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Tensor,
+           cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA's queries [B, L, H, A] and keys [B, L, G, A] as attention sees them (normed, rotated)."""
+    B, L, _ = x_BLD.shape
+    H, G, A = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim_
+    q_BLHA = (x_BLD @ p["w_q_DN"]).view(B, L, H, A)
+    k_BLGA = (x_BLD @ p["w_k_DM"]).view(B, L, G, A)
+    if cfg.qk_norm:
+        q_BLHA = rms_norm(q_BLHA, p["q_norm_A"], cfg.norm_eps)
+        k_BLGA = rms_norm(k_BLGA, p["k_norm_A"], cfg.norm_eps)
+    return (apply_rope(q_BLHA, cos_LA, sin_LA, cfg.rope_interleave),
+            apply_rope(k_BLGA, cos_LA, sin_LA, cfg.rope_interleave))
+
+
 def gqa(p: dict, x_BLD: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Tensor,
         cfg: ModelConfig) -> torch.Tensor:
     """Causal grouped-query attention; p holds w_q_DN, w_k_DM, w_v_DM, w_o_ND (+ q_norm_A, k_norm_A)."""
     B, L, _ = x_BLD.shape
     H, G, A = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim_
-    q_BLHA = (x_BLD @ p["w_q_DN"]).view(B, L, H, A)
-    k_BLGA = (x_BLD @ p["w_k_DM"]).view(B, L, G, A)
+    q_BLHA, k_BLGA = gqa_qk(p, x_BLD, cos_LA, sin_LA, cfg)
     v_BLGA = (x_BLD @ p["w_v_DM"]).view(B, L, G, A)
-    if cfg.qk_norm:
-        q_BLHA = rms_norm(q_BLHA, p["q_norm_A"], cfg.norm_eps)
-        k_BLGA = rms_norm(k_BLGA, p["k_norm_A"], cfg.norm_eps)
-    q_BLHA = apply_rope(q_BLHA, cos_LA, sin_LA, cfg.rope_interleave)
-    k_BLGA = apply_rope(k_BLGA, cos_LA, sin_LA, cfg.rope_interleave)
     o_BHLA = F.scaled_dot_product_attention(
         q_BLHA.transpose(1, 2), k_BLGA.transpose(1, 2), v_BLGA.transpose(1, 2),
         is_causal=True, enable_gqa=H != G)
@@ -125,10 +134,9 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
-def mla(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor,
-        cfg: ModelConfig) -> torch.Tensor:
-    """Causal multi-head latent attention; p holds w_q_DN or (w_q_a_DQ, q_a_norm_Q, w_q_b_QN),
-    w_kv_a_DW, kv_a_norm_C, w_kv_b_CX, w_o_YD."""
+def mla_qkv(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor,
+            cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MLA's queries and keys [B, L, H, I] (k_rope shared by all heads) and values [B, L, H, U]."""
     B, L, _ = x_BLD.shape
     H, J, P, U, C = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     if "w_q_DN" in p:
@@ -143,13 +151,50 @@ def mla(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor
     k_rope_BL1P = apply_rope(k_rope_BLP[:, :, None, :], cos_LP, sin_LP, cfg.rope_interleave)
     q_BLHI = torch.cat([q_nope_BLHJ, q_rope_BLHP], dim=-1)
     k_BLHI = torch.cat([k_nope_BLHJ, k_rope_BL1P.expand(B, L, H, P)], dim=-1)
+    return q_BLHI, k_BLHI, v_BLHU
+
+
+def mla(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor,
+        cfg: ModelConfig) -> torch.Tensor:
+    """Causal multi-head latent attention; p holds w_q_DN or (w_q_a_DQ, q_a_norm_Q, w_q_b_QN),
+    w_kv_a_DW, kv_a_norm_C, w_kv_b_CX, w_o_YD."""
+    B, L, _ = x_BLD.shape
+    q_BLHI, k_BLHI, v_BLHU = mla_qkv(p, x_BLD, cos_LP, sin_LP, cfg)
     o_BHLU = F.scaled_dot_product_attention(
         q_BLHI.transpose(1, 2), k_BLHI.transpose(1, 2), v_BLHU.transpose(1, 2),
         is_causal=True, scale=mla_softmax_scale(cfg))
-    return o_BHLU.transpose(1, 2).reshape(B, L, H * U) @ p["w_o_YD"]
+    return o_BHLU.transpose(1, 2).reshape(B, L, -1) @ p["w_o_YD"]
 
 
 def attention(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor,
               cfg: ModelConfig) -> torch.Tensor:
     """cfg's attention kind (GQA or MLA) on already-normalised inputs."""
     return (mla if cfg.attention == "mla" else gqa)(p, x_BLD, cos_LP, sin_LP, cfg)
+
+
+MAX_LOGIT_CHUNK = 1024
+"""query rows per chunk of max_logits_H: scores exist as [B, H, 1024, L] at most"""
+
+
+@torch.no_grad()
+def max_logits_H(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor,
+                 cfg: ModelConfig, chunk: int = MAX_LOGIT_CHUNK) -> torch.Tensor:
+    """Per query head, the largest causal pre-softmax logit q·k·scale over the batch, fp32 [H].
+
+    MuonClip's input. SDPA does not expose its logits, so this is a separate QK pass, without
+    gradients, over chunks of queries. I is the q/k head dim (A for GQA); MLA has G = H, R = 1.
+    """
+    if cfg.attention == "mla":
+        q_BLHI, k_BLGI, _ = mla_qkv(p, x_BLD, cos_LP, sin_LP, cfg)
+        q_BLGRI, scale = q_BLHI.unflatten(2, (cfg.n_heads, 1)), mla_softmax_scale(cfg)
+    else:
+        q_BLHI, k_BLGI = gqa_qk(p, x_BLD, cos_LP, sin_LP, cfg)
+        q_BLGRI, scale = q_BLHI.unflatten(2, (cfg.n_kv_heads, -1)), cfg.head_dim_ ** -0.5
+    pos_L = torch.arange(x_BLD.shape[1], device=x_BLD.device)
+    best_GR = torch.full(q_BLGRI.shape[2:4], -math.inf, device=x_BLD.device)
+    for start in range(0, x_BLD.shape[1], chunk):
+        s_BGRSL = torch.einsum("bsgri,blgi->bgrsl", q_BLGRI[:, start:start + chunk], k_BLGI)
+        future_SL = pos_L[None, :] > pos_L[start:start + chunk, None]
+        best_GR = torch.maximum(best_GR, s_BGRSL.masked_fill(future_SL, -math.inf).amax(dim=(0, 3, 4)).float())
+    # max(s)·scale == max(s·scale) for scale > 0; head h = g·R + r, as SDPA's enable_gqa maps them
+    return best_GR.flatten() * scale

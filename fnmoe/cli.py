@@ -24,7 +24,9 @@ TOP_HELP = """usage: fnmoe SUBCOMMAND [--config FILE] [OVERRIDES]
 subcommands:
   train     train a model (default: the tiny MoE on the bundled corpus, CPU, a few minutes)
   prepare   tokenise text / JSONL files into memory-mapped shards (--data.corpus DIR)
+  generate  sample text from a run, checkpoint or converted model (KV cache; greedy, temperature, top-p)
   plot      PNG charts of a run: loss, tokens/s, MFU, expert load per layer
+  plan      per-rank memory, FLOPs, communication and a modelled step time of a config (nothing allocated)
   inspect   what torch.compile makes of each region: graphs, breaks, recompiles, kernels, host syncs
   checkpoint verify DIR   check a checkpoint's files (sizes, sha256, tensor shapes) against its index.json
   convert   --from-hf SRC --out DST: a Hugging Face checkpoint to the native tree format;
@@ -104,16 +106,49 @@ def cmd_checkpoint(argv: list[str]) -> int:
     return 0
 
 
-def _load_native(src: Path):
-    """(ModelConfig, params) of a native tree directory or of a training checkpoint (verified)."""
-    from fnmoe import checkpoint
+def load_model(src: Path):
+    """(ModelConfig, params) of a run directory (its newest complete checkpoint), a checkpoint,
+    a native tree directory or a Hugging Face checkpoint directory."""
+    from fnmoe import checkpoint, hf
     from fnmoe.tree_io import load_tree
 
+    if (src / "checkpoints").is_dir():
+        found = checkpoint.find_latest(src / "checkpoints")
+        if found is None:
+            raise FileNotFoundError(f"no complete checkpoint under {src / 'checkpoints'}")
+        src = found[0]
     index = src / "index.json"
     if index.is_file() and json.loads(index.read_text()).get("format") == checkpoint.FORMAT:
         run, params = checkpoint.load_params(src)
         return run.model, params
+    if (src / "config.json").is_file():
+        return hf.load(src)
     return load_tree(src)
+
+
+def cmd_generate(argv: list[str]) -> int:
+    import torch
+
+    from fnmoe.data import EOS_ID, ByteTokenizer
+    from fnmoe.generate import generate
+
+    parser = argparse.ArgumentParser(prog="fnmoe generate", description="sample text from a trained model "
+                                     "(byte tokenizer) with a KV cache")
+    parser.add_argument("--from", dest="src", required=True, metavar="DIR",
+                        help="a run directory (newest checkpoint), a checkpoint, a native tree or a HF directory")
+    parser.add_argument("--prompt", default="", help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with temperature > 0)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    cfg, params = load_model(Path(args.src))
+    tok = ByteTokenizer()
+    ids = tok.encode(args.prompt) or [EOS_ID]  # an empty prompt starts a new document
+    out = generate(params, torch.tensor([ids]), cfg, args.max_new_tokens, args.temperature, args.top_p,
+                   args.seed, stop_id=EOS_ID)
+    print(args.prompt + tok.decode(out[0, len(ids):].tolist()))
+    return 0
 
 
 def cmd_convert(argv: list[str]) -> int:
@@ -132,7 +167,7 @@ def cmd_convert(argv: list[str]) -> int:
         cfg, params = hf.load(args.from_hf)
         save_tree(args.out, params, cfg)
     else:
-        cfg, params = _load_native(Path(args.to_hf))
+        cfg, params = load_model(Path(args.to_hf))
         hf.save(args.out, params, cfg)
     print(f"wrote {args.out} ({'native tree' if args.from_hf else hf.hf_architecture(cfg)})")
     return 0
@@ -172,8 +207,26 @@ def cmd_plot(argv: list[str]) -> int:
     return 0
 
 
+def cmd_plan(argv: list[str]) -> int:
+    """Per-rank memory, FLOPs, communication and a step-time model for a config; allocates nothing."""
+    import json
+
+    from fnmoe.plan import format_plan, plan
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    known, rest = pre.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        print("fnmoe plan [--config FILE] [overrides, e.g. --mesh.fsdp 48 --mesh.ep 8 --memory.recompute full] "
+              "[--json]: per-rank bytes, FLOPs per token, communication and a modelled step time\n")
+    result = plan(parse_run(rest, "fnmoe plan"))
+    print(json.dumps(result, indent=1) if known.json else format_plan(result))
+    return 0
+
+
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "prepare": cmd_prepare, "inspect": cmd_inspect,
-                                                   "checkpoint": cmd_checkpoint, "convert": cmd_convert, "plot": cmd_plot}
+                                                   "plan": cmd_plan, "checkpoint": cmd_checkpoint,
+                                                   "convert": cmd_convert, "plot": cmd_plot, "generate": cmd_generate}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[sub](rest)
     except (ValueError, FileNotFoundError) as e:
-        print(f"fnmoe {sub}: error: {e}", file=sys.stderr)
+        notes = "".join(f"\n  {note}" for note in getattr(e, "__notes__", ()))  # e.g. the rank that raised
+        print(f"fnmoe {sub}: error: {e}{notes}", file=sys.stderr)
         return 2
 
 

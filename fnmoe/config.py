@@ -57,6 +57,10 @@ class MoEConfig:
     impl: Literal["auto", "grouped", "loop"] = "auto"
     """expert GEMMs: grouped (torch._grouped_mm, bf16, 16-byte aligned dims) or a loop;
     auto picks grouped where it applies"""
+    capacity_factor: float = 0.0
+    """0: dropless. c > 0: an expert takes at most ceil(c*T*K/E) of the T*K rows a rank routes in a
+    micro-batch (first come, in token order); the rest are dropped (zero expert output) and
+    counted in metrics as dropped_tokens"""
 
 
 @dataclass(frozen=True)
@@ -173,12 +177,41 @@ class OptimConfig:
     adjust_lr: Literal["original", "match_rms_adamw", "spectral"] = "match_rms_adamw"
     adamw_lr: float = 0.0
     """Muon only: lr of the AdamW leaves; 0 means the same as lr"""
+    momentum_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Muon only: dtype of the momentum buffers (bfloat16 halves Muon's state)"""
+    qk_clip: bool = False
+    """MuonClip (Kimi K2), for any optimizer: after each step, rescale the query/key weights of
+    heads whose max attention logit on the step's batch exceeded qk_clip_tau (costs a QK pass per layer)"""
+    qk_clip_tau: float = 100.0
+    """the max-logit threshold tau of qk_clip (Kimi K2 used 100)"""
+
+
+REGION_POLICIES = ("none", "full", "selective", "offload")
 
 
 @dataclass(frozen=True)
 class MemoryConfig:
+    """Activation memory (fnmoe/memory.py, DESIGN.md §6). `recompute` and `offload` act on whole
+    blocks; attention / moe / mlp act on one region each, inside blocks that `recompute` leaves alone."""
+
     recompute: Literal["none", "full"] = "none"
-    """activation checkpointing per block"""
+    """activation checkpointing per block: 'full' keeps only each block's input (the shorthand for
+    recomputing every region)"""
+    offload: bool = False
+    """move each block's saved tensors (with recompute='full': its input) to host memory; the last
+    block stays"""
+    attention: Literal["none", "full", "selective", "offload"] = "none"
+    """attention regions: keep, recompute, recompute cheap ops only, or offload their saved tensors"""
+    moe: Literal["none", "full", "selective", "offload"] = "none"
+    """MoE regions (router top-k outputs are saved under every policy, so routing never changes)"""
+    mlp: Literal["none", "full", "selective", "offload"] = "none"
+    """dense MLP regions"""
+    offload_min_bytes: int = 1024
+    """saved tensors smaller than this stay on the device (not worth a copy)"""
+    max_inflight_bytes: int = 1 << 30
+    """bound on staging bytes being copied at once (CUDA side stream; on CPU copies are synchronous)"""
+    report: bool = False
+    """print kept / offloaded / recomputed saved bytes per block after the first step"""
 
 
 @dataclass(frozen=True)
@@ -196,7 +229,8 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class DataConfig:
     corpus: str = "bundled"
-    """'bundled' (the English corpus shipped with fnmoe) or a path to a UTF-8 text file"""
+    """'bundled' (the English corpus shipped with fnmoe), a .jsonl[.gz] / text file, or a directory
+    written by `fnmoe prepare`"""
     tokenizer: Literal["byte"] = "byte"
     seq_len: int = 128
     val_fraction: float = 0.05
@@ -222,6 +256,9 @@ class TrainConfig:
     """accelerator peak for MFU (989 for H100/H200 bf16); 0 reports n/a"""
     threads: int = 0
     """torch intra-op threads (0: torch's default)"""
+    tensorboard: bool = False
+    """also write TensorBoard scalars and expert-load histograms to <run-dir>/tensorboard (needs the
+    tensorboard package)"""
     deterministic: bool = False
     """deterministic kernels only (torch.use_deterministic_algorithms; the cuBLAS workspace setting on
     CUDA): needed for bit-exact resume on GPUs, slower there; on CPU resume is bit-exact without it"""
@@ -243,6 +280,24 @@ class ProfileConfig:
 class PlanConfig:
     imbalance: float = 1.0
     """assumed max/mean expert load when planning memory"""
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """optimizer-state dtype the planner assumes (moments / momentum)"""
+    hbm_gb: float = 96.0
+    """device memory per GPU in GB (GH200: 96)"""
+    host_gb: float = 480.0
+    """host memory per GPU in GB usable for offload (GH200: 480 LPDDR5X per superchip)"""
+    matmul_tflops: float = 989.0 * 0.55
+    """sustained bf16 GEMM rate per GPU assumed by the step-time model (TFLOP/s)"""
+    attention_tflops: float = 989.0 * 0.4
+    """sustained flash-attention rate per GPU (TFLOP/s)"""
+    nvlink_gbps: float = 150.0
+    """per-GPU bandwidth of collectives inside a node (GB/s, one direction, achieved)"""
+    network_gbps: float = 25.0
+    """per-GPU bandwidth of collectives across nodes (GB/s, one direction: 200 Gb/s InfiniBand)"""
+    gpus_per_node: int = 4
+    """GPUs sharing fast links (GH200 NVL4 nodes: 4)"""
+    host_link_gbps: float = 150.0
+    """device<->host bandwidth per GPU for offload (GB/s; NVLink-C2C measures 300+)"""
 
 
 @dataclass(frozen=True)
@@ -409,7 +464,7 @@ def _validate_moe(e: list[str], m: ModelConfig) -> None:
     bad = [i for i in moe.dense_layers if not 0 <= i < m.n_layers]
     _check(e, not bad, f"model.moe.dense_layers has indices outside 0..{m.n_layers - 1}: {bad}")
     _check(e, moe.moe_every >= 1, f"model.moe.moe_every must be >= 1, got {moe.moe_every}")
-    for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_coeff"):
+    for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_coeff", "capacity_factor"):
         _check(e, getattr(moe, name) >= 0, f"model.moe.{name} must be >= 0, got {getattr(moe, name)}")
     _check(e, moe.bias_update_coeff == 0 or moe.router_bias,
            f"model.moe.bias_update_coeff={moe.bias_update_coeff} needs model.moe.router_bias=true")
@@ -429,6 +484,19 @@ def _validate_groups(e: list[str], moe: MoEConfig) -> None:
            f"model.moe.topk_group={moe.topk_group} groups")
 
 
+def _validate_memory(e: list[str], mem: MemoryConfig) -> None:
+    _check(e, mem.recompute in ("none", "full"), f"memory.recompute must be 'none' or 'full', got {mem.recompute!r}")
+    for name in ("attention", "moe", "mlp"):
+        value = getattr(mem, name)
+        _check(e, value in REGION_POLICIES, f"memory.{name} must be one of {REGION_POLICIES}, got {value!r}")
+        _check(e, mem.recompute == "none" or value == "none",
+               f"memory.{name}={value!r} needs memory.recompute='none' (full recompute already covers the region)")
+        _check(e, not mem.offload or value != "offload",
+               f"memory.{name}='offload' is already implied by memory.offload=true")
+    _check(e, mem.offload_min_bytes >= 0, f"memory.offload_min_bytes must be >= 0, got {mem.offload_min_bytes}")
+    _check(e, mem.max_inflight_bytes > 0, f"memory.max_inflight_bytes must be > 0, got {mem.max_inflight_bytes}")
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Return cfg unchanged, or raise ValueError listing every problem with field names and values."""
     e = validate_model(cfg.model)
@@ -437,6 +505,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         _check(e, getattr(t, name) > 0, f"train.{name} must be > 0, got {getattr(t, name)}")
     _check(e, cfg.mesh.fsdp > 0 and cfg.mesh.ep > 0,
            f"mesh.fsdp={cfg.mesh.fsdp} and mesh.ep={cfg.mesh.ep} must be > 0")
+    E = cfg.model.moe.n_experts
+    if cfg.mesh.ep > 1:  # expert parallelism gives every ep rank the same whole experts
+        _check(e, E > 0 and E % cfg.mesh.ep == 0,
+               f"model.moe.n_experts={E} must be a positive multiple of mesh.ep={cfg.mesh.ep}")
     if t.batch_size > 0 and t.grad_accum > 0 and cfg.dp_size > 0:
         _check(e, t.batch_size % (cfg.dp_size * t.grad_accum) == 0,
                f"train.batch_size={t.batch_size} must be divisible by data-parallel degree "
@@ -453,8 +525,14 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(e, o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     _check(e, 0 < o.decay_fraction <= 1, f"optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
     _check(e, o.clip_norm >= 0, f"optim.clip_norm must be >= 0, got {o.clip_norm}")
+    if o.qk_clip:
+        _check(e, o.qk_clip_tau > 0, f"optim.qk_clip_tau must be > 0, got {o.qk_clip_tau}")
+        # q/k RMSNorm undoes any rescaling of the query/key weights, so the clip could not act
+        _check(e, not cfg.model.qk_norm, "optim.qk_clip needs model.qk_norm=false")
     _check(e, cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
     _check(e, cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
+    _validate_memory(e, cfg.memory)
+    _check(e, cfg.plan.imbalance >= 1, f"plan.imbalance must be >= 1 (max/mean expert load), got {cfg.plan.imbalance}")
     if cfg.profile.steps:
         a, _, b = cfg.profile.steps.partition(":")
         ok = a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)

@@ -11,19 +11,23 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from fnmoe import checkpoint, optim
+from fnmoe import checkpoint, optim, sharding
+from fnmoe import dist as fdist
 from fnmoe.compile import cache_stats, save_artifacts, warm_start
 from fnmoe.config import RunConfig, to_toml
 from fnmoe.data import Loader, load_data, val_batches
-from fnmoe.metrics import (JsonlWriter, drop_rows_after, flops_per_token, load_by_layer, load_max_over_mean,
-                           mfu)
+from fnmoe.metrics import (JsonlWriter, MetricsWriter, TensorBoardWriter, drop_rows_after, flops_per_token,
+                           load_by_layer, load_max_over_mean, mfu)
 from fnmoe.model import init_params
 from fnmoe.train import TrainState, eval_loss, init_state, make_train_step
 
 log = logging.getLogger("fnmoe")
 # test hook (tests/test_checkpoint.py): SIGKILL the process after this step on torchrun's first attempt
 KILL_AT_STEP_ENV = "FNMOE_TEST_KILL_AT_STEP"
+# with it, only this rank dies (tests/test_sharding.py: one rank lost under torchrun)
+KILL_RANK_ENV = "FNMOE_TEST_KILL_RANK"
 
 
 def run_dir_of(run: RunConfig) -> Path:
@@ -32,9 +36,48 @@ def run_dir_of(run: RunConfig) -> Path:
 
 def _unsupported(run: RunConfig) -> None:
     """Say clearly what this build cannot do yet, before any work starts."""
-    if run.mesh.world > 1:
-        raise ValueError(f"mesh.fsdp={run.mesh.fsdp} x mesh.ep={run.mesh.ep}: multi-rank training is not "
-                         "built yet; use mesh.fsdp=1 mesh.ep=1")
+    if run.mesh.world == 1:
+        return
+    where = f"mesh.fsdp={run.mesh.fsdp} x mesh.ep={run.mesh.ep}"
+    if run.optim.name == "muon":
+        raise ValueError(f"{where}: optim.name='muon' on several ranks is not built yet (Newton-Schulz must "
+                         "see whole matrices); use optim.name='adamw'")
+    if run.resume != "none":
+        raise ValueError(f"{where}: resuming a multi-rank run is not built yet (sharded checkpoints); "
+                         "use --resume none")
+    if run.model.compile:  # compiled regions under the regather checkpoint and EP are untested
+        raise ValueError(f"{where}: model.compile on several ranks is not built yet; use --model.no-compile")
+
+
+class _NoOutput:
+    """What ranks other than 0 have instead of the metrics writer and the checkpoint saver."""
+
+    last_step = 0
+
+    def write(self, *args) -> None:
+        pass
+
+    def save(self, *args, **kwargs) -> None:
+        return None
+
+    def join(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _start_ranks(run: RunConfig):
+    """(rank, mesh or None): the process group from torchrun's environment and the mesh; the mesh
+    is checked against the job's size before any compute."""
+    if fdist.launched():
+        fdist.init_from_env(run.dist)
+    if run.mesh.world == 1 and fdist.world() == 1:
+        return 0, None
+    mesh = sharding.make_mesh(run.mesh, run.dist)
+    if fdist.rank() != 0:  # rank 0 speaks for the job; the others only warn
+        log.setLevel(logging.WARNING)
+    return fdist.rank(), mesh
 
 
 def _use_deterministic(on: bool) -> None:
@@ -71,10 +114,12 @@ def _metrics_writer(path: Path, resumed_from: int | None) -> JsonlWriter:
     return writer
 
 
-def _fault_injection(step: int) -> None:
+def _fault_injection(step: int, rank: int) -> None:
     """Dies like a crashed worker (SIGKILL, no cleanup) after step FNMOE_TEST_KILL_AT_STEP, on the
-    first attempt only (torchrun sets TORCHELASTIC_RESTART_COUNT), so a restart can resume."""
-    if os.environ.get(KILL_AT_STEP_ENV) == str(step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    first attempt only (torchrun sets TORCHELASTIC_RESTART_COUNT), so a restart can resume; with
+    FNMOE_TEST_KILL_RANK set, only that rank dies."""
+    if (os.environ.get(KILL_AT_STEP_ENV) == str(step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            and os.environ.get(KILL_RANK_ENV, str(rank)) == str(rank)):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -104,8 +149,22 @@ def _profile_window(run: RunConfig, run_dir: Path):
 
 def train(run: RunConfig) -> dict:
     """Train run from scratch or from the checkpoint --resume names, saving checkpoints on the way;
-    returns a summary (steps done, last loss, final val_loss, the last checkpoint)."""
+    returns a summary (steps done, last loss, final val_loss, the last checkpoint). Under torchrun
+    every rank runs this; rank 0 prints and writes metrics.jsonl and config.toml."""
     _unsupported(run)
+    rank, mesh = _start_ranks(run)
+    try:
+        return _train(run, rank, mesh)
+    except BaseException as e:
+        if mesh is not None:
+            e.add_note(f"fnmoe: raised on rank {rank} of {fdist.world()}")
+        raise
+    finally:
+        if mesh is not None and fdist.launched():
+            dist.destroy_process_group()
+
+
+def _train(run: RunConfig, rank: int, mesh) -> dict:
     _use_deterministic(run.train.deterministic)
     torch.manual_seed(run.train.seed)
     if run.train.threads:
@@ -118,20 +177,29 @@ def train(run: RunConfig) -> dict:
     t, L = run.train, run.data.seq_len
     data = load_data(run.data, run.model.vocab_size)
     loader = Loader(data, L, t.batch_size, t.grad_accum, t.seed)
-    val = val_batches(data, L, run.micro_batch, t.eval_batches)
+    # every rank evaluates the same global micro-batches: val_loss is the same on any mesh
+    val = val_batches(data, L, t.batch_size // t.grad_accum, t.eval_batches)
     tx, schedule = optim.from_config(run.optim, t.steps)
-    state = checkpoint.load_state(*found, run, tx, loader) if found else init_state(init_params(run.model, t.seed), tx)
+    if found:
+        state = checkpoint.load_state(*found, run, tx, loader)
+    else:
+        state = init_state(init_params(run.model, t.seed, mesh=mesh), tx)
     run_dir.mkdir(parents=True, exist_ok=True)
     if state.step >= t.steps:
         log.info("%s is at step %d and train.steps=%d: nothing to train", found[0], state.step, t.steps)
         return {"steps": state.step, "loss": None, "val_loss": None, "run_dir": str(run_dir),
                 "params": state.params, "interrupted": False, "checkpoint": str(found[0])}
-    (run_dir / "config.toml").write_text(to_toml(run))
+    if rank == 0:
+        (run_dir / "config.toml").write_text(to_toml(run))
     checkpoint.discard_after(ckpt_root, state.step)
     train_step = make_train_step(run, tx)
     fpt = flops_per_token(run.model, L)
-    writer = _metrics_writer(run_dir / "metrics.jsonl", state.step if found else None)
-    saver = checkpoint.Saver(ckpt_root, run.checkpoint, last_step=state.step)
+    writer = _NoOutput() if rank else MetricsWriter(
+        _metrics_writer(run_dir / "metrics.jsonl", state.step if found else None),
+        TensorBoardWriter(run_dir / "tensorboard") if t.tensorboard else None)
+    if mesh is not None and rank == 0:
+        log.warning("checkpoints of multi-rank runs are not written yet (sharded save comes with issue 8)")
+    saver = _NoOutput() if mesh is not None else checkpoint.Saver(ckpt_root, run.checkpoint, last_step=state.step)
     prof = _profile_window(run, run_dir)
     log.info("run %s: steps %d..%d x %d sequences x %d tokens -> %s", run.name, state.step + 1, t.steps,
              t.batch_size, L, run_dir)
@@ -141,7 +209,7 @@ def train(run: RunConfig) -> dict:
         for step in range(state.step + 1, t.steps + 1):
             if prof and step == prof[0]:
                 prof[2].start()
-            batch = [loader.batch_at(step - 1, 0, 1, m) for m in range(t.grad_accum)]
+            batch = [loader.batch_at(step - 1, rank, run.dp_size, m) for m in range(t.grad_accum)]
             t_step = time.perf_counter()
             new_state, m = train_step(state, batch)
             dt = time.perf_counter() - t_step
@@ -153,7 +221,9 @@ def train(run: RunConfig) -> dict:
                    "expert_load_max_over_mean": load_max_over_mean(m["expert_counts_LE"]),
                    "expert_load_by_layer": load_by_layer(m["expert_counts_LE"]),
                    "skipped": m["skipped"], "time_s": time.perf_counter() - start}
-            writer.write(row)
+            if "dropped_tokens" in m:
+                row["dropped_tokens"] = m["dropped_tokens"]
+            writer.write(row, m["expert_counts_LE"])
             state = new_state  # only now: a checkpoint of `state` never lacks its metrics row
             if artifacts and step == first:  # everything is compiled after this process's first step
                 save_artifacts(artifacts)
@@ -169,7 +239,7 @@ def train(run: RunConfig) -> dict:
                 writer.write({"step": step, "val_loss": eval_loss(state.params, val, run)})
             if run.checkpoint.every and step % run.checkpoint.every == 0 and step < t.steps:
                 saver.save(state, run, loader)
-            _fault_injection(step)
+            _fault_injection(step, rank)
         saved = saver.save(state, run, loader, blocking=True)
         val_loss = eval_loss(state.params, val, run)
         writer.write({"step": t.steps, "val_loss": val_loss})

@@ -104,3 +104,44 @@ def drop_rows_after(path: Path, step: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class TensorBoardWriter:
+    """Scalars of each metrics row and a histogram of tokens per expert for each MoE layer."""
+
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ValueError("train.tensorboard needs the tensorboard package: pip install tensorboard") from None
+        self.w = SummaryWriter(str(log_dir))
+
+    def write(self, row: dict, expert_counts_LE: torch.Tensor | None = None) -> None:
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.w.add_scalar(key, value, row["step"])
+        if expert_counts_LE is not None:
+            for layer, counts_E in enumerate(expert_counts_LE.float()):
+                # one sample per expert, weighted by its token count: the load distribution
+                self.w.add_histogram(f"expert_load/moe_layer_{layer}", counts_E, row["step"])
+        self.w.flush()
+
+    def close(self) -> None:
+        self.w.close()
+
+
+class MetricsWriter:
+    """metrics.jsonl, plus TensorBoard when asked: one write per row for both."""
+
+    def __init__(self, jsonl: JsonlWriter, tensorboard: TensorBoardWriter | None = None):
+        self.jsonl, self.tb = jsonl, tensorboard
+
+    def write(self, row: dict, expert_counts_LE: torch.Tensor | None = None) -> None:
+        self.jsonl.write(row)
+        if self.tb:
+            self.tb.write(row, expert_counts_LE)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb:
+            self.tb.close()

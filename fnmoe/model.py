@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from fnmoe import compile as fcompile
-from fnmoe.attention import attention, rms_norm, rope, upcast
+from fnmoe.attention import attention, max_logits_H, rms_norm, rope, upcast
 from fnmoe.config import ModelConfig
 from fnmoe.moe import moe_block, swiglu, use_grouped
 from fnmoe.tree import Tree, map_with_path, tree_map
@@ -132,8 +134,9 @@ def draw_leaf(init: LeafInit, seed: int, path: str, index: tuple[slice, ...] = (
 def init_params(cfg: ModelConfig, seed: int = 0, *, device: str | torch.device = "cpu",
                 mesh=None) -> Tree:
     """fp32 master params for cfg, the same values for a seed on any mesh; device="meta" is abstract."""
-    if mesh is not None:
-        raise NotImplementedError("init_params(mesh=...) comes with fnmoe.sharding (the mesh issue)")
+    if mesh is not None:  # this rank's shards (DTensor leaves), drawn chunk by chunk
+        from fnmoe.sharding import init_params as init_sharded  # sharding builds on this module
+        return init_sharded(cfg, seed, mesh)
     inits = leaf_inits(cfg)
     if str(device) == "meta":
         return tree_map(lambda i: torch.empty(i.shape, device="meta"), inits)
@@ -181,20 +184,54 @@ def check_tokens(tokens_BL: torch.Tensor, vocab_size: int) -> None:
                          f"0..model.vocab_size-1={vocab_size - 1}")
 
 
-def layer_params(params: Tree, i: int, dtype: torch.dtype) -> dict:
-    """Layer i's params in the compute dtype, with its router bias (kept fp32) merged in."""
-    p = tree_map(lambda t: t.to(dtype), params["layers"][str(i)])
+def cast(tree: Tree, dtype: torch.dtype) -> Tree:
+    """The gather of one process: every leaf in the compute dtype."""
+    return tree_map(lambda t: t.to(dtype), tree)
+
+
+def gather_fn(params: Tree) -> Callable:
+    """How params reach compute: `cast` for plain leaves; sharded (DTensor) leaves are gathered
+    one block at a time by fnmoe.sharding.gather."""
+    if isinstance(params["embed"]["w_VD"], DTensor):
+        from fnmoe.sharding import gather  # sharding builds on this module, so imported when used
+        return gather
+    return cast
+
+
+def _router_bias(params: Tree, i: int) -> torch.Tensor | None:
     buffers = params.get("buffers", {}).get("layers", {})
-    if str(i) in buffers:  # the router bias stays fp32: it only ranks fp32 router scores
-        p["moe"] = dict(p["moe"], router_bias_E=buffers[str(i)]["moe"]["router_bias_E"])
+    return buffers[str(i)]["moe"]["router_bias_E"] if str(i) in buffers else None
+
+
+def _with_bias(p: dict, bias_E: torch.Tensor | None) -> dict:
+    if bias_E is not None:  # the router bias stays fp32: it only ranks fp32 router scores
+        p["moe"] = dict(p["moe"], router_bias_E=bias_E)
     return p
 
 
+def layer_params(params: Tree, i: int, dtype: torch.dtype) -> dict:
+    """Layer i's params in the compute dtype, with its router bias (kept fp32) merged in."""
+    return _with_bias(gather_fn(params)(params["layers"][str(i)], dtype), _router_bias(params, i))
+
+
+def stored_block(stored: dict, bias_E, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig, gather: Callable):
+    """block on a layer's stored (sharded) params, gathered here so that a block_fn recomputing in
+    backward can gather them again there instead of keeping them."""
+    return block(_with_bias(gather(stored, DTYPE[cfg.compute_dtype]), bias_E), x_BLD, cos_LA, sin_LA, cfg)
+
+
+@torch.no_grad()
+def _block_max_logits_H(p: dict, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig) -> torch.Tensor:
+    """max_logits_H of block p's attention on the block input x_BLD (normed here, as the block does)."""
+    return max_logits_H(p["attn"], rms_norm(x_BLD, p["attn_norm"]["w_D"], cfg.norm_eps), cos_LA, sin_LA, cfg)
+
+
 def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
-                  block_fn: Callable | None = None):
+                  block_fn: Callable | None = None, record_max_logits: bool = False):
     """Final-norm hidden states [B, L, D] in the compute dtype, and aux: expert_counts_LE (tokens
     per expert per MoE layer) and balance_loss (the mean over MoE layers, 0-D; both None without
-    MoE), plus seq_balance_loss and z_loss (the same means) only when their coefficients are set.
+    MoE), plus seq_balance_loss and z_loss (the same means) only when their coefficients are set,
+    and with record_max_logits max_logits_LH (per layer and head, fp32; MuonClip's input).
 
     block_fn(fn, *args) runs a block (memory policies wrap it, e.g. recompute in backward).
     """
@@ -203,26 +240,43 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     if L > cfg.max_seq_len:
         raise ValueError(f"sequence length {L} exceeds model.max_seq_len={cfg.max_seq_len}")
     cos_LA, sin_LA = rope(cfg, torch.arange(L, device=tokens_BL.device))
-    x_BLD = params["embed"]["w_VD"].to(dtype)[tokens_BL]
-    stats = []
+    gather = gather_fn(params)
+    # F.embedding's CPU backward is deterministic; indexing's (a threaded index_put) is not
+    x_BLD = F.embedding(tokens_BL, gather(params["embed"], dtype)["w_VD"])
+    stats, max_logits = [], []
     run = block_fn or (lambda fn, *a: fn(*a))
     for i in range(cfg.n_layers):
-        x_BLD, layer_stats = run(block, layer_params(params, i, dtype), x_BLD, cos_LA, sin_LA, cfg)
+        stored, bias_E = params["layers"][str(i)], _router_bias(params, i)
+        if gather is cast:  # one process: the block takes its cast params, which memory policies keep
+            p = _with_bias(cast(stored, dtype), bias_E)
+            block_args = (block, p, x_BLD, cos_LA, sin_LA, cfg)
+        else:  # sharded: gathered inside the block, so that a recompute in backward gathers again
+            block_args = (stored_block, stored, bias_E, x_BLD, cos_LA, sin_LA, cfg, gather)
+        if record_max_logits:  # outside block_fn, so recompute in backward does not repeat it
+            with torch.no_grad():
+                p = _with_bias(gather(stored, dtype), bias_E)
+            max_logits.append(_block_max_logits_H(p, x_BLD, cos_LA, sin_LA, cfg))
+        x_BLD, layer_stats = run(*block_args)
         if layer_stats is not None:
             stats.append(layer_stats)
-    x_BLD = rms_norm(x_BLD, params["final_norm"]["w_D"].to(dtype), cfg.norm_eps)
-    if not stats:
-        return x_BLD, {"expert_counts_LE": None, "balance_loss": None}
-    aux = {"expert_counts_LE": torch.stack([s["counts_E"] for s in stats])}
-    for key in ("balance_loss", "seq_balance_loss", "z_loss"):
-        if key in stats[0]:
-            aux[key] = torch.stack([s[key] for s in stats]).mean()
+    x_BLD = rms_norm(x_BLD, gather(params["final_norm"], dtype)["w_D"], cfg.norm_eps)
+    aux = {"expert_counts_LE": None, "balance_loss": None}
+    if stats:
+        aux = {"expert_counts_LE": torch.stack([s["counts_E"] for s in stats]),
+               "probs_sum_LE": torch.stack([s["probs_sum_E"] for s in stats]),
+               "dropped_L": torch.stack([s["dropped"] for s in stats])}
+        for key in ("balance_loss", "seq_balance_loss", "z_loss"):
+            if key in stats[0]:
+                aux[key] = torch.stack([s[key] for s in stats]).mean()
+    if record_max_logits:
+        aux["max_logits_LH"] = torch.stack(max_logits)
     return x_BLD, aux
 
 
 def head_weight(params: Tree, cfg: ModelConfig) -> torch.Tensor:
-    """[D, V] output projection (the embedding's transpose when tied)."""
-    return params["embed"]["w_VD"].T if cfg.tie_embeddings else params["head"]["w_DV"]
+    """[D, V] output projection (the embedding's transpose when tied), in the compute dtype."""
+    dtype, gather = DTYPE[cfg.compute_dtype], gather_fn(params)
+    return gather(params["embed"], dtype)["w_VD"].T if cfg.tie_embeddings else gather(params["head"], dtype)["w_DV"]
 
 
 def forward(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig):

@@ -2,19 +2,23 @@
 
 Legend: B batch, L sequence, T tokens (B·L), D model, F expert hidden, E experts, K top-k,
 R routed rows (T·K; per sequence L·K), G expert groups, S experts per group (E/G), N MoE layers.
-Expert weights are stacked [E, in, out]. Dropless: every token reaches its K experts, so R is
-fixed and no shape depends on routing (a compiled region never recompiles as counts change).
+Expert weights are stacked [E, in, out]. Dropless by default: every token reaches its K experts, so R is
+fixed and no shape depends on routing (a compiled region never recompiles as counts change); with
+model.moe.capacity_factor rows over an expert's capacity are dropped (`over_capacity`).
 
 The grouped path runs all experts as one `torch._grouped_mm` (bf16, dims aligned to 16 bytes);
 the loop path (fp32, or unaligned dims) runs one matmul per expert and is the reference.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from fnmoe.attention import upcast
 from fnmoe.config import ModelConfig
+from fnmoe.dispatch import ep_expert_mlp
 
 try:  # private torch API, imported here only
     _grouped_mm = torch._grouped_mm
@@ -54,22 +58,69 @@ def limit_groups(choice_TE: torch.Tensor, n_group: int, topk_group: int) -> torc
     return choice_TGS.masked_fill(~keep_TG[:, :, None], float("-inf")).view(T, E)
 
 
+class _RepeatRows(torch.autograd.Function):
+    """x_RD = x_TD[order_R // K]: each token K times, in expert order. Its backward gathers the
+    rows back into token order and sums each token's K, where indexing's would scatter-add."""
+
+    @staticmethod
+    def forward(x_TD, order_R, inverse_R, K: int):
+        return x_TD.index_select(0, order_R // K)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+        ctx.K = inputs[3]
+
+    @staticmethod
+    def backward(ctx, g_RD):
+        (inverse_R,) = ctx.saved_tensors
+        T = inverse_R.shape[0] // ctx.K
+        return g_RD.index_select(0, inverse_R).view(T, ctx.K, -1).sum(1), None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """y[index_R] for a permutation index_R whose inverse is inverse_R: the backward is the
+    inverse gather, deterministic and without the scatter-add indexing's backward would run."""
+
+    @staticmethod
+    def forward(y_RD, index_R, inverse_R):
+        return y_RD.index_select(0, index_R)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+
+    @staticmethod
+    def backward(ctx, g_RD):
+        (inverse_R,) = ctx.saved_tensors
+        return g_RD.index_select(0, inverse_R), None, None
+
+
 def permute(x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int):
-    """Rows grouped by expert: (x_RD, counts_E int64, order_R) with x_RD = x_TD[order_R // K]."""
+    """Rows grouped by expert: (x_RD, counts_E int64, order_R, inverse_R) with
+    x_RD = x_TD[order_R // K] and inverse_R the inverse permutation of order_R."""
     K = idx_TK.shape[1]
     flat_R = idx_TK.reshape(-1)
     order_R = torch.argsort(flat_R, stable=True)
+    inverse_R = torch.argsort(order_R)  # a permutation's inverse, without an in-place write
     counts_E = torch.zeros(n_experts, dtype=torch.int64, device=x_TD.device)
     counts_E = counts_E.scatter_add(0, flat_R, torch.ones_like(flat_R))
-    return x_TD[order_R // K], counts_E, order_R
+    return _RepeatRows.apply(x_TD, order_R, inverse_R, K), counts_E, order_R, inverse_R
 
 
-def unpermute(y_RD: torch.Tensor, order_R: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-    """Combine each token's K expert outputs, weighted; a gather (deterministic), not a scatter."""
+def over_capacity(counts_E: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows each expert keeps, indices of the kept rows) when each expert takes at most capacity
+    rows; rows are sorted by expert, and within an expert in token order, so the first ones stay."""
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    expert_R = torch.repeat_interleave(torch.arange(counts_E.shape[0], device=counts_E.device), counts_E)
+    rank_R = torch.arange(expert_R.shape[0], device=counts_E.device) - start_E[expert_R]
+    return counts_E.clamp(max=capacity), (rank_R < capacity).nonzero().squeeze(1)
+
+
+def unpermute(y_RD: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    """Combine each token's K expert outputs, weighted; gathers both ways (deterministic)."""
     T, K = w_TK.shape
-    inverse_R = torch.empty_like(order_R)
-    inverse_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
-    y_TKD = y_RD[inverse_R].view(T, K, -1)
+    y_TKD = _PermuteRows.apply(y_RD, inverse_R, order_R).view(T, K, -1)
     return torch.bmm(w_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
 
 
@@ -118,6 +169,16 @@ def balance_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> 
     return E * (counts_E.to(probs_TE.dtype) / (T * top_k) * probs_TE.mean(0)).sum()
 
 
+def balance_loss_part(probs_sum_NE: torch.Tensor, counts_NE: torch.Tensor, n_tokens: int, top_k: int):
+    """This rank's part of the Switch loss of a batch spread over ranks, mean over N MoE layers:
+    E·Σ_e f_e·(Σ_t p_te over this rank's tokens)/T, with f_e and T from the whole batch (counts_NE
+    summed over ranks, n_tokens = T). The loss is not a mean over tokens, but this part is linear
+    in the rank's probabilities, so the parts sum to the whole batch's loss and gradient."""
+    E = probs_sum_NE.shape[-1]
+    f_NE = counts_NE.to(probs_sum_NE.dtype) / (n_tokens * top_k)
+    return (E * f_NE * probs_sum_NE / n_tokens).sum(-1).mean()
+
+
 def seq_balance_loss(probs_BLE: torch.Tensor, idx_BLK: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss: the Switch loss of each sequence, averaged over
     sequences (probs are normalised over experts; 1.0 when every sequence is balanced)."""
@@ -141,19 +202,32 @@ def _balance_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
 
 def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, grouped: bool):
     """(out_BLD, stats): routed experts (+ shared experts) for every token. p holds router_DE,
-    the expert stacks, optionally shared.* and router_bias_E. stats: counts_E, balance_loss, and
-    seq_balance_loss / z_loss when their coefficients are non-zero."""
+    the expert stacks, optionally shared.* and router_bias_E, and with expert parallelism ep_group
+    (the stacks then hold that ep rank's experts; fnmoe.sharding.gather adds it). stats: counts_E,
+    balance_loss, probs_sum_E (the Switch loss's parts, for data parallelism), dropped (rows over
+    capacity), and seq_balance_loss / z_loss when their coefficients are non-zero."""
     m = cfg.moe
     B, L, D = x_BLD.shape
     x_TD = x_BLD.reshape(B * L, D)
     w_TK, idx_TK, scores_TE, logits_TE = route(x_TD, p["router_DE"], cfg, p.get("router_bias_E"))
-    x_RD, counts_E, order_R = permute(x_TD, idx_TK, m.n_experts)
-    y_RD = expert_mlp(x_RD, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"], counts_E, grouped)
-    out_TD = unpermute(y_RD, order_R, w_TK)
+    x_RD, counts_E, order_R, inverse_R = permute(x_TD, idx_TK, m.n_experts)
+    kept_E, keep_R = counts_E, None
+    if m.capacity_factor:
+        kept_E, keep_R = over_capacity(counts_E, math.ceil(m.capacity_factor * x_RD.shape[0] / m.n_experts))
+        x_RD = x_RD[keep_R]
+    if "ep_group" in p:  # expert parallel: the stacks hold this ep rank's experts only
+        y_RD = ep_expert_mlp(expert_mlp, x_RD, kept_E, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"],
+                             p["ep_group"], grouped)
+    else:
+        y_RD = expert_mlp(x_RD, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"], kept_E, grouped)
+    if keep_R is not None:  # dropped rows add nothing to their token's output
+        y_RD = y_RD.new_zeros(order_R.shape[0], y_RD.shape[1]).index_put((keep_R,), y_RD)
+    out_TD = unpermute(y_RD, order_R, inverse_R, w_TK)
     if "shared" in p:
         out_TD = out_TD + swiglu(p["shared"], x_TD)
     probs_TE = _balance_probs(scores_TE, m.score_func)
-    stats = {"counts_E": counts_E, "balance_loss": balance_loss(probs_TE, counts_E, m.top_k)}
+    stats = {"counts_E": counts_E, "balance_loss": balance_loss(probs_TE, counts_E, m.top_k),
+             "probs_sum_E": probs_TE.sum(0), "dropped": (counts_E - kept_E).sum()}
     if m.seq_aux_loss_coeff:
         stats["seq_balance_loss"] = seq_balance_loss(probs_TE.view(B, L, -1), idx_TK.view(B, L, -1))
     if m.z_loss_coeff:

@@ -26,6 +26,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from fnmoe import sharding
 from fnmoe.config import OptimConfig
 from fnmoe.tree import tree_flatten_with_paths, tree_map
 
@@ -151,6 +154,15 @@ def apply_updates(params: Tree, updates: Tree, inplace: bool = False) -> Tree:
     return tree_map(lambda p, u: (p + u).to(p.dtype).requires_grad_(p.requires_grad), params, updates)
 
 
+@torch.no_grad()
+def select(ok: Tensor, on_true: Tree, on_false: Tree) -> Tree:
+    """torch.where(ok, ., .) leaf by leaf for a 0-D bool `ok`: a decision taken on the device
+    (skip a non-finite step) without reading the flag on the host. Leaves come out bitwise
+    equal to the chosen tree's, NaNs and signed zeros included."""
+    return tree_map(lambda a, b: torch.where(ok.to(a.device), a, b).requires_grad_(a.requires_grad),
+                    on_true, on_false)
+
+
 def set_hyperparams(state: Tree, **values: float) -> Tree:
     """A copy of `state` with every NamedTuple field of one of these names set to the value.
 
@@ -175,6 +187,8 @@ def global_norm(tree: Tree) -> Tensor:
     norms, as torch.nn.utils.clip_grad_norm_ computes it). Integer leaves (counters under
     `buffers`) carry no gradient and are skipped."""
     leaves = [x for x in _leaves(tree) if x.is_floating_point()]
+    if any(isinstance(x, DTensor) for x in leaves):  # sharded: each mesh's part, summed over its ranks
+        return sharding.global_norm_sq(tree).sqrt()
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
     norms = [torch.linalg.vector_norm(x, dtype=torch.float32) for x in leaves]
@@ -412,7 +426,8 @@ def from_config(ocfg: OptimConfig, total_steps: int) -> tuple[GradientTransforma
         tx = muon(schedule, weight_decay=ocfg.weight_decay, momentum=ocfg.momentum, nesterov=ocfg.nesterov,
                   ns_steps=ocfg.ns_steps, adjust_lr=ocfg.adjust_lr,
                   adamw_lr=schedule_from_config(ocfg, ocfg.adamw_lr or ocfg.lr, total_steps),
-                  adamw_betas=(ocfg.beta1, ocfg.beta2), adamw_eps=ocfg.eps)
+                  adamw_betas=(ocfg.beta1, ocfg.beta2), adamw_eps=ocfg.eps,
+                  momentum_dtype=getattr(torch, ocfg.momentum_dtype))
     elif ocfg.name == "adamw":
         tx = partition({"adamw": adamw(schedule, ocfg.beta1, ocfg.beta2, ocfg.eps, ocfg.weight_decay, mask=decay_mask),
                         "frozen": set_to_zero()},

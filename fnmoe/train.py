@@ -12,15 +12,17 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from fnmoe import optim
+from fnmoe import muon, optim
 from fnmoe.attention import upcast
 from fnmoe.config import ModelConfig, RunConfig
-from fnmoe.memory import block_runner
+from fnmoe.memory import train_runner
 from fnmoe.model import check_tokens, head_weight, hidden_states
-from fnmoe.moe import update_router_bias
+from fnmoe.moe import balance_loss_part, update_router_bias
+from fnmoe.sharding import all_sum, regather_in_backward
 from fnmoe.tree import Tree, tree_map, value_and_grad
 
 IGNORE = -100
@@ -51,14 +53,15 @@ def ce_loss_sum(h_BLD: torch.Tensor, w_DV: torch.Tensor, labels_BL: torch.Tensor
 
 
 def loss_fn(params: Tree, inputs_BL: torch.Tensor, labels_BL: torch.Tensor, cfg: ModelConfig,
-            n_global: torch.Tensor | int, ce_chunks: int = 1, block_fn: Callable | None = None):
+            n_global: torch.Tensor | int, ce_chunks: int = 1, block_fn: Callable | None = None,
+            record_max_logits: bool = False):
     """(this micro-batch's share of the step loss, aux); n_global counts the step's non-ignored labels.
 
     The router losses (load balance, sequence-wise balance, z-loss) are weighted by this
     micro-batch's share of the labels, so the step's total weights each once; aux["ce_loss"] is
-    the cross-entropy part alone.
+    the cross-entropy part alone; with record_max_logits, aux["max_logits_LH"] feeds MuonClip.
     """
-    h_BLD, aux = hidden_states(params, inputs_BL, cfg, block_fn)
+    h_BLD, aux = hidden_states(params, inputs_BL, cfg, block_fn, record_max_logits)
     ce = ce_loss_sum(h_BLD, head_weight(params, cfg), labels_BL, ce_chunks) / n_global
     aux["ce_loss"] = ce.detach()
     m = cfg.moe
@@ -67,43 +70,78 @@ def loss_fn(params: Tree, inputs_BL: torch.Tensor, labels_BL: torch.Tensor, cfg:
     terms = [(coeff, value) for coeff, value in terms if coeff and value is not None]
     if not terms:
         return ce, aux
-    share = (labels_BL != IGNORE).sum() / n_global
+    n_local = (labels_BL != IGNORE).sum()
     loss = ce
     for coeff, value in terms:
+        share = n_local / n_global
+        if value is aux["balance_loss"] and dist.is_initialized():
+            # with data parallelism each rank adds its part of the whole micro-batch's Switch loss
+            counts_NE = all_sum(aux["expert_counts_LE"])
+            value = balance_loss_part(aux["probs_sum_LE"], counts_NE, counts_NE[0].sum() // m.top_k, m.top_k)
+            share = all_sum(n_local) / n_global
         loss = loss + coeff * share * value
     return loss, aux
+
+
+def _all_max(t: torch.Tensor) -> torch.Tensor:
+    """t's elementwise max over every rank (t itself without a process group)."""
+    if not dist.is_initialized():
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
 
 
 def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callable:
     """train_step(state, micro_batches) -> (state, metrics); micro_batches: [(inputs_BL, labels_BL)]."""
     cfg = run.model
     grad_fn = value_and_grad(loss_fn, has_aux=True)
-    block_fn = block_runner(run.memory)
+    block_fn = train_runner(run)
+    if block_fn is None and run.mesh.world > 1 and run.mesh.reshard_after_forward:
+        block_fn = regather_in_backward  # gathered weights are dropped after forward, gathered again in backward
+    qk_clip = run.optim.qk_clip
 
     def train_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
         for inputs_BL, labels_BL in micro_batches:
             check_tokens(inputs_BL, cfg.vocab_size)
-        n_global = sum(int((y != IGNORE).sum()) for _, y in micro_batches)
+        # every rank's labels count: the loss is the same function of the global batch on any mesh
+        n_global = int(all_sum(sum((y != IGNORE).sum() for _, y in micro_batches)))
         if n_global == 0:
             raise ValueError("every label of this step is ignored (-100): the loss is undefined")
-        loss, grads, counts = torch.zeros(()), None, None
+        loss, grads, counts, max_logits_LH, dropped = torch.zeros(()), None, None, None, 0
         for inputs_BL, labels_BL in micro_batches:
-            (_, aux), g = grad_fn(state.params, inputs_BL, labels_BL, cfg, n_global, run.train.ce_chunks, block_fn)
+            (_, aux), g = grad_fn(state.params, inputs_BL, labels_BL, cfg, n_global, run.train.ce_chunks, block_fn,
+                                  record_max_logits=qk_clip)
             loss = loss + aux["ce_loss"]
             grads = g if grads is None else tree_map(torch.add, grads, g)
             c = aux["expert_counts_LE"]
             counts = c if counts is None else counts + c
+            if cfg.moe.capacity_factor:
+                dropped = dropped + aux["dropped_L"].sum()
+            if qk_clip:
+                m = aux["max_logits_LH"]
+                max_logits_LH = m if max_logits_LH is None else torch.maximum(max_logits_LH, m)
+        loss = all_sum(loss)
+        if qk_clip:  # every rank clips the same heads by the same gamma, or replicas would drift apart
+            max_logits_LH = _all_max(max_logits_LH)
+        counts = None if counts is None else all_sum(counts)  # the router bias sees every rank's tokens
         grad_norm = optim.global_norm(grads)
-        finite = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss))
-        if finite:
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optim.apply_updates(state.params, updates)
-            # the router bias follows its own rule, after the optimizer (which leaves buffers alone)
-            params = update_router_bias(params, counts, cfg)
-        else:  # a skipped step leaves params and optimizer state exactly as they were
-            params, opt_state = state.params, state.opt_state
-        metrics = {"loss": loss.item(), "grad_norm": grad_norm.item(), "skipped": int(not finite),
+        finite = torch.isfinite(grad_norm) & torch.isfinite(loss)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optim.apply_updates(state.params, updates)
+        # the router bias follows its own rule, after the optimizer (which leaves buffers alone)
+        params = update_router_bias(params, counts, cfg)
+        if qk_clip:
+            params = muon.qk_clip(params, max_logits_LH, cfg, run.optim.qk_clip_tau)
+        # a non-finite step leaves params and optimizer state bitwise as they were; chosen on the
+        # device, so nothing waits for the flag before the metrics read it with the loss below
+        params = optim.select(finite, params, state.params)
+        opt_state = optim.select(finite, opt_state, state.opt_state)
+        loss_f, grad_norm_f, finite_f = torch.stack([loss, grad_norm.to(loss), finite.to(loss)]).tolist()
+        metrics = {"loss": loss_f, "grad_norm": grad_norm_f, "skipped": int(not finite_f),
                    "n_tokens": n_global, "expert_counts_LE": counts}
+        if cfg.moe.capacity_factor:  # routed (token, expert) rows over capacity, all ranks
+            metrics["dropped_tokens"] = int(all_sum(torch.as_tensor(dropped)))
         return TrainState(params, opt_state, state.step + 1), metrics
 
     return train_step

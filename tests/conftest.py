@@ -2,4 +2,8 @@
 import os
 import tempfile
 
+# OpenMP's busy-waiting threads starve each other when test processes (torchrun ranks, CLI
+# subprocesses) share 2 cores; passive waiting costs nothing when a core is free.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"fnmoe-test-inductor-{os.getuid()}"))

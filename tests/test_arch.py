@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fnmoe import optim
 from fnmoe.attention import attention, mla_softmax_scale, rope, yarn_inv_freq

@@ -71,7 +71,7 @@ def test_train_writes_the_run_files_in_a_fresh_process(tmp_path):
     (["--model.moe.top-k", "9"], "model.moe.top_k=9 must be in 1..model.moe.n_experts=8"),
     (["--train.batch-size", "6", "--train.grad-accum", "4"], "train.batch_size=6 must be divisible"),
     (["--config", "nope.toml"], "config file not found: nope.toml"),
-    (["--mesh.fsdp", "2"], "multi-rank training is not built yet"),
+    (["--mesh.fsdp", "2"], "mesh.fsdp=2 x mesh.ep=1 = 2 ranks, but the job has 1"),
     (["--profile.steps", "5"], "profile.steps must be A:B"),
 ])
 def test_bad_configs_are_named(args, message, capsys, tmp_path):

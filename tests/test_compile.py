@@ -1,5 +1,4 @@
 """Compiled regions: no graph breaks, no recompiles as routing and lr change, warm starts, inspect."""
-import dataclasses
 import os
 import re
 import shutil

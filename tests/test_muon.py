@@ -4,14 +4,22 @@ Our weights are [in, out]; torch.optim.Muon's are [out, in], so each reference r
 and is transposed back. Momentum buffers and Newton-Schulz outputs match bitwise; params
 match to ~1 ulp per step (torch rounds twice in place, p + update once), checked at 1e-6.
 
-Legend: E experts, I in, O out.
+Legend: E experts, I in, O out; MuonClip: B batch, L sequence (or layers in _LH), H query heads,
+G kv heads, I q/k head dim.
 """
+import json
+
 import pytest
 import torch
 import torch._dynamo.testing
 
 import fnmoe.muon as fmuon
 from fnmoe import optim
+from fnmoe.attention import gqa_qk, max_logits_H, mla_qkv, mla_softmax_scale, rope
+from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig, validate
+from fnmoe.model import hidden_states, init_params
+from fnmoe.train import init_state, make_train_step
+from fnmoe.tree import flatten_dict
 
 SHAPES = {"tall": (64, 24), "wide": (24, 64), "square": (32, 32)}
 
@@ -201,3 +209,132 @@ def test_lr_scale_and_options():
     out, states = fnmoe_run(fmuon.muon(0.02, momentum_dtype=torch.bfloat16), params, grads_for(params, 2))
     assert states[-1]["muon"][0].mu["w"].dtype == torch.bfloat16 and out["w"].dtype == torch.float32
     assert optim.muon is fmuon.muon  # re-exported
+
+
+# ------------------------------------------------------------------ MuonClip (qk_clip)
+
+DENSE = dict(vocab_size=264, dim=32, n_layers=2, ffn_hidden=64, init_std=0.3, moe=MoEConfig(n_experts=0))
+MLA = dict(attention="mla", n_heads=4, n_kv_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+           v_head_dim=8)
+CLIP_CFGS = {
+    "gqa_shared_kv": ModelConfig(n_heads=4, n_kv_heads=2, **DENSE),
+    "gqa_one_q_per_kv": ModelConfig(n_heads=4, n_kv_heads=4, **DENSE),
+    "mla": ModelConfig(**MLA, **DENSE),
+    "mla_q_lora": ModelConfig(**MLA, q_lora_rank=16, **DENSE),
+}
+
+
+def recorded_max_logits(params, tokens_BL, cfg):
+    return hidden_states(params, tokens_BL, cfg, record_max_logits=True)[1]["max_logits_LH"]
+
+
+def test_max_logits_match_full_scores_and_chunking():
+    for cfg in CLIP_CFGS.values():
+        p = init_params(cfg, seed=0)["layers"]["0"]["attn"]
+        x_BLD = torch.randn(2, 10, cfg.dim, generator=gen(1))
+        cos, sin = rope(cfg, torch.arange(10))
+        if cfg.attention == "mla":
+            q_BLHI, k_BLHI, _ = mla_qkv(p, x_BLD, cos, sin, cfg)
+            scale = mla_softmax_scale(cfg)
+        else:
+            q_BLHI, k_BLGI = gqa_qk(p, x_BLD, cos, sin, cfg)
+            k_BLHI, scale = k_BLGI.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, dim=2), cfg.head_dim_ ** -0.5
+        s_BHLL = torch.einsum("bqhi,bkhi->bhqk", q_BLHI, k_BLHI) * scale
+        s_BHLL = s_BHLL.masked_fill(torch.ones(10, 10, dtype=torch.bool).triu(1), -torch.inf)
+        want_H = s_BHLL.amax(dim=(0, 2, 3))
+        assert torch.allclose(max_logits_H(p, x_BLD, cos, sin, cfg), want_H, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(max_logits_H(p, x_BLD, cos, sin, cfg, chunk=3), want_H, rtol=1e-5, atol=1e-6)
+
+
+def head_columns(cfg) -> dict[int, list[tuple[str, slice, str]]]:
+    """Per query head h, (leaf, columns, expected factor name) of the weights the clip may scale."""
+    H = cfg.n_heads
+    if cfg.attention == "mla":
+        J, P, U = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        q = "w_q_b_QN" if cfg.q_lora_rank else "w_q_DN"
+        I, X = J + P, J + U
+        return {h: [(q, slice(h * I, h * I + J), "sqrt"), (q, slice(h * I + J, (h + 1) * I), "gamma"),
+                    ("w_kv_b_CX", slice(h * X, h * X + J), "sqrt"),
+                    ("w_kv_b_CX", slice(h * X + J, (h + 1) * X), "one")] for h in range(H)}
+    A = cfg.head_dim_
+    cols = lambda h: slice(h * A, (h + 1) * A)  # noqa: E731
+    if cfg.n_kv_heads == H:
+        return {h: [("w_q_DN", cols(h), "sqrt"), ("w_k_DM", cols(h), "sqrt")] for h in range(H)}
+    return {h: [("w_q_DN", cols(h), "gamma")] for h in range(H)}
+
+
+@pytest.mark.parametrize("name", CLIP_CFGS)
+def test_qk_clip_brings_max_logits_to_tau_and_leaves_other_heads_bitwise(name):
+    cfg = CLIP_CFGS[name]
+    params = init_params(cfg, seed=0)
+    tokens_BL = torch.randint(0, 256, (2, 16), generator=gen(2))
+    before_LH = recorded_max_logits(params, tokens_BL, cfg)
+    tau = before_LH.median().item()
+    clipped_LH = before_LH > tau
+    assert clipped_LH.any() and not clipped_LH.all()
+    new = fmuon.qk_clip(params, before_LH, cfg, tau)
+
+    # layer 0 sees the same input: clipped heads now peak at tau, the others exactly as before
+    after_H, before_H = recorded_max_logits(new, tokens_BL, cfg)[0], before_LH[0]
+    c = clipped_LH[0]
+    assert (after_H[c] <= tau * (1 + 1e-5)).all() and torch.allclose(after_H[c], torch.full_like(after_H[c], tau),
+                                                                      rtol=1e-5)
+    assert torch.equal(after_H[~c], before_H[~c])
+
+    scaled = {leaf for parts in head_columns(cfg).values() for leaf, _, _ in parts}
+    old_flat, new_flat = flatten_dict(params), flatten_dict(new)
+    for path in old_flat:  # every leaf the clip does not touch is the same tensor
+        if not (path.startswith("layers.") and ".attn." in path and path.rsplit(".", 1)[1] in scaled):
+            assert new_flat[path] is old_flat[path], path
+    for i, layer in params["layers"].items():
+        for h, parts in head_columns(cfg).items():
+            gamma = tau / before_LH[int(i), h].item()
+            for leaf, cols, kind in parts:
+                old, got = layer["attn"][leaf][:, cols], new["layers"][i]["attn"][leaf][:, cols]
+                if not clipped_LH[int(i), h] or kind == "one":
+                    assert torch.equal(got, old), (i, h, leaf)
+                else:
+                    factor = gamma if kind == "gamma" else gamma ** 0.5
+                    assert torch.allclose(got, old * factor, rtol=1e-6, atol=0), (i, h, leaf, kind)
+    if cfg.attention == "mla":  # the rope key, shared by all heads, is never scaled
+        assert new["layers"]["0"]["attn"]["w_kv_a_DW"] is params["layers"]["0"]["attn"]["w_kv_a_DW"]
+
+
+def test_train_step_clips_after_the_update():
+    """train_step with optim.qk_clip == the step without it, then qk_clip with the step's recorded max logits."""
+    cfg = CLIP_CFGS["gqa_shared_kv"]
+    params = init_params(cfg, seed=1)
+    micro = [(torch.randint(0, 256, (2, 12), generator=gen(s)), torch.randint(0, 256, (2, 12), generator=gen(s + 9)))
+             for s in (3, 4)]
+    before_LH = torch.maximum(*(recorded_max_logits(params, x, cfg) for x, _ in micro))
+    tau = before_LH.median().item()
+    runs = [RunConfig(model=cfg, train=TrainConfig(batch_size=4, grad_accum=2), data=DataConfig(seq_len=12),
+                      optim=OptimConfig(name="muon", warmup_steps=0, qk_clip=clip, qk_clip_tau=tau))
+            for clip in (False, True)]
+    tx = optim.from_config(runs[0].optim, 10)[0]
+    plain, clipped = (make_train_step(run, tx)(init_state(params, tx), micro)[0] for run in runs)
+    want = fmuon.qk_clip(plain.params, before_LH, cfg, tau)
+    assert all(torch.equal(a, b) for a, b in zip(flatten_dict(clipped.params).values(), flatten_dict(want).values()))
+    q_key = "layers.0.attn.w_q_DN"
+    assert not torch.equal(flatten_dict(clipped.params)[q_key], flatten_dict(plain.params)[q_key])
+
+
+def test_qk_clip_config_checks():
+    with pytest.raises(ValueError, match="qk_clip_tau"):
+        validate(RunConfig(optim=OptimConfig(qk_clip=True, qk_clip_tau=0.0)))
+    with pytest.raises(ValueError, match="qk_norm"):
+        validate(RunConfig(model=ModelConfig(qk_norm=True), optim=OptimConfig(qk_clip=True)))
+
+
+def test_fnmoe_train_with_muon_end_to_end(tmp_path):
+    """`fnmoe train --optim.name muon` (with MuonClip and bf16 momentum) on a tiny model: the loss falls."""
+    from fnmoe.cli import main
+
+    rc = main(["train", "--optim.name", "muon", "--optim.qk-clip", "--optim.momentum-dtype", "bfloat16",
+               "--optim.warmup-steps", "0", "--optim.lr", "0.01", "--train.steps", "8", "--train.eval-batches", "1",
+               "--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
+               "--train.batch-size", "4", "--data.seq-len", "32", "--train.run-dir", str(tmp_path)])
+    assert rc == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.5 and not any(r["skipped"] for r in rows if "loss" in r)

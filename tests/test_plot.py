@@ -39,3 +39,20 @@ def test_plots_match_the_metrics_file(tmp_path):
 def test_plot_errors_name_the_problem(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_tensorboard_scalars_and_expert_histograms(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    assert main(["train", "--train.steps", "3", "--train.tensorboard", "--train.run-dir", str(run_dir), *SMALL]) == 0
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"histograms": 0, "scalars": 0})
+    acc.Reload()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3]
+    assert [e.value for e in acc.Scalars("loss")] == pytest.approx(losses, rel=1e-6)
+    assert acc.Scalars("val_loss")[-1].value == pytest.approx(rows[-1]["val_loss"], rel=1e-6)
+    hists = [t for t in acc.Tags()["histograms"] if t.startswith("expert_load/")]
+    assert len(hists) == 3 and len(acc.Histograms(hists[0])) == 3

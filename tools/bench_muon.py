@@ -1,31 +1,45 @@
 """Time one Muon step of fnmoe (batched Newton-Schulz) against torch.optim.Muon, in one process.
 
-The parameter set is model-like: per layer four attention matrices [D, D] and an expert
-stack up [E, D, F] and down [E, F, D]. torch.optim.Muon only takes 2-D parameters, so it
-gets each matrix, and each expert, as its own [out, in] parameter. Both run eagerly on the
-same gradients; the step includes the parameter update. Prints ms per step and the ratio.
+The tensors are a preset's Muon leaves (every matrix and expert stack of fnmoe.model.leaf_inits,
+default: configs/tiny.toml widened to 8 layers x 32 experts); embeddings, head and norms go to
+AdamW in both and are left out. torch.optim.Muon only takes 2-D parameters, so it gets each
+matrix, and each expert of a stack, as its own [out, in] parameter. Both take the same gradients;
+a step includes the parameter update. fnmoe runs eager and compiled (the whole update plus
+apply_updates as one fullgraph function; its compile time is reported on its own line).
 
-    python tools/bench_muon.py [--layers 8 --dim 512 --experts 16 --ffn 256 --steps 5]
+    python tools/bench_muon.py [--config configs/tiny.toml --layers 8 --experts 32 --steps 5 --threads 1]
 
-Legend: D model dim, E experts, F expert hidden.
+Legend: no shape-suffixed tensors; trees of leaves as in fnmoe.optim.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from fnmoe import optim
+from fnmoe.compile import compile_fn
+from fnmoe.config import load_config
+from fnmoe.model import leaf_inits
+from fnmoe.tree import flatten_dict, tree_map, unflatten_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+KW = dict(weight_decay=0.1, momentum=0.95, nesterov=True)
 
 
-def make_params(layers: int, D: int, E: int, F: int, seed: int = 0) -> dict:
+def muon_leaves(config: str, layers: int, experts: int, seed: int = 0) -> dict:
+    """Random fp32 tensors shaped like the preset's Muon-labelled leaves (as a tree)."""
+    run = load_config(config)
+    cfg = dataclasses.replace(run.model, n_layers=layers, moe=dataclasses.replace(run.model.moe, n_experts=experts))
+    shapes = flatten_dict(tree_map(lambda i: torch.empty(i.shape, device="meta"), leaf_inits(cfg)))
+    labels = flatten_dict(optim.default_labels(unflatten_dict(shapes)))
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g) * 0.02  # noqa: E731
-    return {"layers": {str(i): {"attn": {n: r(D, D) for n in ("w_q_DD", "w_k_DD", "w_v_DD", "w_o_DD")},
-                                "moe": {"w_up_EDF": r(E, D, F), "w_down_EFD": r(E, F, D)}}
-                       for i in range(layers)}}
+    muon = {k: x for k, x in shapes.items() if labels[k] == "muon"}
+    return unflatten_dict({k: torch.randn(x.shape, generator=g) * 0.02 for k, x in muon.items()})
 
 
 def timed(fn, steps: int) -> float:
@@ -39,44 +53,65 @@ def timed(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--ffn", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=5)
-    args = ap.parse_args()
-
-    params = make_params(args.layers, args.dim, args.experts, args.ffn)
-    grads = optim.tree_map(lambda p: torch.randn_like(p), params)
-    kw = dict(weight_decay=0.1, momentum=0.95, nesterov=True)
-
-    tx = optim.muon(0.02, adjust_lr="match_rms_adamw", **kw)
-    state = {"params": params, "opt": tx.init(params)}
+def fnmoe_stepper(params: dict, grads: dict, compile: bool):
+    """(step(), seconds of the first call): one muon update plus apply_updates on a held state."""
+    tx = optim.muon(0.02, adjust_lr="match_rms_adamw", **KW)
 
     @torch.no_grad()
-    def fnmoe_step() -> None:
-        updates, state["opt"] = tx.update(grads, state["opt"], state["params"])
-        state["params"] = optim.apply_updates(state["params"], updates)
+    def update(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), opt_state
 
-    # torch: every matrix and every expert a separate [out, in] parameter
+    fn = compile_fn(update) if compile else update
+    held = {"params": params, "opt": tx.init(params)}
+
+    def step() -> None:
+        held["params"], held["opt"] = fn(held["params"], held["opt"], grads)
+    t0 = time.perf_counter()
+    step()
+    return step, time.perf_counter() - t0
+
+
+def torch_stepper(params: dict, grads: dict):
+    """torch.optim.Muon's step over every matrix and every expert as a separate [out, in] parameter."""
     mats = zip(optim.tree_flatten_with_paths(params)[1], optim.tree_flatten_with_paths(grads)[1])
     pairs = [(w, g) for W, G in mats for w, g in (zip(W, G) if W.ndim == 3 else [(W, G)])]
     tps = [torch.nn.Parameter(w.T.clone()) for w, _ in pairs]
     for t, (_, g) in zip(tps, pairs):
         t.grad = g.T.clone()
-    opt = torch.optim.Muon(tps, lr=0.02, adjust_lr_fn="match_rms_adamw", **kw)
+    return torch.optim.Muon(tps, lr=0.02, adjust_lr_fn="match_rms_adamw", **KW).step, len(tps)
 
-    n_mats = len(tps)
-    n_calls = len({tuple(w.shape) for w, _ in pairs})
-    ms_torch = timed(opt.step, args.steps)
-    ms_fnmoe = timed(fnmoe_step, args.steps)
-    print(f"{n_mats} matrices ({args.layers} layers x 4 [{args.dim},{args.dim}] + 2 x [{args.experts} experts]"
-          f" [{args.dim},{args.ffn}]/[{args.ffn},{args.dim}]), {torch.get_num_threads()} threads")
-    print(f"torch.optim.Muon  {ms_torch:8.1f} ms/step  ({n_mats} Newton-Schulz calls)")
-    print(f"fnmoe muon        {ms_fnmoe:8.1f} ms/step  ({n_calls} batched Newton-Schulz calls)")
-    print(f"speedup           {ms_torch / ms_fnmoe:8.2f}x")
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "tiny.toml"))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled fnmoe variant")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch intra-op threads (0: torch's default); 1 is steadier on a shared machine")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    params = muon_leaves(args.config, args.layers, args.experts)
+    grads = tree_map(torch.randn_like, params)
+    shapes = sorted({tuple(x.shape[-2:]) for x in optim.tree_flatten_with_paths(params)[1]})
+    torch_step, n_mats = torch_stepper(params, grads)
+    eager_step, _ = fnmoe_stepper(params, grads, compile=False)
+    ms_torch, ms_eager = timed(torch_step, args.steps), timed(eager_step, args.steps)
+    print(f"{Path(args.config).name} with {args.layers} layers x {args.experts} experts: {n_mats} matrices "
+          f"({sum(x.numel() for x in optim.tree_flatten_with_paths(params)[1]) / 1e6:.1f} M params) of "
+          f"{len(shapes)} shapes {shapes}, {torch.get_num_threads()} threads")
+    print(f"torch.optim.Muon       {ms_torch:8.1f} ms/step  ({n_mats} Newton-Schulz calls)")
+    print(f"fnmoe muon, eager      {ms_eager:8.1f} ms/step  ({len(shapes)} batched Newton-Schulz calls)"
+          f"  speedup {ms_torch / ms_eager:5.2f}x")
+    if not args.no_compile:
+        compiled_step, compile_s = fnmoe_stepper(params, grads, compile=True)
+        ms_compiled = timed(compiled_step, args.steps)
+        print(f"fnmoe muon, compiled   {ms_compiled:8.1f} ms/step  speedup {ms_torch / ms_compiled:5.2f}x"
+              f"  (first call, compile included: {compile_s:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,56 @@
+"""Expert-parallel token exchange on the "ep" axis, and the functional collectives it rests on.
+
+Legend: R routed rows (sorted by global expert), E experts, X local experts (E/ep), S ep ranks,
+D model.
+
+An ep rank owns experts [r*X, (r+1)*X). After `permute` a rank's rows are sorted by global
+expert, so the rows for ep rank s are one contiguous run. The exchange:
+  1. count exchange: an all-to-all of counts_E seen as [S, X] tells each rank how many rows of
+     each of its experts every peer sends (the one host sync of an MoE layer: the splits);
+  2. dispatch: an all-to-all of uneven splits (autograd: its backward is the reverse exchange);
+  3. the received rows, grouped by source rank then expert, are regrouped by local expert and
+     run as one grouped GEMM (or the loop), then put back in arrival order;
+  4. combine: the reverse all-to-all returns every row to the rank and position it came from.
+
+torch.distributed._functional_collectives (private torch API) is imported here only.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # private torch API, imported here only
+    import torch.distributed._functional_collectives as funcol
+except ImportError as e:  # pragma: no cover
+    raise ImportError(f"fnmoe.dispatch needs torch.distributed._functional_collectives (private torch API): {e}") from e
+
+
+def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """t summed over group (no autograd)."""
+    return funcol.wait_tensor(funcol.all_reduce(t, "sum", group))
+
+
+def exchange_counts(counts_E: torch.Tensor, group) -> torch.Tensor:
+    """[S, X] rows this rank will receive: entry (s, x) is what rank s sends to local expert x."""
+    S = group.size()
+    recv = funcol.wait_tensor(funcol.all_to_all_single(counts_E.contiguous(), None, None, group))
+    return recv.view(S, -1)
+
+
+def ep_expert_mlp(expert_mlp, x_RD: torch.Tensor, counts_E: torch.Tensor, w_gate_XDF: torch.Tensor,
+                  w_up_XDF: torch.Tensor, w_down_XFD: torch.Tensor, group, grouped: bool) -> torch.Tensor:
+    """expert_mlp for rows sorted by global expert, run by the ep ranks owning the experts; the
+    result is in x_RD's order, on this rank."""
+    S, X = group.size(), w_gate_XDF.shape[0]
+    if counts_E.numel() != S * X:
+        raise ValueError(f"expert parallelism: {counts_E.numel()} experts != {S} ep ranks x {X} local experts")
+    recv_SX = exchange_counts(counts_E, group)
+    send = counts_E.view(S, X).sum(1).tolist()  # host sync: uneven splits must be known on the host
+    recv = recv_SX.sum(1).tolist()
+    x_recv = funcol.wait_tensor(funcol.all_to_all_single_autograd(x_RD, recv, send, group))
+    # arrival order is (source rank, local expert); the GEMM wants rows grouped by local expert
+    expert_of_row = torch.repeat_interleave(torch.arange(X, device=x_RD.device).repeat(S), recv_SX.reshape(-1))
+    order = torch.argsort(expert_of_row, stable=True)
+    inverse = torch.argsort(order)  # a permutation's inverse
+    y_sorted = expert_mlp(x_recv[order], w_gate_XDF, w_up_XDF, w_down_XFD, recv_SX.sum(0), grouped)
+    y_recv = y_sorted[inverse]
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(y_recv, send, recv, group))

@@ -1,0 +1,302 @@
+"""The planner behind `fnmoe plan`: per-rank memory, FLOPs, communication and a step-time model for
+a RunConfig, from abstract shapes (model.leaf_inits, nothing allocated) and per-op byte formulas.
+
+Legend: B batch (a rank's micro-batch), L sequence, T tokens (B·L), D model, F dense hidden,
+E experts, K top-k, R routed rows a rank's experts receive (T·K·imbalance), V vocab, H heads,
+G kv heads, A head dim, N = H·A, M = G·A; MLA: I = J + P query/key head dims, U value head dim,
+C kv-lora rank, Q q-lora rank, W = C + P, X = H·(J + U); s bytes per compute-dtype element.
+
+Activation formulas count what autograd saves for the kernels the target runs, op by op as
+fnmoe's regions call them: RMSNorm keeps an fp32 input, the normalised and the weighted output;
+flash attention keeps q, k, v, its output and the log-sum-exp (O(L·A) a head, never L²); a SwiGLU
+keeps both projections, the activation and the product. tests/test_plan.py checks them against
+bytes measured by MemTracker on small presets.
+"""
+from __future__ import annotations
+
+import math
+
+from fnmoe.config import ModelConfig, RunConfig
+from fnmoe.model import leaf_inits
+from fnmoe.tree import flatten_dict
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
+MASTER_BYTES = GRAD_BYTES = 4  # fp32 master params and fp32 reduce-scattered gradients
+GB = 1e9
+
+
+# ---------------------------------------------------------------- activations a region saves
+
+def norm_bytes(T: int, n: int, s: int) -> int:
+    """RMSNorm over n features: the fp32 input, the normalised and the weighted output, rsqrt."""
+    return T * n * (4 + 2 * s) + 4 * T
+
+
+def attention_bytes(cfg: ModelConfig, T: int, s: int) -> int:
+    """Saved bytes of one attention region (its input norm included)."""
+    H, D = cfg.n_heads, cfg.dim
+    lse = 4 * T * H
+    if cfg.attention == "mla":
+        I, U, C, P, Q = cfg.qk_head_dim_, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.q_lora_rank
+        X = H * (cfg.qk_nope_head_dim + U)
+        q = norm_bytes(T, Q, s) if Q else 0
+        # q and k concatenated (SDPA inputs), v as a view of the kv projection, out and its reshape
+        core = T * s * (2 * H * I + X + 2 * H * U)
+        latent = norm_bytes(T, C, s) + (T * P * 4 if s == 4 else 0)  # fp32: the norm keeps the whole kv_a output
+        return norm_bytes(T, D, s) + q + latent + core + lse
+    N, M = H * cfg.head_dim_, cfg.n_kv_heads * cfg.head_dim_
+    # q/k norms keep their fp32 input and normalised output; the weighted one goes into RoPE, which keeps nothing
+    qk = T * (N + M) * (4 + s) + 4 * T * (H + cfg.n_kv_heads) if cfg.qk_norm else 0
+    return norm_bytes(T, D, s) + qk + T * s * (3 * N + 2 * M) + lse
+
+
+def swiglu_bytes(T: int, F: int, s: int) -> int:
+    """gate and up projections, the activation, the product."""
+    return 4 * T * F * s
+
+
+def mlp_bytes(cfg: ModelConfig, T: int, s: int) -> int:
+    return norm_bytes(T, cfg.dim, s) + swiglu_bytes(T, cfg.ffn_hidden, s)
+
+
+def moe_bytes(cfg: ModelConfig, T: int, s: int, imbalance: float = 1.0, ep: int = 1) -> int:
+    """Saved bytes of one MoE region on a rank: its tokens' routing, and the rows its experts receive
+    (T·K on average over EP ranks, times the imbalance on the busiest)."""
+    m, D = cfg.moe, cfg.dim
+    K, E = m.top_k, m.n_experts
+    R = int(T * K * (imbalance if ep > 1 else 1.0))
+    router = (T * D * 4 if s != 4 else 0) + 2 * T * E * 4 + T * K * (8 + 4 + 4 + s)
+    rows = R * 16 + 2 * R * D * s + swiglu_bytes(R, m.expert_hidden, s)
+    shared = swiglu_bytes(T, m.n_shared_experts * m.expert_hidden, s)
+    return norm_bytes(T, D, s) + router + rows + shared
+
+
+def region_bytes(cfg: ModelConfig, i: int, T: int, s: int, imbalance: float = 1.0, ep: int = 1) -> dict:
+    """{region: saved bytes with policy none} of layer i."""
+    ffn = ("moe", moe_bytes(cfg, T, s, imbalance, ep)) if cfg.is_moe_layer(i) else ("mlp", mlp_bytes(cfg, T, s))
+    return dict([("attention", attention_bytes(cfg, T, s)), ffn])
+
+
+def selective_bytes(cfg: ModelConfig, region: str, T: int, s: int, R: int) -> int:
+    """Saved bytes under selective recompute: the region input, matmul and attention outputs and the
+    routing; norms and pointwise ops are recomputed."""
+    D, x = cfg.dim, T * cfg.dim * s
+    if region == "attention":
+        return x + attention_bytes(cfg, T, s) - norm_bytes(T, D, s)
+    if region == "mlp":
+        return x + 2 * T * cfg.ffn_hidden * s
+    m = cfg.moe
+    return x + T * m.top_k * (8 + 4) + R * (2 * m.expert_hidden + D) * s + 2 * T * m.n_shared_experts * m.expert_hidden * s
+
+
+def block_activations(run: RunConfig, i: int, T: int) -> dict:
+    """Layer i's saved bytes under run.memory: {device, host, recomputed, transient} where transient
+    is what recomputing it in backward holds at once."""
+    cfg, mem = run.model, run.memory
+    s = DTYPE_BYTES[cfg.compute_dtype]
+    regions = region_bytes(cfg, i, T, s, run.plan.imbalance, run.mesh.ep)
+    full = sum(regions.values())
+    last = i == cfg.n_layers - 1
+    if mem.recompute == "full":
+        kept = T * cfg.dim * s  # the block input
+        host = kept if mem.offload and not last else 0
+        return {"device": kept - host, "host": host, "recomputed": full, "transient": full}
+    R = int(T * cfg.moe.top_k * (run.plan.imbalance if run.mesh.ep > 1 else 1.0))
+    out = {"device": 0, "host": 0, "recomputed": 0, "transient": 0}
+    for region, none_bytes in regions.items():
+        policy = getattr(mem, region)
+        if mem.offload or policy == "offload":
+            out["host" if not last else "device"] += none_bytes
+        elif policy == "full":
+            out["device"] += T * cfg.dim * s
+            out["recomputed"] += none_bytes
+            out["transient"] = max(out["transient"], none_bytes)
+        elif policy == "selective":
+            kept = selective_bytes(cfg, region, T, s, R)
+            out["device"] += kept
+            out["recomputed"] += none_bytes - kept
+            out["transient"] = max(out["transient"], none_bytes - kept)
+        else:
+            out["device"] += none_bytes
+    return out
+
+
+# ---------------------------------------------------------------- params, grads, optimizer state
+
+def _leaf_kind(path: str) -> str:
+    if path.startswith("buffers."):
+        return "buffer"
+    return "expert" if path.endswith(("_EDF", "_EFD")) else "dense"
+
+
+def _on_muon(path: str, shape: tuple[int, ...]) -> bool:
+    """fnmoe.optim.muon's default labels: matrices that are not the embedding or the output head."""
+    return len(shape) >= 2 and not path.startswith(("embed.", "head.", "buffers."))
+
+
+def state_bytes(run: RunConfig) -> dict:
+    """Per-rank bytes of fp32 master params, fp32 grads and optimizer state (every leaf sharded
+    over all fsdp·ep ranks), and the totals."""
+    world = run.mesh.world
+    sb = DTYPE_BYTES[run.plan.state_dtype]
+    params = grads = optim = 0
+    for path, init in flatten_dict(leaf_inits(run.model)).items():
+        n = math.ceil(math.prod(init.shape) / world)
+        params += n * MASTER_BYTES
+        if _leaf_kind(path) == "buffer":
+            continue
+        grads += n * GRAD_BYTES
+        moments = 1 if run.optim.name == "muon" and _on_muon(path, init.shape) else 2
+        optim += n * moments * sb
+    return {"params": params, "grads": grads, "optim": optim}
+
+
+def block_numels(cfg: ModelConfig, ep: int) -> list[int]:
+    """Elements a rank holds of each gathered block (embedding, layers, head): dense leaves whole,
+    expert stacks E/ep experts."""
+    tree = leaf_inits(cfg)
+    flat = lambda t: flatten_dict(t).items()  # noqa: E731
+    count = lambda t: sum(math.prod(i.shape) // (ep if p.endswith(("_EDF", "_EFD")) else 1) for p, i in flat(t))  # noqa: E731
+    blocks = [count(tree["embed"])] + [count(tree["layers"][str(i)]) for i in range(cfg.n_layers)]
+    return blocks + [count({"final_norm": tree["final_norm"], **({"head": tree["head"]} if "head" in tree else {})})]
+
+
+def gathered_bytes(run: RunConfig) -> int:
+    """Transient full weights in the compute dtype: the current block and one prefetched (all blocks
+    without resharding, or on one rank where the compute-dtype copies are saved for backward), plus
+    one block's unsharded fp32 gradient before its reduce-scatter. One fp32 rank gathers nothing."""
+    cfg, world = run.model, run.mesh.world
+    s = DTYPE_BYTES[cfg.compute_dtype]
+    blocks = block_numels(cfg, run.mesh.ep)
+    if world == 1:
+        return 0 if s == 4 else sum(blocks) * s
+    weights = (2 * max(blocks) if run.mesh.reshard_after_forward else sum(blocks) + max(blocks)) * s
+    return weights + max(blocks) * GRAD_BYTES
+
+
+# ---------------------------------------------------------------- the plan
+
+def tokens_per_rank(run: RunConfig) -> int:
+    """T: tokens of one micro-batch on one rank."""
+    return run.micro_batch * run.data.seq_len
+
+
+def activation_plan(run: RunConfig) -> dict:
+    """Saved activation bytes per rank (device and host), per block and in total, plus the head."""
+    cfg, T = run.model, tokens_per_rank(run)
+    s = DTYPE_BYTES[cfg.compute_dtype]
+    blocks = [block_activations(run, i, T) for i in range(cfg.n_layers)]
+    # final norm, the head's input, and the fp32 log-softmax cross-entropy keeps when not chunked
+    head = norm_bytes(T, cfg.dim, s) + (T * cfg.vocab_size * 4 if run.train.ce_chunks == 1 else 0)
+    device = sum(b["device"] for b in blocks) + head
+    return {"blocks": blocks, "device": device, "host": sum(b["host"] for b in blocks),
+            "transient": max(b["transient"] for b in blocks), "head": head}
+
+
+def logits_bytes(run: RunConfig) -> int:
+    """One CE chunk's logits (compute dtype, fp32 copy, fp32 log-softmax) and their fp32 gradient."""
+    T, s = tokens_per_rank(run), DTYPE_BYTES[run.model.compute_dtype]
+    return math.ceil(T / run.train.ce_chunks) * run.model.vocab_size * (s + 4 + 4 + 4)
+
+
+def ep_buffer_bytes(run: RunConfig) -> int:
+    """All-to-all receive and send buffers of one MoE layer on the busiest EP rank."""
+    if run.mesh.ep == 1 or not run.model.moe.n_experts:
+        return 0
+    T, s = tokens_per_rank(run), DTYPE_BYTES[run.model.compute_dtype]
+    return int(2 * T * run.model.moe.top_k * run.plan.imbalance * run.model.dim * s)
+
+
+def comm_bytes(run: RunConfig) -> dict:
+    """Bytes one rank sends per optimizer step: FSDP all-gathers (forward, and backward again when
+    resharding), fp32 gradient reduce-scatters, EP all-to-alls (dispatch and combine, forward and
+    backward, once more when recomputing)."""
+    cfg, mesh, accum = run.model, run.mesh, run.train.grad_accum
+    world, s = mesh.world, DTYPE_BYTES[cfg.compute_dtype]
+    if world == 1:
+        return {"fsdp": 0, "ep": 0, "total": 0}
+    dense = expert = 0
+    for path, init in flatten_dict(leaf_inits(cfg)).items():
+        n = math.prod(init.shape)
+        if _leaf_kind(path) == "expert":
+            expert += n / mesh.ep * (mesh.fsdp - 1) / mesh.fsdp
+        else:
+            dense += n * (world - 1) / world
+    gathers = 2 if mesh.reshard_after_forward else 1
+    fsdp = accum * (dense + expert) * (gathers * s + GRAD_BYTES)
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    passes = 4 + (2 if run.memory.recompute == "full" or run.memory.moe in ("full", "selective") else 0)
+    ep = accum * n_moe * passes * tokens_per_rank(run) * cfg.moe.top_k * cfg.dim * s * (mesh.ep - 1) / mesh.ep
+    return {"fsdp": int(fsdp), "ep": int(ep), "total": int(fsdp + ep)}
+
+
+def step_time(run: RunConfig, fpt: float, comm: dict, host_bytes: int) -> dict:
+    """A model, not a measurement: compute at the stated sustained rates, collectives at the stated
+    link bandwidths, offload copies at the host-link rate; 'overlapped' assumes communication and
+    copies hide behind compute, 'serial' that nothing overlaps."""
+    pl, cfg = run.plan, run.model
+    tokens = tokens_per_rank(run) * run.train.grad_accum
+    attn = 3.0 * cfg.n_layers * run.data.seq_len * cfg.n_heads * (cfg.qk_head_dim_ + cfg.v_head_dim_)
+    dense = fpt - attn
+    recompute = 4 / 3 if run.memory.recompute == "full" else 1.0  # one more forward: 8N instead of 6N
+    compute = tokens * (dense * recompute / (pl.matmul_tflops * 1e12) + attn * recompute / (pl.attention_tflops * 1e12))
+    ep_bw = pl.nvlink_gbps if run.mesh.ep <= pl.gpus_per_node else pl.network_gbps
+    fsdp_bw = pl.nvlink_gbps if run.mesh.world <= pl.gpus_per_node else pl.network_gbps
+    comm_s = comm["fsdp"] / (fsdp_bw * GB) + comm["ep"] / (ep_bw * GB)
+    offload_s = 2 * host_bytes * run.train.grad_accum / (pl.host_link_gbps * GB)
+    overlapped, serial = max(compute, comm_s, offload_s), compute + comm_s + offload_s
+    return {"model": "stated rates; not measured", "compute_s": compute, "comm_s": comm_s, "offload_s": offload_s,
+            "step_s_overlapped": overlapped, "step_s_serial": serial,
+            "tokens_per_s_per_gpu_overlapped": tokens / overlapped, "tokens_per_s_per_gpu_serial": tokens / serial}
+
+
+def plan(run: RunConfig) -> dict:
+    """Everything `fnmoe plan` reports, as one JSON-ready dict (bytes are per rank)."""
+    from fnmoe.metrics import flops_per_token, param_counts
+
+    total, active = param_counts(run.model)
+    fpt = flops_per_token(run.model, run.data.seq_len)
+    states, acts = state_bytes(run), activation_plan(run)
+    per_rank = dict(states, gathered=gathered_bytes(run), activations=acts["device"],
+                    recompute_transient=acts["transient"], logits=logits_bytes(run),
+                    ep_buffers=ep_buffer_bytes(run), offload_host=acts["host"])
+    per_rank["total_device"] = sum(v for k, v in per_rank.items() if k != "offload_host")
+    comm = comm_bytes(run)
+    pl = run.plan
+    return {"config": run.name, "mesh": {"fsdp": run.mesh.fsdp, "ep": run.mesh.ep, "world": run.mesh.world},
+            "tokens_per_rank_microbatch": tokens_per_rank(run), "memory": _policy(run),
+            "total_params": total, "active_params": active, "flops_per_token": fpt,
+            "per_rank_bytes": per_rank, "comm_bytes_per_step": comm["total"], "comm_bytes_detail": comm,
+            "fits": {"device": per_rank["total_device"] <= pl.hbm_gb * GB,
+                     "host": per_rank["offload_host"] <= pl.host_gb * GB, "hbm_gb": pl.hbm_gb, "host_gb": pl.host_gb},
+            "per_host_offload_bytes": per_rank["offload_host"] * pl.gpus_per_node,
+            "step_time": step_time(run, fpt, comm, acts["host"])}
+
+
+def _policy(run: RunConfig) -> str:
+    m = run.memory
+    if m.recompute == "full":
+        return "full recompute" + (" + offload" if m.offload else "")
+    regions = ", ".join(f"{r}={getattr(m, r)}" for r in ("attention", "moe", "mlp"))
+    return regions + (" + offload" if m.offload else "")
+
+
+def format_plan(p: dict) -> str:
+    """The human-readable table of `fnmoe plan`."""
+    gb = lambda b: f"{b / GB:9.2f} GB"  # noqa: E731
+    r, t = p["per_rank_bytes"], p["step_time"]
+    lines = [f"plan for {p['config']} on fsdp {p['mesh']['fsdp']} x ep {p['mesh']['ep']} ({p['mesh']['world']} ranks), "
+             f"{p['tokens_per_rank_microbatch']} tokens a rank a micro-batch; memory: {p['memory']}",
+             f"  params {p['total_params']:.4g} total, {p['active_params']:.4g} active; "
+             f"{p['flops_per_token'] / 1e9:.1f} GFLOP/token", "", "  per rank (device)"]
+    for key in ("params", "grads", "optim", "gathered", "activations", "recompute_transient", "logits", "ep_buffers"):
+        lines.append(f"    {key:<20}{gb(r[key])}")
+    lines += [f"    {'total':<20}{gb(r['total_device'])}   fits {p['fits']['hbm_gb']:.0f} GB: {p['fits']['device']}",
+              f"  host, offloaded       {gb(r['offload_host'])} a GPU, {gb(p['per_host_offload_bytes'])} a node; "
+              f"fits {p['fits']['host_gb']:.0f} GB a GPU: {p['fits']['host']}",
+              f"  communication         {gb(p['comm_bytes_per_step'])} sent a rank a step "
+              f"(fsdp {p['comm_bytes_detail']['fsdp'] / GB:.1f}, ep {p['comm_bytes_detail']['ep'] / GB:.1f})",
+              f"  step time (a model, stated rates): compute {t['compute_s']:.2f} s, comm {t['comm_s']:.2f} s, "
+              f"offload {t['offload_s']:.2f} s -> {t['tokens_per_s_per_gpu_overlapped']:,.0f} tok/s/GPU overlapped, "
+              f"{t['tokens_per_s_per_gpu_serial']:,.0f} serial"]
+    return "\n".join(lines)

@@ -1,0 +1,300 @@
+"""The 2-D mesh ("fsdp", "ep"), logical-axis rules, storage placement and gather-for-compute.
+
+Legend: E experts, D model, F hidden. "axis" is a mesh axis, "dim" a tensor dim.
+
+Storage (DESIGN.md §4): every dim of a leaf has a logical axis (`logical_axes`); the ordered
+`RULES` table maps logical axes to mesh axes, first rule first, each mesh axis used once a leaf:
+
+  dense leaves   dim 0 over the flattened ("fsdp", "ep") axis "dp"   -> DTensor on the 1-D dp mesh
+  expert stacks  dim 0 over "ep" (E/ep whole experts a rank), then over "fsdp" while each rank
+                 keeps whole experts (fsdp*ep divides E), else dim 1 over "fsdp" -> 2-D mesh
+  buffers        replicated plain tensors (they have no gradient and change by their own rule)
+
+Splits follow torch.chunk (DTensor's convention), in rule order: the expert dim is split over ep
+first and each ep part over fsdp, which DTensor calls _StridedShard(0, ep) on fsdp.
+
+Compute: `gather` all-gathers a block's leaves in the compute dtype (dense leaves over dp; an
+expert stack over fsdp alone, giving the ep rank its own experts); gradients come back as fp32
+shards (a reduce-scatter of each rank's partial sums). `regather_in_backward` drops the gathered
+copies after the forward and gathers again in backward: a selective checkpoint that recomputes
+only what ran inside `gather` and keeps every other saved tensor.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from fnmoe import dist as fdist
+from fnmoe.config import DistConfig, MeshConfig, ModelConfig
+from fnmoe.dispatch import all_reduce_sum
+from fnmoe.model import LeafInit, draw_leaf, leaf_inits
+from fnmoe.tree import Tree, map_with_path, tree_flatten
+
+try:  # private torch API, imported here only
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError as e:  # pragma: no cover - a torch without it
+    raise ImportError(f"fnmoe.sharding needs torch.distributed.tensor.placement_types._StridedShard "
+                      f"(private torch API): {e}") from e
+
+MESH_AXES = ("fsdp", "ep")
+DP = "dp"
+RULES: tuple[tuple[str, str], ...] = (
+    ("expert", "ep"),         # whole experts to each ep rank: EP needs no weight communication
+    ("expert", "fsdp"),       # then the rank's experts over fsdp, while each keeps whole experts
+    ("expert_row", "fsdp"),   # else fsdp splits each expert's rows (fsdp*ep does not divide E)
+    ("row", DP),              # dense leaves: dim 0 over every rank
+)
+
+
+# ---------------------------------------------------------------- mesh
+
+def make_mesh(mcfg: MeshConfig, dcfg: DistConfig | None = None) -> DeviceMesh:
+    """The ("fsdp", "ep") mesh over every rank and its flattened "dp" axis; each group gets
+    dcfg's timeout and is warmed by a barrier."""
+    world = fdist.world()
+    if world != mcfg.world:
+        raise ValueError(f"mesh.fsdp={mcfg.fsdp} x mesh.ep={mcfg.ep} = {mcfg.world} ranks, but the job has "
+                         f"{world} (torchrun --nproc-per-node x nodes must equal mesh.fsdp x mesh.ep)")
+    if fdist.simulated():
+        mesh = init_device_mesh("cpu", (mcfg.fsdp, mcfg.ep), mesh_dim_names=MESH_AXES)
+        mesh[MESH_AXES]._flatten(DP)  # private torch API (DeviceMesh._flatten), used here only
+        for m in (mesh, *(submesh(mesh, name) for name in (*MESH_AXES, DP))):
+            m.get_coordinate()  # computed (with tensor ops) and cached now, not inside a step
+        return mesh
+    opts = fdist.group_options(dcfg or DistConfig())
+    mesh = init_device_mesh("cuda" if opts[0] == "nccl" else "cpu", (mcfg.fsdp, mcfg.ep), mesh_dim_names=MESH_AXES,
+                            backend_override=dict.fromkeys(MESH_AXES, opts))
+    mesh[MESH_AXES]._flatten(DP, backend_override=opts)
+    for m in (submesh(mesh, "fsdp"), submesh(mesh, "ep"), dp_mesh(mesh)):
+        dist.barrier(group=m.get_group())
+    return mesh
+
+
+def _coord(mesh: DeviceMesh, rank: int) -> dict[str, int]:
+    """rank's position on each axis of the ("fsdp", "ep") mesh."""
+    ranks = mesh.mesh.flatten().tolist()
+    i = ranks.index(rank)
+    return {"fsdp": i // mesh.size(1), "ep": i % mesh.size(1), DP: i}
+
+
+# ---------------------------------------------------------------- rules and specs
+
+def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+    """The logical axis of each dim of the leaf at path (None: never sharded)."""
+    if path.startswith("buffers.") or ndim == 0:
+        return (None,) * ndim
+    if ndim == 3 and ".moe.w_" in path:
+        return ("expert", "expert_row", None)
+    return ("row",) + (None,) * (ndim - 1)
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """Where a leaf lives: the mesh axes (in split order) and the dim each splits; () is replicated."""
+    splits: tuple[tuple[str, int], ...]
+
+
+def leaf_spec(path: str, shape: tuple[int, ...], sizes: dict[str, int]) -> LeafSpec:
+    """Apply RULES in order; a rule fits when its axis is unused (dp counts as fsdp and ep) and,
+    for an expert dim, the split keeps whole experts on every rank."""
+    axes = logical_axes(path, len(shape))
+    used: set[str] = set()
+    splits = []
+    parts = dict.fromkeys(range(len(shape)), 1)
+    for logical, axis in RULES:
+        members = MESH_AXES if axis == DP else (axis,)
+        if any(m in used for m in members) or logical not in axes or sizes[axis] == 1:
+            continue
+        d = axes.index(logical)
+        if logical == "expert" and shape[d] % (parts[d] * sizes[axis]):
+            continue
+        splits.append((axis, d))
+        parts[d] *= sizes[axis]
+        used.update(members)
+    return LeafSpec(tuple(splits))
+
+
+def mesh_sizes(mesh: DeviceMesh | None) -> dict[str, int]:
+    if mesh is None:
+        return {"fsdp": 1, "ep": 1, DP: 1}
+    return {"fsdp": mesh.size(0), "ep": mesh.size(1), DP: mesh.size()}
+
+
+def param_specs(tree: Tree, mesh: DeviceMesh | None) -> Tree:
+    """A LeafSpec per leaf of a params tree (tensors or LeafInits)."""
+    sizes = mesh_sizes(mesh)
+    return map_with_path(lambda path, x: leaf_spec(path, tuple(x.shape), sizes), tree)
+
+
+def _chunk(n: int, parts: int, i: int) -> tuple[int, int]:
+    """torch.chunk's i-th of `parts` pieces of range(n) as (start, stop)."""
+    size = -(-n // parts)
+    return min(i * size, n), min((i + 1) * size, n)
+
+
+def local_index(spec: LeafSpec, shape: tuple[int, ...], coord: dict[str, int],
+                sizes: dict[str, int]) -> tuple[slice, ...]:
+    """The slice of the global leaf a rank at coord stores."""
+    bounds = [(0, n) for n in shape]
+    for axis, d in spec.splits:
+        lo, hi = bounds[d]
+        a, b = _chunk(hi - lo, sizes[axis], coord[axis])
+        bounds[d] = (lo + a, lo + b)
+    return tuple(slice(lo, hi) for lo, hi in bounds)
+
+
+@functools.cache
+def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """mesh[name], one object per axis: a simulation caches coordinates by mesh object, and a
+    recompute in backward must run the same ops as the forward did."""
+    with warnings.catch_warnings():  # torch asks callers to keep the flattened mesh; this cache does
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[name]
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The flattened ("fsdp", "ep") mesh that make_mesh made."""
+    return submesh(mesh, DP)
+
+
+def placements(spec: LeafSpec, mesh: DeviceMesh) -> tuple[DeviceMesh, tuple]:
+    """The DTensor mesh and placements of a spec: dense leaves on the 1-D dp mesh, expert stacks
+    on the 2-D mesh."""
+    split = dict(spec.splits)
+    if DP in split:
+        return dp_mesh(mesh), (Shard(split[DP]),)
+    ep = Shard(split["ep"]) if "ep" in split else Replicate()
+    if "fsdp" not in split:
+        fsdp = Replicate()
+    elif split["fsdp"] == split.get("ep"):  # fsdp splits ep's part of the dim: right-to-left sharding
+        fsdp = _StridedShard(split["fsdp"], split_factor=mesh.size(1))
+    else:
+        fsdp = Shard(split["fsdp"])
+    return mesh, (fsdp, ep)
+
+
+def _distribute(path: str, shape: tuple[int, ...], mesh: DeviceMesh, local: Callable) -> torch.Tensor:
+    """A leaf whose local value on each rank is local(index of that rank's slice)."""
+    sizes = mesh_sizes(mesh)
+    spec = leaf_spec(path, shape, sizes)
+    value = fdist.rank_map(lambda r: local(local_index(spec, shape, _coord(mesh, r), sizes)))
+    if not spec.splits:
+        return value
+    dmesh, places = placements(spec, mesh)
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(value, dmesh, places, shape=torch.Size(shape), stride=stride)
+
+
+def shard_params(params: Tree, mesh: DeviceMesh) -> Tree:
+    """A full params tree (the same on every rank) as this rank's shards: DTensor leaves, buffers plain."""
+    return map_with_path(lambda path, t: _distribute(path, tuple(t.shape), mesh, lambda idx: t[idx].clone()),
+                         params)
+
+
+def init_params(cfg: ModelConfig, seed: int, mesh: DeviceMesh) -> Tree:
+    """The single-process init_params values, each rank drawing only the chunks its shard overlaps."""
+    def leaf(path: str, init: LeafInit) -> torch.Tensor:
+        return _distribute(path, init.shape, mesh, lambda idx: draw_leaf(init, seed, path, idx))
+    return map_with_path(leaf, leaf_inits(cfg))
+
+
+def full_params(params: Tree) -> Tree:
+    """Every leaf whole on every rank (tests and export); plain leaves are returned as they are."""
+    return map_with_path(lambda _, t: t.full_tensor() if isinstance(t, DTensor) else t, params)
+
+
+# ---------------------------------------------------------------- compute
+
+_gathering = [False]  # set while `gather` runs, so the regather policy can tell its ops apart
+
+
+def _gather_leaf(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(t, DTensor):
+        return t.to(dtype)
+    if t.device_mesh.ndim == 1:  # dense: whole on every rank
+        full = t.redistribute(t.device_mesh, (Replicate(),), forward_dtype=dtype, backward_dtype=torch.float32)
+        # each rank's gradient is a partial sum over its own tokens: backward reduce-scatters it
+        return full.to_local(grad_placements=(Partial(),))
+    # an expert stack: gather this ep rank's experts over fsdp alone, as a 1-D DTensor of shape
+    # [E/ep, ...] (one plain all-gather, whatever dim fsdp splits)
+    fsdp, _ = t.placements
+    local = t.to_local()
+    if isinstance(fsdp, Replicate):
+        return local.to(dtype)
+    E_ep = t.shape[0] // t.device_mesh.size(1)
+    shape = (E_ep, *t.shape[1:])
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    part = DTensor.from_local(local, submesh(t.device_mesh, "fsdp"), (Shard(fsdp.dim),), shape=torch.Size(shape),
+                              stride=stride)
+    full = part.redistribute(placements=(Replicate(),), forward_dtype=dtype, backward_dtype=torch.float32)
+    return full.to_local(grad_placements=(Partial(),))
+
+
+def gather(tree: Tree, dtype: torch.dtype) -> Tree:
+    """A subtree's leaves as plain compute-dtype tensors (expert stacks: this ep rank's experts);
+    the group of the expert-parallel axis is added as `ep_group` beside sharded expert stacks."""
+    _gathering[0] = True
+    try:
+        out = map_with_path(lambda _, t: _gather_leaf(t, dtype), tree)
+    finally:
+        _gathering[0] = False
+    return _with_ep_group(tree, out)
+
+
+def _with_ep_group(tree: Tree, out: Tree) -> Tree:
+    if not isinstance(tree, dict):
+        return out
+    out = {k: _with_ep_group(tree[k], v) for k, v in out.items()}
+    w = tree.get("w_gate_EDF")
+    if isinstance(w, DTensor) and w.device_mesh.ndim == 2 and w.device_mesh.size(1) > 1:
+        out["ep_group"] = w.device_mesh.get_group("ep")
+    return out
+
+
+def _regather_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE if _gathering[0] else CheckpointPolicy.PREFER_SAVE
+
+
+def regather_in_backward(fn: Callable, *args):
+    """block_fn that keeps every saved tensor of fn except what `gather` made (the gathered
+    weights), which backward gathers again: only one block's full weights live at a time."""
+    return checkpoint(fn, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _regather_policy))
+
+
+# ---------------------------------------------------------------- reductions
+
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    """t summed over every rank (t itself without a process group)."""
+    if not dist.is_initialized():
+        return t
+    return all_reduce_sum(t, dist.group.WORLD)
+
+
+def global_norm_sq(tree: Tree) -> torch.Tensor:
+    """Squared L2 norm of all floating leaves, fp32: sharded leaves summed over the ranks of their
+    mesh (dense over dp, expert stacks over fsdp then ep), replicated leaves counted once."""
+    by_mesh: dict[DeviceMesh | None, torch.Tensor] = {}
+    for x in tree_flatten(tree)[0]:
+        if not x.is_floating_point():
+            continue
+        local = x.to_local() if isinstance(x, DTensor) else x
+        key = x.device_mesh if isinstance(x, DTensor) else None
+        sq = torch.linalg.vector_norm(local, dtype=torch.float32).square()
+        by_mesh[key] = by_mesh[key] + sq if key in by_mesh else sq
+    total = torch.zeros((), dtype=torch.float32)
+    for m, sq in by_mesh.items():
+        if m is not None:
+            for d in range(m.ndim):
+                sq = all_reduce_sum(sq, m.get_group(d))
+        total = total + sq
+    return total

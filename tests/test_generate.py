@@ -1,0 +1,67 @@
+"""Generation: the KV-cache path equals full-forward decoding, for GQA and MLA; sampling rules."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from fnmoe.config import load_config
+from fnmoe.generate import generate, init_cache, sample, step_logits
+from fnmoe.model import forward, init_params
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_mla", "tiny_qwen3"])
+def test_kv_cache_greedy_equals_full_forward_greedy(preset):
+    cfg = load_config(ROOT / "configs" / f"{preset}.toml").model
+    params = init_params(cfg, seed=1)
+    prompt = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    cached = generate(params, prompt, cfg, max_new_tokens=12)
+    seq = prompt
+    for _ in range(12):  # the reference: recompute the whole sequence for every token
+        logits, _ = forward(params, seq, cfg)
+        seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(cached, seq)
+
+
+def test_cached_logits_match_full_forward_logits():
+    cfg = load_config(ROOT / "configs" / "tiny_mla.toml").model
+    params = init_params(cfg, seed=2)
+    tokens = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(1))
+    full, _ = forward(params, tokens, cfg)
+    cache = init_cache(cfg, 1, 10)
+    parts = [step_logits(params, tokens[:, :6], cache, cfg)] + [
+        step_logits(params, tokens[:, t:t + 1], cache, cfg) for t in range(6, 10)]
+    assert (torch.cat(parts, 1) - full).abs().max() <= 1e-4 * full.abs().max()
+
+
+def test_top_p_keeps_the_nucleus_and_temperature_zero_is_argmax():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    draws = {sample(logits, 1.0, 0.7, gen).item() for _ in range(300)}
+    assert draws == {0, 1}  # 0.5 + 0.3 reaches 0.7; tokens 2 and 3 are outside the nucleus
+    assert sample(logits, 0.0, 0.7, gen).item() == 0
+    assert {sample(logits, 1.0, 1.0, gen).item() for _ in range(500)} == {0, 1, 2, 3}
+
+
+def test_generation_limits_are_named():
+    cfg = dataclasses.replace(load_config(ROOT / "configs" / "tiny.toml").model, max_seq_len=16)
+    params = init_params(cfg, seed=0)
+    with pytest.raises(ValueError, match="exceeds model.max_seq_len=16"):
+        generate(params, torch.zeros(1, 10, dtype=torch.long), cfg, max_new_tokens=10)
+    with pytest.raises(ValueError, match="token id 999"):
+        generate(params, torch.tensor([[999]]), cfg, max_new_tokens=1)
+
+
+def test_generate_command_from_a_run_directory(tmp_path, capsys):
+    from fnmoe.cli import main
+
+    small = ["--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
+             "--train.batch-size", "4", "--data.seq-len", "32", "--train.eval-batches", "1"]
+    assert main(["train", "--train.steps", "2", "--train.run-dir", str(tmp_path), *small]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--from", str(tmp_path), "--prompt", "Hello", "--max-new-tokens", "8",
+                 "--temperature", "0.7", "--top-p", "0.9"]) == 0
+    assert capsys.readouterr().out.startswith("Hello")
+    assert main(["generate", "--from", str(tmp_path / "nowhere"), "--prompt", "x"]) == 2

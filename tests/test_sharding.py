@@ -1,0 +1,316 @@
+"""The 2-D mesh: placement rules, sharded init, and training equal to one process on every mesh.
+
+Meshes run as simulated ranks in this process (fnmoe.dist.simulate: LocalTensorMode over the fake
+process group); one real torchrun launch checks the same on gloo. Legend: B batch, L sequence.
+"""
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+from fnmoe import dist as fdist
+from fnmoe import optim, sharding
+from fnmoe.config import MeshConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig, validate
+from fnmoe.model import forward, init_params
+from fnmoe.train import IGNORE, init_state, loss_fn, make_train_step
+from fnmoe.tree import flatten_dict, tree_flatten, tree_map, value_and_grad
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=48, max_seq_len=16,
+                  moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, first_k_dense=1, router_bias=True,
+                                bias_update_coeff=1e-3))
+B, L = 8, 8
+MESHES = [(2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]
+
+
+# drawn once, outside any simulation (where random ops draw a different value for each rank)
+TOKENS = [torch.randint(0, CFG.vocab_size, (B, L + 1), generator=torch.Generator().manual_seed(s)) for s in range(10)]
+
+
+def _tokens(step: int) -> torch.Tensor:
+    return TOKENS[step]
+
+
+def _rank_part(x_BL: torch.Tensor, n: int) -> torch.Tensor:
+    """Each simulated rank's contiguous part of the global batch (as Loader lays it out)."""
+    b = x_BL.shape[0] // n
+    return fdist.rank_map(lambda r: x_BL[r * b:(r + 1) * b].clone())
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A whole tensor out of a DTensor or a simulated (per-rank, all equal) tensor."""
+    t = t.full_tensor() if isinstance(t, DTensor) else t
+    return t.reconcile() if hasattr(t, "reconcile") else t
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------- rules (no process group)
+
+def test_rules_place_experts_on_ep_then_fsdp():
+    sizes = {"fsdp": 2, "ep": 2, "dp": 4}
+    assert sharding.leaf_spec("layers.1.moe.w_up_EDF", (8, 32, 16), sizes).splits == (("ep", 0), ("fsdp", 0))
+    # fsdp*ep does not divide E: fsdp moves to dim 1
+    assert sharding.leaf_spec("layers.1.moe.w_up_EDF", (2, 32, 16), sizes).splits == (("ep", 0), ("fsdp", 1))
+    assert sharding.leaf_spec("layers.0.attn.w_q_DN", (32, 32), sizes).splits == (("dp", 0),)
+    assert sharding.leaf_spec("buffers.layers.1.moe.router_bias_E", (8,), sizes).splits == ()
+    idx = sharding.local_index(sharding.LeafSpec((("ep", 0), ("fsdp", 0))), (8, 3, 3), {"fsdp": 1, "ep": 0}, sizes)
+    assert idx[0] == slice(2, 4)  # ep rank 0 owns experts 0..3; its fsdp rank 1 stores 2..3
+
+
+def test_bad_meshes_fail_naming_the_numbers():
+    with pytest.raises(ValueError, match=r"n_experts=4 must be a positive multiple of mesh.ep=3"):
+        validate(RunConfig(model=CFG, mesh=MeshConfig(fsdp=1, ep=3), train=TrainConfig(batch_size=9)))
+    with pytest.raises(ValueError, match=r"batch_size=6 must be divisible by data-parallel degree.*=4"):
+        validate(RunConfig(model=CFG, mesh=MeshConfig(fsdp=2, ep=2), train=TrainConfig(batch_size=6)))
+    with fdist.simulate(2), pytest.raises(ValueError, match=r"mesh.fsdp=2 x mesh.ep=2 = 4 ranks, but the job has 2"):
+        sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
+
+
+# ---------------------------------------------------------------- simulated meshes
+
+def test_sharded_init_gives_each_rank_its_slice():
+    ref = flatten_dict(init_params(CFG, 0))
+    with fdist.simulate(4):
+        mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
+        params = flatten_dict(init_params(CFG, 0, mesh=mesh))
+        sizes = sharding.mesh_sizes(mesh)
+        for path, leaf in params.items():
+            spec = sharding.leaf_spec(path, tuple(ref[path].shape), sizes)
+            local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
+            for r in range(4):
+                idx = sharding.local_index(spec, tuple(ref[path].shape), sharding._coord(mesh, r), sizes)
+                assert torch.equal(local._local_tensors[r], ref[path][idx]), (path, r)
+            assert torch.equal(_plain(leaf), ref[path]), path
+
+
+def _first_step(mesh_shape):
+    """(loss, grads) of one full-batch step on a mesh (None: one process)."""
+    x_BL = _tokens(0)
+    grad_fn = value_and_grad(loss_fn, has_aux=True)
+    if mesh_shape is None:
+        (loss, _), grads = grad_fn(init_params(CFG, 0), x_BL[:, :-1], x_BL[:, 1:], CFG, B * L)
+        return loss, flatten_dict(grads)
+    f, e = mesh_shape
+    with fdist.simulate(f * e):
+        mesh = sharding.make_mesh(MeshConfig(fsdp=f, ep=e))
+        x = _rank_part(x_BL, f * e)
+        (loss, _), grads = grad_fn(init_params(CFG, 0, mesh=mesh), x[:, :-1], x[:, 1:], CFG, B * L)
+        return _plain(sharding.all_sum(loss)), {k: _plain(g) for k, g in flatten_dict(grads).items()}
+
+
+def test_first_step_loss_and_grads_match_one_process_on_every_mesh():
+    ref_loss, ref_grads = _first_step(None)
+    for shape in MESHES:
+        loss, grads = _first_step(shape)
+        assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item()), shape
+        for path, g in ref_grads.items():
+            assert _rel(grads[path], g) <= 1e-5, (shape, path, _rel(grads[path], g))
+
+
+def _train(mesh_shape, steps: int, grad_accum: int = 1, reshard: bool = True):
+    """Losses of `steps` AdamW steps and the final params, whole."""
+    f, e = mesh_shape
+    n = f * e
+    run = RunConfig(model=CFG, mesh=MeshConfig(fsdp=f, ep=e, reshard_after_forward=reshard),
+                    train=TrainConfig(batch_size=B, steps=steps, grad_accum=grad_accum),
+                    optim=OptimConfig(warmup_steps=2))
+    tx, _ = optim.from_config(run.optim, steps)
+    mesh = sharding.make_mesh(run.mesh) if n > 1 else None
+    state = init_state(init_params(CFG, 0, mesh=mesh), tx)
+    train_step = make_train_step(run, tx)
+    losses = []
+    for s in range(steps):
+        x_BL = _tokens(s)
+        micro = [x_BL[i::grad_accum] for i in range(grad_accum)] if grad_accum > 1 else [x_BL]
+        parts = [_rank_part(m, n) if n > 1 else m for m in micro]
+        state, metrics = train_step(state, [(p[:, :-1], p[:, 1:]) for p in parts])
+        losses.append(metrics["loss"])
+    return losses, {k: _plain(v) for k, v in flatten_dict(state.params).items()}
+
+
+def test_loss_curve_on_2x2_matches_one_process():
+    ref, _ = _train((1, 1), 10)
+    with fdist.simulate(4):
+        losses, _ = _train((2, 2), 10)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref)) <= 1e-4, (losses, ref)
+
+
+def test_grad_accumulation_on_2x2_equals_one_big_batch():
+    """Two micro-batches (one all-to-all pair each) give the gradient of the whole batch. The
+    Switch loss is per micro-batch by definition (train.loss_fn), so it is off here."""
+    cfg = ModelConfig(**{**CFG.__dict__, "moe": MoEConfig(**{**CFG.moe.__dict__, "aux_loss_coeff": 0.0})})
+    grad_fn = value_and_grad(loss_fn, has_aux=True)
+    x_BL = _tokens(5)
+    with fdist.simulate(4):
+        mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
+        params = init_params(cfg, 0, mesh=mesh)
+        x = _rank_part(x_BL, 4)
+        (big, _), g_big = grad_fn(params, x[:, :-1], x[:, 1:], cfg, B * L)
+        acc, g_acc = 0.0, None
+        for m in (x_BL[: B // 2], x_BL[B // 2:]):
+            xm = _rank_part(m, 4)
+            (loss, _), g = grad_fn(params, xm[:, :-1], xm[:, 1:], cfg, B * L, block_fn=sharding.regather_in_backward)
+            acc, g = acc + loss, flatten_dict(g)
+            g_acc = g if g_acc is None else {k: g_acc[k] + g[k] for k in g}
+        big, acc = _plain(sharding.all_sum(big)), _plain(sharding.all_sum(acc))
+        g_big = flatten_dict(g_big)
+        assert abs(big.item() - acc.item()) <= 1e-6 * abs(big.item())
+        for path, g in g_big.items():
+            assert _rel(_plain(g_acc[path]), _plain(g)) <= 1e-6, path
+
+
+def test_ignored_labels_count_globally():
+    """A rank whose labels are all ignored still trains: the count is the step's, over all ranks."""
+    x_BL = _tokens(3)
+    y_BL = x_BL[:, 1:].clone()
+    y_BL[: B // 2] = IGNORE
+    grad_fn = value_and_grad(loss_fn, has_aux=True)
+    (ref, _), _ = grad_fn(init_params(CFG, 0), x_BL[:, :-1], y_BL, CFG, int((y_BL != IGNORE).sum()))
+    with fdist.simulate(2):
+        mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=1))
+        x, y = _rank_part(x_BL[:, :-1], 2), _rank_part(y_BL, 2)
+        n = int(sharding.all_sum((y != IGNORE).sum()))
+        (loss, _), _ = grad_fn(init_params(CFG, 0, mesh=mesh), x, y, CFG, n)
+        total = _plain(sharding.all_sum(loss))
+    assert n == B // 2 * L and abs(total.item() - ref.item()) <= 1e-6 * ref.item()
+
+
+def _forward_backward(reshard: bool, monkeypatch) -> tuple[int, int, int]:
+    """(gathered block weights still alive after the forward, all-gathers in forward + backward,
+    sharded block leaves) of one 2x2 step."""
+    refs = []
+    gather = sharding.gather
+
+    def spy(tree, dtype):
+        out = gather(tree, dtype)
+        if "attn" in tree:  # a block's gather (not the embedding's or the head's)
+            refs.extend(weakref.ref(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
+    monkeypatch.setattr(sharding, "gather", spy)
+    x_BL = _tokens(0)
+    with fdist.simulate(4):
+        mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
+        params = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), init_params(CFG, 0, mesh=mesh))
+        x = _rank_part(x_BL, 4)
+        with CommDebugMode() as comm:
+            loss, _ = loss_fn(params, x[:, :-1], x[:, 1:], CFG, B * L,
+                              block_fn=sharding.regather_in_backward if reshard else None)
+            gc.collect()
+            alive = sum(r() is not None for r in refs)
+            loss.backward()
+        gathers = comm.get_comm_counts()[torch.ops.c10d_functional.all_gather_into_tensor]
+        leaves = sum(isinstance(t, DTensor) for t in tree_flatten(params["layers"])[0])
+    return alive, gathers, leaves
+
+
+def test_resharding_drops_gathered_weights_after_forward_and_gathers_again(monkeypatch):
+    alive, gathers, leaves = _forward_backward(True, monkeypatch)
+    kept_alive, kept_gathers, _ = _forward_backward(False, monkeypatch)
+    assert alive == 0 and kept_alive > 0
+    assert gathers - kept_gathers == leaves  # each sharded block leaf is gathered once more, in backward
+
+
+def _biased(params: dict, bias: list[float]) -> dict:
+    """params with layer 1's router bias set: top-2 then always picks the two largest."""
+    buffers = {"layers": {"1": {"moe": {"router_bias_E": torch.tensor(bias)}}}}
+    return dict(params, buffers=buffers)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 2), (2, 2)])
+def test_expert_parallel_with_idle_experts_matches_one_process(mesh_shape):
+    """Every token picks experts 0 and 1: the other experts (whole ep ranks) get no rows."""
+    x_BL = _tokens(1)[:, :-1]
+    ref = _biased(init_params(CFG, 0), [10.0, 5.0, 0.0, 0.0])
+    want, aux = forward(ref, x_BL, CFG)
+    assert aux["expert_counts_LE"][0, 2:].sum() == 0
+    f, e = mesh_shape
+    with fdist.simulate(f * e):
+        mesh = sharding.make_mesh(MeshConfig(fsdp=f, ep=e))
+        logits, _ = forward(sharding.shard_params(ref, mesh), _rank_part(x_BL, f * e), CFG)
+        got = torch.cat([logits._local_tensors[r] for r in range(f * e)])
+    assert _rel(got, want) <= 1e-6
+
+
+def test_capacity_factor_drops_rows_over_capacity_and_counts_them():
+    cfg = ModelConfig(**{**CFG.__dict__, "moe": MoEConfig(**{**CFG.moe.__dict__, "capacity_factor": 1.0})})
+    params = _biased(init_params(cfg, 0), [10.0, 5.0, 0.0, 0.0])
+    x_BL = _tokens(2)[:, :-1]
+    _, aux = forward(params, x_BL, cfg)
+    T, K, E = B * L, cfg.moe.top_k, cfg.moe.n_experts
+    capacity = T * K // E  # experts 0 and 1 get all T rows each, and keep T*K/E of them
+    assert aux["dropped_L"].tolist() == [2 * (T - capacity)]
+    big = ModelConfig(**{**cfg.__dict__, "moe": MoEConfig(**{**cfg.moe.__dict__, "capacity_factor": 100.0})})
+    assert torch.equal(forward(params, x_BL, big)[0], forward(params, x_BL, CFG)[0])  # nothing dropped
+
+
+# ---------------------------------------------------------------- real processes
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_two_nodes_2x2_matches_one_process(tmp_path):
+    """Two torchrun agents on 127.0.0.1 (two "nodes" of 2 processes) train the 2x2 mesh on gloo."""
+    common = ["--train.steps", "3", "--train.batch-size", "8", "--data.seq-len", "32", "--train.eval-batches", "1",
+              "--train.log-every", "1", "--dist.timeout-s", "10"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    one = subprocess.run([sys.executable, "-m", "fnmoe", "train", *common, "--train.run-dir", str(tmp_path / "one")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0, one.stderr[-3000:]
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "fnmoe-test",
+             "-m", "fnmoe", "train", *common, "--mesh.fsdp", "2", "--mesh.ep", "2",
+             "--train.run-dir", str(tmp_path / "four")]
+    nodes = [subprocess.Popen(agent, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    try:
+        outs = [node.communicate(timeout=180)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(out[-3000:] for out in outs)
+    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("one", "four")}
+    for a, b in zip(rows["one"], rows["four"], strict=True):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]), (key, a, b)
+    assert (tmp_path / "four" / "config.toml").is_file()
+    assert sum(out.count("step 3/3") for out in outs) == 1  # rank 0 alone prints
+
+
+def test_slurm_script_parses():
+    assert subprocess.run(["bash", "-n", str(ROOT / "tools" / "slurm_train.sh")], timeout=30).returncode == 0
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_killed_under_torchrun_ends_the_job(tmp_path):
+    """A SIGKILLed rank: its peer fails at the next collective and torchrun ends the job, non-zero."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), FNMOE_TEST_KILL_AT_STEP="1",
+               FNMOE_TEST_KILL_RANK="1")
+    start = time.monotonic()
+    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "fnmoe", "train", "--train.steps", "50", "--train.batch-size", "4",
+                          "--data.seq-len", "32", "--mesh.fsdp", "2", "--dist.timeout-s", "10",
+                          "--train.run-dir", str(tmp_path / "run")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert job.returncode != 0
+    assert "Signals.SIGKILL" in job.stderr or "SIGKILL" in job.stderr, job.stderr[-3000:]
+    # the survivor is ended within 30 s of the kill (process start-up is most of the rest)
+    assert time.monotonic() - start < 60, job.stderr[-3000:]

@@ -1,0 +1,142 @@
+"""The benchmark and GPU-check tools run on CPU at tiny sizes, so none is first run on a GPU lease.
+
+tools/gpu_check.sh --dry-run runs every step of the GPU check on CPU; the bench scripts' main
+functions run at tiny sizes (the MoE benchmark compiled, at the dry run's shape, so the inductor
+cache of this test run is warm for it).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = ROOT / "tools"
+TINY_MOE = "256,64,32,8,2"  # tools/gpu_check.py DRY_SHAPES[0]
+
+
+def load_tool(name: str):
+    """A tools/<name>.py script as a module (tools/ is not a package)."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", TOOLS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def has_torchtitan() -> bool:
+    try:
+        import torchtitan.models.common.moe  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.timeout(900)
+def test_gpu_check_dry_run(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "out"), TMPDIR=str(tmp_path))
+    proc = subprocess.run(["bash", "tools/gpu_check.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=880)
+    out = proc.stdout + proc.stderr
+    tail = proc.stdout[proc.stdout.find("GPU CHECK SUMMARY") - 3000:] if "GPU CHECK SUMMARY" in proc.stdout else out[-6000:]
+    assert proc.returncode == 0, tail
+    summary = proc.stdout.split("GPU CHECK SUMMARY", 1)
+    assert len(summary) == 2, out[-3000:]
+    table = summary[1]
+    for section in ("1 correctness", "2 moe bench", "3 model 16B-cut", "4 determinism"):
+        assert section in table, f"section {section!r} missing from the summary:\n{table}"
+    for check in ("grouped GEMM", "tiny preset", "offload", "memory none", "memory recompute=full",
+                  "deterministic replay"):
+        assert check in table, f"{check!r} missing:\n{table}"
+    assert " FAIL" not in table and "TIMEOUT" not in table, table
+    written = (tmp_path / "out" / "gpu_check.txt").read_text()
+    assert "GPU CHECK SUMMARY" in written and "4 determinism" in written
+
+
+def test_gpu_check_imports_without_tyro_torchtitan_or_safetensors():
+    """The GPU image has no tyro and no torchtitan (and maybe no safetensors): the check must still load."""
+    code = ("import sys\n"
+            "for m in ('tyro', 'torchtitan', 'safetensors', 'safetensors.torch'): sys.modules[m] = None\n"
+            "sys.path.insert(0, 'tools')\n"
+            "import gpu_check, bench_moe\n"
+            "assert 'tyro' not in sys.modules or sys.modules['tyro'] is None\n"
+            "print('NOTES', gpu_check.NOTES)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "safetensors not installed: stubbed" in proc.stdout
+
+
+def test_gpu_check_helpers():
+    gc = load_tool("gpu_check")
+    assert gc.recompute_policies()[0] == "none"
+    policies = gc.memory_policies()
+    assert policies[0] == ("none", {}) and ("recompute=full", {"recompute": "full"}) in policies
+    found = gc.offload_variant()
+    assert found is None or isinstance(found[0], dict)
+    bm = load_tool("bench_moe")
+    assert bm.classify("aten::mm") == "gemm"
+    assert bm.classify("aten::_grouped_mm") == "gemm"
+    assert bm.classify("graph_0_cpp_fused__softmax_topk_1") == "routing+permute"
+    assert bm.classify("aten::scatter_add") == "routing+permute"
+    assert bm.classify("graph_0_cpp_fused_mul_silu_6") == "elementwise"
+    assert bm.classify("CompiledFunction") == "other"
+    assert bm.Shape.parse("4096,512,256,32,4").flops == 18 * 4096 * 4 * 512 * 256
+
+
+@pytest.mark.timeout(300)
+def test_bench_moe_tiny(capsys):
+    bm = load_tool("bench_moe")
+    kernel_profile = torch._inductor.config.cpp.enable_kernel_profile
+    res = bm.main(["--shapes", TINY_MOE, "--iters", "1", "--warmup", "0", "--profile-iters", "1"])
+    assert len(res) == 1
+    impls = res[0]["impls"]
+    assert impls["fnmoe"]["ms"] > 0 and impls["fnmoe"]["gflops"] > 0
+    assert set(impls["fnmoe"]["split"]) == set(bm.CATEGORIES)
+    if has_torchtitan():
+        assert "torchtitan" in impls and res[0]["parity"]["torchtitan"] == []
+        assert res[0]["ratio"]["fnmoe"] > 0
+        assert "ratio fnmoe / torchtitan" in capsys.readouterr().out
+    assert torch._inductor.config.cpp.enable_kernel_profile == kernel_profile  # the benchmark restores it
+
+
+@pytest.mark.timeout(300)
+def test_bench_moe_skips_torchtitan_when_it_does_not_import(monkeypatch, capsys):
+    bm = load_tool("bench_moe")
+    monkeypatch.setitem(sys.modules, "torchtitan.models.common.moe", None)  # import fails
+    res = bm.main(["--shapes", TINY_MOE, "--iters", "1", "--warmup", "0", "--profile-iters", "0"])
+    assert list(res[0]["impls"]) == ["fnmoe"]
+    assert "TorchTitan skipped" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
+def test_bench_model_tiny(capsys):
+    pytest.importorskip("transformers")
+    bmod = load_tool("bench_model")
+    res = bmod.main(["--layers", "2", "--dim", "64", "--head-dim", "32", "--ffn", "32", "--experts", "4",
+                     "--top-k", "2", "--vocab", "128", "--batch", "2", "--seq", "32", "--iters", "1", "--warmup", "0",
+                     "--no-compile"])
+    out = capsys.readouterr().out
+    assert res is not None, out
+    assert res["ms"]["transformers fp32"] > 0 and res["ratio"]["fnmoe bf16 eager"] > 0
+    assert "MISMATCH" not in out, out
+
+
+def test_bench_model_skips_without_fnmoe_hf(monkeypatch, capsys):
+    bmod = load_tool("bench_model")
+    monkeypatch.setitem(sys.modules, "fnmoe.hf", None)
+    assert bmod.main(["--iters", "1"]) is None
+    assert "SKIP" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
+def test_bench_compile_harness():
+    bc = load_tool("bench_compile")
+    res = bc.main(["--repeats", "1", "--eager", "--extra", "--train.batch-size 2 --data.seq-len 32"])
+    assert res["cold"] > 0 and res["warm"] > 0 and res["ratio"] > 0

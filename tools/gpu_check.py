@@ -1,0 +1,621 @@
+"""The steps of tools/gpu_check.sh, one per process: `python tools/gpu_check.py --step NAME --results DIR`.
+
+Steps (in the priority order gpu_check.sh runs them):
+  correctness   CUDA against the CPU reference: grouped vs loop expert GEMMs (forward and
+                gradients) and the compiled MoE block; 3 fp32 eager training steps of the tiny
+                preset on the device vs on CPU; every memory policy fnmoe.config.MemoryConfig offers
+                (recompute, offload, per-region) against none, or a skip row with the reason this
+                build refuses it (e.g. offload on CUDA not built yet)
+  moe           tools/bench_moe.py on the device (against TorchTitan when it imports, else fnmoe alone)
+  model         a DeepSeek-V3-16B-shaped model cut to 4 layers (MLA), bf16, compiled, AdamW, 2 x 4096
+                tokens, per memory policy: tokens/s, MFU (989 TFLOP/s peak), peak memory; policies
+                that would not finish in the step's time are skipped with a row saying so
+  determinism   tokens/s of the same model with and without torch.use_deterministic_algorithms,
+                and a deterministic replay check
+  summary       the table of every step's rows, also written to $OUT/gpu_check.txt when $OUT is set
+
+Each step appends rows (section, check, result, status) to DIR/<step>.json as it goes, so a
+step that times out still reports what it finished. --dry-run runs the same code on CPU at tiny
+sizes (CI runs it; compiled like the GPU run, so a warm inductor cache keeps it short).
+
+Needs only torch and fnmoe (no tyro, no torchtitan, no network): Python functions of fnmoe
+are called directly, never the `fnmoe` CLI. If safetensors is missing, it is stubbed (no step
+reads or writes checkpoints).
+
+Legend: T tokens, D model dim, F expert hidden, E experts, K top-k, R routed rows.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+import types
+import typing
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+ROOT = TOOLS.parent
+sys.path[:0] = [str(ROOT), str(TOOLS)]
+
+SECTIONS = {"correctness": "1 correctness", "moe": "2 moe bench", "model": "3 model 16B-cut",
+            "determinism": "4 determinism"}
+STEPS = list(SECTIONS)
+PEAK_TFLOPS = 989.0  # H100/H200/GH200 bf16 dense (DESIGN.md §7)
+NOTES: list[str] = []
+DEADLINE = float("inf")  # time.monotonic() by which this step must end (--timeout)
+
+
+def _stub_safetensors() -> None:
+    """fnmoe imports safetensors at module level (checkpoints, HF); no step here uses it."""
+    try:
+        import safetensors  # noqa: F401
+        import safetensors.torch  # noqa: F401 (fnmoe imports it)
+    except ImportError:
+        st, stt = types.ModuleType("safetensors"), types.ModuleType("safetensors.torch")
+
+        class SafetensorError(Exception):
+            pass
+
+        def missing(*args, **kwargs):
+            raise ImportError("safetensors is not installed (stubbed by tools/gpu_check.py)")
+
+        st.SafetensorError, st.safe_open, st.torch = SafetensorError, missing, stt
+        stt.save_file = stt.load_file = missing
+        sys.modules["safetensors"], sys.modules["safetensors.torch"] = st, stt
+        NOTES.append("safetensors not installed: stubbed (no step reads or writes checkpoints)")
+
+
+_stub_safetensors()
+
+import torch  # noqa: E402
+
+from fnmoe import compile as fcompile  # noqa: E402
+from fnmoe import optim  # noqa: E402
+from fnmoe.config import MemoryConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig, load_config  # noqa: E402
+from fnmoe.metrics import flops_per_token, mfu  # noqa: E402
+from fnmoe.model import init_params, leaf_inits  # noqa: E402
+from fnmoe.moe import expert_mlp, moe_block  # noqa: E402
+from fnmoe.train import init_state, make_train_step  # noqa: E402
+from fnmoe.tree import map_with_path, tree_map  # noqa: E402
+
+
+class Recorder:
+    """Rows of one step, rewritten to DIR/<step>.json after every row."""
+
+    def __init__(self, results: Path, step: str):
+        self.path = results / f"{step}.json"
+        self.section = SECTIONS[step]
+        self.rows: list[list[str]] = []
+        self.flush()
+
+    def row(self, check: str, result: str, status: str = "ok") -> None:
+        print(f"  [{self.section}] {check}: {result}  -> {status}", flush=True)
+        self.rows.append([check, result, status])
+        self.flush()
+
+    def guarded(self, check: str, fn, *args, **kwargs):
+        """Run one sub-check; an exception becomes a FAIL row and the step goes on."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            traceback.print_exc()
+            self.row(check, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}", "FAIL")
+        finally:
+            print(f"  ({check}: {time.perf_counter() - t0:.1f} s)", flush=True)
+        return None
+
+    def flush(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"section": self.section, "rows": self.rows, "notes": NOTES}))
+        tmp.replace(self.path)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def status(ok: bool) -> str:
+    return "ok" if ok else "FAIL"
+
+
+# ---------------------------------------------------------------- 1 correctness
+
+def check_grouped_gemm(rec: Recorder, device: str, dry: bool) -> None:
+    """expert_mlp grouped (device, bf16) vs loop (device, bf16) vs loop (CPU, fp32): outputs and grads."""
+    R, D, F, E = (256, 64, 32, 8) if dry else (8192, 1024, 512, 32)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 2 * R // E, (E,), generator=g)
+    counts[1] = 0  # an expert with no rows
+    counts[-1] += R - counts.sum()
+    if counts[-1] < 0:
+        counts = torch.full((E,), R // E, dtype=torch.int64)
+        counts[-1] += R - counts.sum()
+    x = torch.randn(R, D, generator=g)
+    ws = [torch.randn(E, D, F, generator=g) * D ** -0.5, torch.randn(E, D, F, generator=g) * D ** -0.5,
+          torch.randn(E, F, D, generator=g) * F ** -0.5]
+    gy = torch.randn(R, D, generator=g)
+
+    def run(dev, dtype, grouped):
+        leaves = [t.to(dev, dtype).requires_grad_(True) for t in [x, *ws]]
+        y = expert_mlp(*leaves, counts.to(dev), grouped=grouped)
+        grads = torch.autograd.grad(y, leaves, gy.to(dev, dtype))
+        return y, grads
+
+    y_ref, g_ref = run("cpu", torch.float32, False)
+    y_grp, g_grp = run(device, torch.bfloat16, True)
+    y_loop, g_loop = run(device, torch.bfloat16, False)
+    names = ["x", "w_gate", "w_up", "w_down"]
+    e_out = rel_err(y_grp, y_loop)
+    e_ref = rel_err(y_grp, y_ref)
+    e_grads = max(rel_err(a, b) for a, b in zip(g_grp, g_loop))
+    e_grads_ref = max(rel_err(a, b) for a, b in zip(g_grp, g_ref))
+    worst = names[max(range(4), key=lambda i: rel_err(g_grp[i], g_ref[i]))]
+    rec.row(f"grouped GEMM R={R} D={D} F={F} E={E} fwd", f"grouped vs loop {e_out:.1e}, vs fp32 CPU {e_ref:.1e}",
+            status(e_out < 1e-2 and e_ref < 2e-2))
+    rec.row("grouped GEMM grads", f"grouped vs loop max {e_grads:.1e}, vs fp32 CPU max {e_grads_ref:.1e} ({worst})",
+            status(e_grads < 2e-2 and e_grads_ref < 3e-2))
+
+
+def check_compiled_moe(rec: Recorder, device: str, dry: bool) -> None:
+    """The compiled MoE block (grouped) on the device vs the eager loop path on the device, bf16."""
+    import bench_moe as bm
+
+    s = bm.Shape.parse(DRY_SHAPES[0] if dry else GPU_SHAPES[0])
+    w = bm.make_weights(s)
+    cfg = bm.model_config(s)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, s.T, s.D, generator=gen).to(device, torch.bfloat16)
+    gy = (torch.randn(1, s.T, s.D, generator=gen) * 1e-2).to(device, torch.bfloat16)
+    comp = bm.fnmoe_impl(w, s, device)
+    out_c, grads_c = comp.run(x, gy)
+    p = {k: v.to(device, torch.bfloat16).requires_grad_(True) for k, v in w.items()}
+    xe = x.detach().requires_grad_(True)
+    out_e, stats = moe_block(p, xe, cfg, grouped=False)
+    grads_e = torch.autograd.grad(out_e, [xe, *p.values()], gy)
+    # compiled and eager fp32 router logits may differ in the last bit: allow a near-tie to flip a few rows
+    moved = int((comp.counts().cpu() - stats["counts_E"].cpu()).abs().sum()) // 2
+    e_out = rel_err(out_c, out_e)
+    e_grad = max(rel_err(a, b) for a, b in zip(grads_c, grads_e))
+    rec.row(f"compiled MoE block ({s}) vs eager loop", f"rows routed differently {moved}, out {e_out:.1e}, "
+            f"grads max {e_grad:.1e}", status(moved <= max(1, s.T * s.K // 1000) and e_out < 2e-2 and e_grad < 4e-2))
+
+
+def tiny_run(dry: bool, memory: MemoryConfig | None = None) -> RunConfig:
+    """The tiny preset, fp32 eager; the dry run takes a quarter of its batch and half its sequence."""
+    run = load_config(ROOT / "configs" / "tiny.toml")
+    model = dataclasses.replace(run.model, compute_dtype="float32", compile=False)
+    run = dataclasses.replace(run, model=model, memory=memory or run.memory)
+    if dry:
+        run = dataclasses.replace(run, train=dataclasses.replace(run.train, batch_size=4),
+                                  data=dataclasses.replace(run.data, seq_len=64))
+    return run
+
+
+_DATA: dict = {}
+
+
+def _data(run: RunConfig):
+    from fnmoe.data import load_data
+
+    key = (run.data, run.model.vocab_size)
+    if key not in _DATA:
+        _DATA[key] = load_data(run.data, run.model.vocab_size)
+    return _DATA[key]
+
+
+def train_losses(run: RunConfig, device: str, steps: int) -> list[tuple[float, float]]:
+    """(loss, grad_norm) of `steps` training steps of run on device, from init_params and the preset's data."""
+    from fnmoe.data import Loader
+
+    torch.manual_seed(run.train.seed)
+    tx, _ = optim.from_config(run.optim, run.train.steps)
+    params = tree_map(lambda t: t.to(device), init_params(run.model, run.train.seed))
+    state = init_state(params, tx)
+    step_fn = make_train_step(run, tx)
+    t = run.train
+    loader = Loader(_data(run), run.data.seq_len, t.batch_size, t.grad_accum, t.seed)
+    out = []
+    for s in range(steps):
+        batch = [tuple(v.to(device) for v in loader.batch_at(s, 0, 1, m)) for m in range(t.grad_accum)]
+        state, m = step_fn(state, batch)
+        out.append((m["loss"], m["grad_norm"]))
+    return out
+
+
+def check_train_steps(rec: Recorder, device: str, dry: bool) -> list:
+    steps = 3
+    ref = train_losses(tiny_run(dry), "cpu", steps)
+    got = train_losses(tiny_run(dry), device, steps)
+    e = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(got, ref))
+    eg = max(abs(a[1] - b[1]) / max(abs(b[1]), 1e-12) for a, b in zip(got, ref))
+    t = tiny_run(dry).train
+    rec.row(f"tiny preset ({t.batch_size} x {tiny_run(dry).data.seq_len}), {steps} fp32 eager steps, {device} vs cpu",
+            f"losses {' '.join(f'{a[0]:.4f}' for a in got)}; max rel diff loss {e:.1e}, grad norm {eg:.1e}",
+            status(e < 2e-3 and eg < 1e-2))
+    return got
+
+
+def _memory_kwargs() -> dict:
+    return {f.name: f.default for f in dataclasses.fields(MemoryConfig) if f.default is not dataclasses.MISSING}
+
+
+def memory_policies() -> list[tuple[str, dict]]:
+    """(label, MemoryConfig overrides) of the policies MemoryConfig offers, 'none' first: each value of
+    `recompute`, a bool `offload` switch (alone and with full recompute), and each per-region value
+    applied to every region field (attention / moe / mlp) at once."""
+    hints = typing.get_type_hints(MemoryConfig)
+    fields = {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(MemoryConfig)}
+    out = [("none", {})]
+    for v in fields.get("recompute", ()):
+        if v != "none":
+            out.append((f"recompute={v}", {"recompute": v}))
+    for name in fields:
+        if "offload" in name and hints[name] is bool:
+            out.append((f"{name}=True", {name: True}))
+            if "full" in fields.get("recompute", ()):
+                out.append((f"recompute=full+{name}", {"recompute": "full", name: True}))
+    regions = [n for n, args in fields.items() if n != "recompute" and "none" in args]
+    values = [v for v in dict.fromkeys(v for n in regions for v in fields[n]) if v != "none"]
+    for v in values:
+        out.append((f"{'/'.join(regions)}={v}", {n: v for n in regions if v in fields[n]}))
+    return out
+
+
+def recompute_policies() -> list[str]:
+    """The values MemoryConfig.recompute accepts (a Literal), 'none' first."""
+    hints = typing.get_type_hints(MemoryConfig)
+    vals = list(typing.get_args(hints.get("recompute", str))) or ["none"]
+    return sorted(vals, key=lambda v: v != "none")
+
+
+def offload_variant() -> tuple[dict, str] | None:
+    """MemoryConfig kwargs that turn offload on, if MemoryConfig offers it: a bool field named *offload*,
+    or a Literal field with an 'offload' value."""
+    for label, kw in memory_policies():
+        if "offload" in label:
+            return kw, label
+    return None
+
+
+class NotOffered(Exception):
+    """A memory policy this build refuses (invalid combination, planned but not run, not built on this device)."""
+
+
+def with_policy(run: RunConfig, overrides: dict) -> RunConfig:
+    """run with MemoryConfig overrides, validated (fnmoe.config.validate); NotOffered when refused."""
+    from fnmoe.config import validate
+
+    run = dataclasses.replace(run, memory=MemoryConfig(**{**_memory_kwargs(), **overrides}))
+    try:
+        return validate(run)
+    except ValueError as e:
+        raise NotOffered(str(e).replace("invalid config:", "").strip().splitlines()[0]) from None
+
+
+def refused(e: Exception) -> str | None:
+    """The reason when e says a policy is not offered (not a bug): validation, 'not run yet', not built."""
+    if isinstance(e, NotOffered):
+        return str(e)
+    if isinstance(e, (NotImplementedError, ValueError)):
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:140]}"
+    return None
+
+
+def check_memory_policies(rec: Recorder, device: str, dry: bool, base: list | None) -> None:
+    """Every memory policy on the device, 3 fp32 eager steps of the tiny preset: the same losses as none."""
+    steps = 3
+    base = base or train_losses(tiny_run(dry), device, steps)
+    for label, kw in memory_policies()[1:]:
+        try:
+            run = with_policy(tiny_run(dry), kw)
+            got = train_losses(run, device, steps)
+        except Exception as e:
+            why = refused(e)
+            if why is None:
+                traceback.print_exc()
+                rec.row(f"memory {label} vs none on {device}", f"{type(e).__name__}: {str(e)[:150]}", "FAIL")
+            else:
+                rec.row(f"memory {label}", f"not offered here: {why}", "skip")
+            continue
+        e = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(got, base))
+        rec.row(f"memory {label} vs none on {device} ({steps} fp32 steps)", f"max rel loss diff {e:.1e}", status(e < 1e-5))
+    if offload_variant() is None:
+        names = ", ".join(f.name for f in dataclasses.fields(MemoryConfig))
+        rec.row("offload policy", f"not offered by MemoryConfig (fields: {names})", "skip")
+
+
+def step_correctness(rec: Recorder, device: str, dry: bool) -> None:
+    rec.guarded("grouped GEMM", check_grouped_gemm, rec, device, dry)
+    rec.guarded("compiled MoE block", check_compiled_moe, rec, device, dry)
+    base = rec.guarded("tiny preset training steps", check_train_steps, rec, device, dry)
+    rec.guarded("memory policies", check_memory_policies, rec, device, dry, base)
+
+
+# ---------------------------------------------------------------- 2 MoE benchmark
+
+GPU_SHAPES = ["4096,512,256,32,4", "16384,2048,1408,64,6"]  # the CPU anchor; a DeepSeek-V3-16B layer
+DRY_SHAPES = ["256,64,32,8,2"]
+
+
+def step_moe(rec: Recorder, device: str, dry: bool) -> None:
+    import bench_moe as bm
+
+    try:
+        import torchtitan  # noqa: F401
+        have_tt = True
+    except Exception:
+        have_tt = False
+    if not have_tt:
+        rec.row("torchtitan", "does not import here: fnmoe timed alone", "skip")
+    argv = ["--device", device]
+    argv += ["--iters", "2", "--warmup", "1", "--profile-iters", "1"] if dry else ["--iters", "20", "--warmup", "3",
+                                                                                  "--profile-iters", "3"]
+    for spec in DRY_SHAPES if dry else GPU_SHAPES:
+        res = rec.guarded(f"moe bench {spec}", bm.main, argv + ["--shapes", spec] + ([] if have_tt else ["--no-torchtitan"]))
+        if not res:
+            continue
+        r = res[0]
+        for name, v in r["impls"].items():
+            split = " ".join(f"{k.split('+')[0]} {100 * x / v['ms']:.0f}%" for k, x in v["split"].items()) if v["split"] else ""
+            rec.row(f"{r['shape']} {name}", f"{v['ms']:.2f} ms, {v['gflops']:.0f} GFLOP/s; {split}")
+        for name, ratio in r.get("ratio", {}).items():
+            # a timing, not a correctness check: "slower" is reported, never a failure
+            rec.row(f"{r['shape']} {name}/torchtitan", f"{ratio:.2f} (<1: fnmoe faster)", "ok" if ratio <= 1.0 else "slower")
+        for name, problems in r["parity"].items():
+            if problems:
+                rec.row(f"{r['shape']} parity vs {name}", "; ".join(problems)[:200], "FAIL")
+
+
+# ---------------------------------------------------------------- 3 model, 4 determinism
+
+def model_16b_cut(dry: bool) -> tuple[ModelConfig, str]:
+    """DeepSeek-V3-16B widths (ANCHORS.md; configs/deepseek_v3_16b.toml when present) cut to 4 layers."""
+    if dry:
+        moe = MoEConfig(n_experts=8, top_k=2, expert_hidden=32, n_shared_experts=2, score_func="softmax",
+                        norm_topk_prob=False, first_k_dense=1, aux_loss_coeff=0.001)
+        cfg = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, attention="mla", q_lora_rank=0,
+                          kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, ffn_hidden=128,
+                          max_seq_len=256, moe=moe, compute_dtype="bfloat16", compile=True)
+        return cfg, "dry run: a tiny MLA model"
+    preset = ROOT / "configs" / "deepseek_v3_16b.toml"
+    if preset.is_file():
+        base = load_config(preset, validate_config=False).model
+        cfg = dataclasses.replace(base, n_layers=4, max_seq_len=max(base.max_seq_len, 4096),
+                                  compute_dtype="bfloat16", compile=True)
+        return cfg, "configs/deepseek_v3_16b.toml with n_layers=4"
+    moe = MoEConfig(n_experts=64, top_k=6, expert_hidden=1408, n_shared_experts=2, score_func="softmax",
+                    norm_topk_prob=False, first_k_dense=1, aux_loss_coeff=0.001)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    if "kv_lora_rank" in fields:
+        attn = dict(attention="mla", n_heads=16, n_kv_heads=16, q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128,
+                    qk_rope_head_dim=64, v_head_dim=128)
+        note = "ANCHORS.md 16B widths (MLA), 4 layers"
+    else:
+        attn = dict(n_heads=16, n_kv_heads=16, head_dim=128)
+        note = "ANCHORS.md 16B widths, GQA (ModelConfig has no MLA fields), 4 layers"
+    cfg = ModelConfig(vocab_size=102400, dim=2048, n_layers=4, ffn_hidden=10944, max_seq_len=4096, moe=moe,
+                      compute_dtype="bfloat16", compile=True, **attn)
+    return cfg, note
+
+
+def device_params(cfg: ModelConfig, device: str, seed: int = 0):
+    """fnmoe's init distribution drawn on the device (fast; not init_params' exact values)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(path, init):
+        if init.std == 0.0:
+            return torch.full(init.shape, init.value, device=device)
+        return torch.randn(init.shape, device=device, generator=g).mul_(init.std)
+    return map_with_path(draw, leaf_inits(cfg))
+
+
+class ModelBench:
+    def __init__(self, dry: bool, device: str):
+        self.dry, self.device = dry, device
+        self.cfg, self.note = model_16b_cut(dry)
+        self.B, self.L = (2, 64) if dry else (2, 4096)
+        self.warmup, self.iters = (1, 1) if dry else (2, 3)
+        self.params = device_params(self.cfg, device)
+        self.n_params = sum(t.numel() for t in _leaves(self.params))
+        gen = torch.Generator().manual_seed(1)
+        toks = torch.randint(0, self.cfg.vocab_size, (self.B, self.L + 1), generator=gen).to(device)
+        self.batch = [(toks[:, :-1], toks[:, 1:])]
+        self.state = None
+
+    def run_cfg(self, memory: dict) -> RunConfig:
+        """The run under MemoryConfig overrides `memory`, validated (NotOffered when refused)."""
+        run = RunConfig(model=self.cfg, optim=OptimConfig(name="adamw", lr=1e-4, warmup_steps=0),
+                        data=dataclasses.replace(RunConfig().data, seq_len=self.L),
+                        train=TrainConfig(batch_size=self.B, steps=100, peak_tflops=PEAK_TFLOPS))
+        return with_policy(run, memory)
+
+    def measure(self, memory: dict | None = None) -> dict:
+        run = self.run_cfg(memory or {})
+        tx, _ = optim.from_config(run.optim, run.train.steps)
+        if self.state is None:
+            self.state = init_state(self.params, tx)
+        step_fn = make_train_step(run, tx)
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        times, losses = [], []
+        for i in range(self.warmup + self.iters):
+            sync(self.device)
+            t0 = time.perf_counter()
+            self.state, m = step_fn(self.state, self.batch)  # .item() of the loss syncs
+            sync(self.device)
+            if i >= self.warmup:
+                times.append(time.perf_counter() - t0)
+            losses.append(m["loss"])
+            print(f"    step {i + 1}: {time.perf_counter() - t0:.3f} s, loss {m['loss']:.4f}", flush=True)
+        dt = statistics.median(times)
+        tps = self.B * self.L / dt
+        fpt = flops_per_token(self.cfg, self.L)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.startswith("cuda") else None
+        return {"ms": dt * 1e3, "tps": tps, "mfu": mfu(fpt, tps, PEAK_TFLOPS), "peak_gib": peak, "losses": losses}
+
+    def describe(self) -> tuple[str, str]:
+        c = self.cfg
+        return (self.note, f"{c.n_layers} layers, dim {c.dim}, {c.moe.n_experts} experts top-{c.moe.top_k} "
+                f"+{c.moe.n_shared_experts} shared, {c.attention}, {self.n_params / 1e9:.2f} B params; batch "
+                f"{self.B} x {self.L}, bf16, compile={c.compile}")
+
+
+def _leaves(tree) -> list:
+    if isinstance(tree, dict):
+        return [x for v in tree.values() for x in _leaves(v)]
+    return [tree]
+
+
+def fmt_perf(r: dict) -> str:
+    m = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    mem = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f} GiB"
+    return f"{r['ms']:.0f} ms/step, {r['tps']:,.0f} tok/s, MFU {m}, peak mem {mem}"
+
+
+def time_left() -> float:
+    return DEADLINE - time.monotonic()
+
+
+def step_model(rec: Recorder, device: str, dry: bool) -> None:
+    mb = ModelBench(dry, device)
+    rec.row(*mb.describe(), "info")
+    last = 20.0  # seconds the previous policy took (the first one compiles)
+    for label, kw in memory_policies():
+        if time_left() < 1.5 * last:
+            rec.row(f"memory {label}", f"not measured: {time_left():.0f} s left of the step's time", "skip")
+            continue
+        t0 = time.monotonic()
+        try:
+            r = mb.measure(kw)
+        except Exception as e:
+            why = refused(e)
+            if why is None:
+                traceback.print_exc()
+                rec.row(f"memory {label}", f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}", "FAIL")
+            else:
+                rec.row(f"memory {label}", f"not offered here: {why}", "skip")
+            continue
+        finally:
+            gc.collect()
+        last = time.monotonic() - t0
+        finite = all(x == x and abs(x) < 1e4 for x in r["losses"])
+        rec.row(f"memory {label}", fmt_perf(r), status(finite))
+
+
+def step_determinism(rec: Recorder, device: str, dry: bool) -> None:
+    mb = ModelBench(dry, device)
+    rec.row(*mb.describe(), "info")
+    base = rec.guarded("default kernels", mb.measure)
+    if base:
+        rec.row("default kernels", fmt_perf(base))
+    torch.use_deterministic_algorithms(True)
+    det = rec.guarded("deterministic", mb.measure)
+    if det:
+        rec.row("use_deterministic_algorithms(True)", fmt_perf(det))
+    if base and det:
+        rec.row("cost of deterministic mode", f"tokens/s ratio det/default {det['tps'] / base['tps']:.2f}")
+        run = mb.run_cfg({})
+        tx, _ = optim.from_config(run.optim, run.train.steps)
+        step_fn = make_train_step(run, tx)
+        _, m1 = step_fn(mb.state, mb.batch)
+        _, m2 = step_fn(mb.state, mb.batch)
+        same = m1["loss"] == m2["loss"] and m1["grad_norm"] == m2["grad_norm"]
+        rec.row("deterministic replay of one step", f"loss {m1['loss']!r} vs {m2['loss']!r}, grad norm equal "
+                f"{m1['grad_norm'] == m2['grad_norm']}", status(same))
+
+
+# ---------------------------------------------------------------- summary
+
+def summary(results: Path, dry: bool) -> int:
+    """Print the table of every step's rows (and $OUT/gpu_check.txt); 1 when a check failed or a step died."""
+    rows, notes, bad = [], [], 0
+    for step in STEPS:
+        section = SECTIONS[step]
+        path, rc_path = results / f"{step}.json", results / f"{step}.rc"
+        data = json.loads(path.read_text()) if path.is_file() else {"rows": [], "notes": []}
+        notes += [n for n in data.get("notes", []) if n not in notes]
+        rc = rc_path.read_text().strip() if rc_path.is_file() else "not run"
+        for check, result, st in data["rows"]:
+            rows.append((section, check, result, st))
+            bad += st == "FAIL"
+        if rc != "0":
+            why = {"124": "TIMEOUT (partial rows above)", "137": "KILLED after timeout", "not run": "NOT RUN",
+                   "skipped": "SKIPPED (time budget spent)"}.get(rc, f"exit {rc}")
+            rows.append((section, "step", why, "FAIL" if rc != "skipped" else "skip"))
+            bad += rc != "skipped"
+        if not data["rows"] and rc == "0":
+            rows.append((section, "step", "no rows", "FAIL"))
+            bad += 1
+    w = [max(len(r[i]) for r in rows + [("section", "check", "result", "status")]) for i in range(3)]
+    w = [min(x, cap) for x, cap in zip(w, (18, 58, 120))]
+    head = f"{'section':<{w[0]}}  {'check':<{w[1]}}  {'result':<{w[2]}}  status"
+    lines = ["", "GPU CHECK SUMMARY" + (" (dry run on CPU, tiny sizes)" if dry else ""), head, "-" * len(head)]
+    for s, c, r, st in rows:
+        r = r if len(r) <= w[2] else r[:w[2] - 3] + "..."
+        lines.append(f"{s:<{w[0]}}  {c[:w[1]]:<{w[1]}}  {r:<{w[2]}}  {st}")
+    env = f"torch {torch.__version__}, python {sys.version.split()[0]}"
+    if torch.cuda.is_available():
+        env += f", {torch.cuda.get_device_name(0)}"
+    lines += ["-" * len(head), f"{env}; {bad} failed", *[f"note: {n}" for n in notes]]
+    text = "\n".join(lines)
+    print(text)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "gpu_check.txt").write_text(text + "\n")
+        for step in STEPS:
+            if (results / f"{step}.json").is_file():
+                (Path(out) / f"gpu_check_{step}.json").write_text((results / f"{step}.json").read_text())
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--step", required=True, choices=STEPS + ["summary"])
+    ap.add_argument("--results", required=True, help="directory of the per-step JSON files")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes")
+    ap.add_argument("--timeout", type=float, default=0, help="this step's time limit in s (later sub-steps are "
+                    "skipped rather than cut off)")
+    args = ap.parse_args(argv)
+    global DEADLINE
+    if args.timeout:
+        DEADLINE = time.monotonic() + args.timeout - 5
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    if args.step == "summary":
+        return summary(results, args.dry_run)
+    if args.dry_run:
+        device = "cpu"
+    elif torch.cuda.is_available():
+        device = "cuda"
+    else:
+        rec = Recorder(results, args.step)
+        rec.row("device", "no CUDA device (use --dry-run on CPU)", "FAIL")
+        return 1
+    fcompile.setup_cache()  # TORCHINDUCTOR_CACHE_DIR when set, else the checkout's compile_cache/
+    rec = Recorder(results, args.step)
+    t0 = time.perf_counter()
+    print(f"== gpu_check step {args.step} on {device}" + (f" ({torch.cuda.get_device_name(0)})" if device == "cuda" else ""),
+          flush=True)
+    {"correctness": step_correctness, "moe": step_moe, "model": step_model, "determinism": step_determinism}[args.step](
+        rec, device, args.dry_run)
+    print(f"== step {args.step} done in {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+#!/bin/bash
+# fnmoe training on several nodes under SLURM: one torchrun agent per node, which starts one process
+# per GPU; the agents meet at a c10d rendezvous on the job's first node. The mesh must cover every
+# process: nodes x processes per node = mesh.fsdp x mesh.ep.
+#
+#   sbatch --nodes 2 tools/slurm_train.sh --config configs/tiny.toml --mesh.fsdp 2 --mesh.ep 8
+#
+# Environment: NPROC_PER_NODE (default: the node's GPUs, else 1), RDZV_PORT (default 29500),
+# MAX_RESTARTS (default 0; torchrun restarts every process after a failure, which needs
+# --resume auto and checkpoints of multi-rank runs, not built yet).
+#SBATCH --job-name=fnmoe
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+set -euo pipefail
+
+nproc=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+srun torchrun --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node "$nproc" \
+    --rdzv-backend c10d --rdzv-endpoint "$head_node:${RDZV_PORT:-29500}" --rdzv-id "$SLURM_JOB_ID" \
+    --max-restarts "${MAX_RESTARTS:-0}" \
+    -m fnmoe train "$@"
