@@ -5,6 +5,7 @@ Legend: B batch, L sequence.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import time
@@ -236,13 +237,13 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
             if step % t.log_every == 0 or step == t.steps:
                 log.info(_progress_line(row, t.steps))
             if t.eval_every and step % t.eval_every == 0 and step < t.steps:
-                writer.write({"step": step, "val_loss": eval_loss(state.params, val, run)})
+                writer.write(_val_row(step, eval_loss(state.params, val, run)))
             if run.checkpoint.every and step % run.checkpoint.every == 0 and step < t.steps:
                 saver.save(state, run, loader)
             _fault_injection(step, rank)
         saved = saver.save(state, run, loader, blocking=True)
         val_loss = eval_loss(state.params, val, run)
-        writer.write({"step": t.steps, "val_loss": val_loss})
+        writer.write(_val_row(t.steps, val_loss))
     except KeyboardInterrupt:
         log.warning("interrupted at step %d of %d; %s", state.step, t.steps,
                     _save_on_interrupt(saver, state, run, loader))
@@ -254,6 +255,10 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
              t.steps, time.perf_counter() - start, row["loss"], val_loss, run_dir / "metrics.jsonl", saved)
     return {"steps": t.steps, "loss": row["loss"], "val_loss": val_loss, "run_dir": str(run_dir),
             "params": state.params, "interrupted": False, "checkpoint": str(saved)}
+
+
+def _val_row(step: int, val_loss: float) -> dict:
+    return {"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 80.0))}
 
 
 def _progress_line(row: dict, total: int) -> str:

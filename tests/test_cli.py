@@ -1,5 +1,6 @@
 """The CLI: flags of DESIGN.md §3, overrides, run-directory files, errors, Ctrl-C."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -63,7 +64,8 @@ def test_train_writes_the_run_files_in_a_fresh_process(tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(METRIC_KEYS <= r.keys() for r in steps)
     assert steps[-1]["tokens"] == 3 * 4 * 32 and steps[0]["mfu"] is None
-    assert rows[-1].keys() == {"step", "val_loss"} and rows[-1]["step"] == 3
+    assert rows[-1].keys() == {"step", "val_loss", "val_ppl"} and rows[-1]["step"] == 3
+    assert abs(rows[-1]["val_ppl"] - math.exp(rows[-1]["val_loss"])) <= 1e-9 * rows[-1]["val_ppl"]
     assert "step 3/3" in r.stdout and "held-out loss" in r.stdout
 
 
