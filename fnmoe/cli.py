@@ -60,6 +60,17 @@ def parse_run(argv: list[str], prog: str) -> RunConfig:
     return validate(args.run)
 
 
+def _parse_run_and(argv: list[str], prog: str, flag: str, spec: dict, usage: str):
+    """(the namespace of one extra flag, the RunConfig of the rest): for subcommands that take a
+    config plus one flag of their own."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument(flag, **spec)
+    known, rest = pre.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        print(usage + "\n")
+    return known, parse_run(rest, prog)
+
+
 def cmd_train(argv: list[str]) -> int:
     from fnmoe.loop import train
 
@@ -73,13 +84,9 @@ def cmd_inspect(argv: list[str]) -> int:
     from fnmoe.compile import setup_cache
     from fnmoe.inspect_compile import format_reports, inspect_model
 
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--dump", default="", help="write FX graphs and inductor output code per region here")
-    known, rest = pre.parse_known_args(argv)
-    if "-h" in rest or "--help" in rest:
-        print("fnmoe inspect [--config FILE] [overrides] [--dump DIR]: graphs, breaks, recompiles, "
-              "FX nodes, kernels and host syncs per compiled region\n")
-    run = parse_run(rest, "fnmoe inspect")
+    known, run = _parse_run_and(argv, "fnmoe inspect", "--dump", dict(default=""),
+                                "fnmoe inspect [--config FILE] [overrides] [--dump DIR]: graphs, breaks, "
+                                "recompiles, FX nodes, kernels and host syncs per compiled region")
     setup_cache(run.compile_cache)
     reports, note = inspect_model(run.model, Path(known.dump) if known.dump else None)
     if note:
@@ -209,17 +216,13 @@ def cmd_plot(argv: list[str]) -> int:
 
 def cmd_plan(argv: list[str]) -> int:
     """Per-rank memory, FLOPs, communication and a step-time model for a config; allocates nothing."""
-    import json
-
     from fnmoe.plan import format_plan, plan
 
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    known, rest = pre.parse_known_args(argv)
-    if "-h" in rest or "--help" in rest:
-        print("fnmoe plan [--config FILE] [overrides, e.g. --mesh.fsdp 48 --mesh.ep 8 --memory.recompute full] "
-              "[--json]: per-rank bytes, FLOPs per token, communication and a modelled step time\n")
-    result = plan(parse_run(rest, "fnmoe plan"))
+    known, run = _parse_run_and(argv, "fnmoe plan", "--json", dict(action="store_true"),
+                                "fnmoe plan [--config FILE] [overrides, e.g. --mesh.fsdp 48 --mesh.ep 8 "
+                                "--memory.recompute full] [--json]: per-rank bytes, FLOPs per token, "
+                                "communication and a modelled step time")
+    result = plan(run)
     print(json.dumps(result, indent=1) if known.json else format_plan(result))
     return 0
 
