@@ -1,7 +1,8 @@
 """Attention: RoPE (half-split or interleaved, optionally YaRN-scaled), GQA (optional per-head
-q/k RMSNorm) and MLA (DeepSeek's multi-head latent attention), all through SDPA.
+q/k RMSNorm) and MLA (DeepSeek's multi-head latent attention), all through SDPA; packed rows of
+several documents attend only within a document (see doc_mask).
 
-Legend: B batch, L sequence, D model, H heads, G kv heads, A head dim, N = H·A, M = G·A,
+Legend: B batch, L sequence (K key positions), D model, H heads, G kv heads, A head dim, N = H·A, M = G·A,
 R = H/G query heads per kv head, S query positions of one chunk.
 MLA: J no-RoPE and P RoPE dims of a query/key head, I = J + P, U value head dim, C kv-lora rank,
 Q q-lora rank; N = H·I query features, W = C + P (latent plus the shared RoPE key),
@@ -37,12 +38,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_tables(positions_L: torch.Tensor, head_dim: int, theta: float,
                 inv_freq_P: torch.Tensor | None = None, attention_factor: float = 1.0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [L, A] in fp32 for half-split RoPE (rotate_half pairs i with i + A/2).
+    """cos, sin [L, A] in fp32 for half-split RoPE (rotate_half pairs i with i + A/2); positions
+    [B, L] (packed rows, restarting per document) give [B, L, A].
 
     inv_freq_P (A/2 frequencies) overrides theta's; attention_factor scales both tables (YaRN)."""
     if inv_freq_P is None:
         inv_freq_P = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    ang_LP = positions_L.double()[:, None] * inv_freq_P.double().to(positions_L.device)[None, :]
+    ang_LP = positions_L.double()[..., None] * inv_freq_P.double().to(positions_L.device)
     ang_LA = torch.cat([ang_LP, ang_LP], dim=-1)
     cos, sin = ang_LA.cos(), ang_LA.sin()
     if attention_factor != 1.0:
@@ -88,15 +90,49 @@ def rope(cfg: ModelConfig, positions_L: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def apply_rope(x_BLHA: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Tensor,
                interleaved: bool = False) -> torch.Tensor:
-    """Rotate x by the tables. Interleaved pairs (x0, x1), (x2, x3), ... are first gathered into
+    """Rotate x by the tables ([L, A], or [B, L, A] for per-row positions). Interleaved pairs (x0, x1), (x2, x3), ... are first gathered into
     halves [x0, x2, ...; x1, x3, ...]: queries and keys get the same permutation, so their dot
     products are those of the interleaved rotation (transformers' DeepSeek-V3 does the same)."""
     if interleaved:
         x_BLHA = torch.cat([x_BLHA[..., 0::2], x_BLHA[..., 1::2]], dim=-1)
     half = x_BLHA.shape[-1] // 2
     rot = torch.cat([-x_BLHA[..., half:], x_BLHA[..., :half]], dim=-1)
-    cos, sin = cos_LA[:, None, :].to(x_BLHA.dtype), sin_LA[:, None, :].to(x_BLHA.dtype)
+    cos, sin = cos_LA.unsqueeze(-2).to(x_BLHA.dtype), sin_LA.unsqueeze(-2).to(x_BLHA.dtype)
     return x_BLHA * cos + rot * sin
+
+
+def doc_ids(positions_BL: torch.Tensor) -> torch.Tensor:
+    """[B, L] int: the document of each token of a packed row, where a position 0 starts one."""
+    return (positions_BL == 0).cumsum(dim=1)
+
+
+def doc_mask(positions_BL: torch.Tensor, block_sparse: bool = False):
+    """What attention needs to keep packed documents apart: a token sees the earlier tokens of its
+    own document only. block_sparse gives a flex_attention BlockMask (O((L/128)^2) per row; the
+    kernel skips whole blocks across documents), used on CUDA in compiled regions; otherwise a
+    bool [B, 1, L, K] mask for SDPA, since flex_attention has no CPU backward."""
+    doc_BL = doc_ids(positions_BL)
+    B, L = doc_BL.shape
+    if block_sparse:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_doc_causal(b, h, q, k):
+            return (doc_BL[b, q] == doc_BL[b, k]) & (q >= k)
+        return create_block_mask(same_doc_causal, B, None, L, L, device=doc_BL.device)
+    causal_LK = torch.ones(L, L, dtype=torch.bool, device=doc_BL.device).tril()
+    return ((doc_BL[:, :, None] == doc_BL[:, None, :]) & causal_LK)[:, None]
+
+
+def sdpa(q_BHLA, k_BGKA, v_BGKU, mask=None, scale: float | None = None) -> torch.Tensor:
+    """Causal attention [B, H, L, U]; mask (doc_mask's) also keeps documents of packed rows apart."""
+    gqa = q_BHLA.shape[1] != k_BGKA.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q_BHLA, k_BGKA, v_BGKU, is_causal=True, scale=scale,
+                                              enable_gqa=gqa)
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q_BHLA, k_BGKA, v_BGKU, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    from torch.nn.attention.flex_attention import flex_attention
+    return flex_attention(q_BHLA, k_BGKA, v_BGKU, block_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def gqa_qk(p: dict, x_BLD: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Tensor,
@@ -114,15 +150,13 @@ def gqa_qk(p: dict, x_BLD: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Ten
 
 
 def gqa(p: dict, x_BLD: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Tensor,
-        cfg: ModelConfig) -> torch.Tensor:
+        cfg: ModelConfig, mask=None) -> torch.Tensor:
     """Causal grouped-query attention; p holds w_q_DN, w_k_DM, w_v_DM, w_o_ND (+ q_norm_A, k_norm_A)."""
     B, L, _ = x_BLD.shape
     H, G, A = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim_
     q_BLHA, k_BLGA = gqa_qk(p, x_BLD, cos_LA, sin_LA, cfg)
     v_BLGA = (x_BLD @ p["w_v_DM"]).view(B, L, G, A)
-    o_BHLA = F.scaled_dot_product_attention(
-        q_BLHA.transpose(1, 2), k_BLGA.transpose(1, 2), v_BLGA.transpose(1, 2),
-        is_causal=True, enable_gqa=H != G)
+    o_BHLA = sdpa(q_BLHA.transpose(1, 2), k_BLGA.transpose(1, 2), v_BLGA.transpose(1, 2), mask)
     return o_BHLA.transpose(1, 2).reshape(B, L, H * A) @ p["w_o_ND"]
 
 
@@ -155,21 +189,20 @@ def mla_qkv(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Te
 
 
 def mla(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor,
-        cfg: ModelConfig) -> torch.Tensor:
+        cfg: ModelConfig, mask=None) -> torch.Tensor:
     """Causal multi-head latent attention; p holds w_q_DN or (w_q_a_DQ, q_a_norm_Q, w_q_b_QN),
     w_kv_a_DW, kv_a_norm_C, w_kv_b_CX, w_o_YD."""
     B, L, _ = x_BLD.shape
     q_BLHI, k_BLHI, v_BLHU = mla_qkv(p, x_BLD, cos_LP, sin_LP, cfg)
-    o_BHLU = F.scaled_dot_product_attention(
-        q_BLHI.transpose(1, 2), k_BLHI.transpose(1, 2), v_BLHU.transpose(1, 2),
-        is_causal=True, scale=mla_softmax_scale(cfg))
+    o_BHLU = sdpa(q_BLHI.transpose(1, 2), k_BLHI.transpose(1, 2), v_BLHU.transpose(1, 2), mask,
+                  mla_softmax_scale(cfg))
     return o_BHLU.transpose(1, 2).reshape(B, L, -1) @ p["w_o_YD"]
 
 
 def attention(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor,
-              cfg: ModelConfig) -> torch.Tensor:
+              cfg: ModelConfig, mask=None) -> torch.Tensor:
     """cfg's attention kind (GQA or MLA) on already-normalised inputs."""
-    return (mla if cfg.attention == "mla" else gqa)(p, x_BLD, cos_LP, sin_LP, cfg)
+    return (mla if cfg.attention == "mla" else gqa)(p, x_BLD, cos_LP, sin_LP, cfg, mask)
 
 
 MAX_LOGIT_CHUNK = 1024
@@ -178,8 +211,10 @@ MAX_LOGIT_CHUNK = 1024
 
 @torch.no_grad()
 def max_logits_H(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor,
-                 cfg: ModelConfig, chunk: int = MAX_LOGIT_CHUNK) -> torch.Tensor:
-    """Per query head, the largest causal pre-softmax logit q·k·scale over the batch, fp32 [H].
+                 cfg: ModelConfig, chunk: int = MAX_LOGIT_CHUNK, positions_BL: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """Per query head, the largest causal pre-softmax logit q·k·scale over the batch, fp32 [H]
+    (within documents when positions_BL marks packed ones).
 
     MuonClip's input. SDPA does not expose its logits, so this is a separate QK pass, without
     gradients, over chunks of queries. I is the q/k head dim (A for GQA); MLA has G = H, R = 1.
@@ -190,11 +225,15 @@ def max_logits_H(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: tor
     else:
         q_BLHI, k_BLGI = gqa_qk(p, x_BLD, cos_LP, sin_LP, cfg)
         q_BLGRI, scale = q_BLHI.unflatten(2, (cfg.n_kv_heads, -1)), cfg.head_dim_ ** -0.5
-    pos_L = torch.arange(x_BLD.shape[1], device=x_BLD.device)
+    B, L = x_BLD.shape[:2]
+    pos_L = torch.arange(L, device=x_BLD.device)
+    doc_BL = doc_ids(positions_BL) if positions_BL is not None else torch.zeros(B, L, device=x_BLD.device)
     best_GR = torch.full(q_BLGRI.shape[2:4], -math.inf, device=x_BLD.device)
-    for start in range(0, x_BLD.shape[1], chunk):
+    for start in range(0, L, chunk):
         s_BGRSL = torch.einsum("bsgri,blgi->bgrsl", q_BLGRI[:, start:start + chunk], k_BLGI)
-        future_SL = pos_L[None, :] > pos_L[start:start + chunk, None]
-        best_GR = torch.maximum(best_GR, s_BGRSL.masked_fill(future_SL, -math.inf).amax(dim=(0, 3, 4)).float())
+        hidden_BSL = (pos_L[None, None, :] > pos_L[start:start + chunk, None]) | \
+            (doc_BL[:, start:start + chunk, None] != doc_BL[:, None, :])
+        masked_BGRSL = s_BGRSL.masked_fill(hidden_BSL[:, None, None], -math.inf)
+        best_GR = torch.maximum(best_GR, masked_BGRSL.amax(dim=(0, 3, 4)).float())
     # max(s)·scale == max(s·scale) for scale > 0; head h = g·R + r, as SDPA's enable_gqa maps them
     return best_GR.flatten() * scale

@@ -190,10 +190,13 @@ def cmd_prepare(argv: list[str]) -> int:
     parser.add_argument("--tokenizer", default="byte", help="'byte' or a Hugging Face tokenizer.json")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory (resumes if interrupted)")
     parser.add_argument("--text-field", default="text", help="the JSONL field holding a document's text")
+    parser.add_argument("--prompt-field", default="", help="SFT: the JSONL field holding a prompt, whose "
+                        "tokens get no loss (the completion is --text-field)")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="held-out fraction of documents")
     parser.add_argument("--workers", type=int, default=2, help="tokeniser processes")
     args = parser.parse_args(argv)
-    index = prepare(args.input, args.tokenizer, args.out, args.text_field, args.val_fraction, args.workers)
+    index = prepare(args.input, args.tokenizer, args.out, args.text_field, args.val_fraction, args.workers,
+                    args.prompt_field)
     sp = index["splits"]
     print(f"wrote {args.out}: {sp['train']['tokens']:,} train tokens ({sp['train']['docs']} documents), "
           f"{sp['val']['tokens']:,} held-out tokens ({sp['val']['docs']}), {index['dtype']}, "

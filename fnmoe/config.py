@@ -235,6 +235,13 @@ class DataConfig:
     seq_len: int = 128
     val_fraction: float = 0.05
     """the last fraction of documents is held out for validation"""
+    doc_mask: bool = False
+    """packing with document masks: attention and RoPE positions restart at each document inside a
+    packed row, and no loss on a document's first token"""
+    text_field: str = "text"
+    """the field of a JSONL corpus holding a document's text (an SFT completion)"""
+    prompt_field: str = ""
+    """SFT: the field of a JSONL corpus holding a prompt, whose tokens are never labels"""
 
 
 @dataclass(frozen=True)

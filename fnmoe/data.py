@@ -1,7 +1,7 @@
 """Byte tokenizer, corpus loading, and a deterministic, resumable batch loader.
 
 Shape suffixes: B batch (sequences), L sequence length, T tokens of a flat token stream,
-N windows (all validation batches together).
+N windows (all validation batches together), S document starts.
 
 A corpus is a list of documents. Tokenized, each document is followed by EOS and the documents
 are concatenated into one stream; the last `val_fraction` of the documents form the validation
@@ -9,6 +9,12 @@ stream. Training samples are the windows of L+1 tokens that start at multiples o
 neighbouring windows share one boundary token and every token is predicted at most once per epoch.
 `Loader.batch_at` is a pure function of (seed, step, rank, micro-batch), so resuming needs only
 the step, and any data-parallel layout of the same global batch sees the same samples.
+
+Packing with document masks (data.doc_mask): a window still spans documents, but each sample also
+carries positions_BL, each token's position in its own document (0 where one starts), from which
+RoPE restarts and attention stays within the document (model.hidden_states), and the label of a
+document's first token is ignored (nothing before it in its document predicts it). SFT corpora
+(data.prompt_field) hold (prompt, completion) pairs; prompt tokens are inputs but never labels.
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ from fnmoe.config import DataConfig
 
 EOS_ID = 256
 BUNDLED = "bundled"
+IGNORE = -100
+"""the label of a token that has no loss (cross_entropy's ignore_index)"""
 
 
 @dataclass(frozen=True)
@@ -45,11 +53,12 @@ class ByteTokenizer:
 
 # ---------------------------------------------------------------- reading documents
 
-def read_documents(corpus: str, text_field: str = "text") -> list[str]:
+def read_documents(corpus: str, text_field: str = "text", prompt_field: str = "") -> list:
     """Documents of `corpus`: "bundled" (fnmoe/assets/corpus.jsonl.gz), a .jsonl or .jsonl.gz
     file with one {"text": ...} object per line, or any other file read as UTF-8 text (gunzipped
     if its name ends in .gz) in which a line holding only a form feed ('\\f') separates documents
-    (no such line: the file is one document); newlines around a separator are not kept."""
+    (no such line: the file is one document); newlines around a separator are not kept.
+    With prompt_field (JSONL only) each document is the pair (prompt, completion) of an SFT set."""
     if corpus == BUNDLED:
         raw = resources.files("fnmoe").joinpath("assets/corpus.jsonl.gz").read_bytes()
         return _parse_jsonl(_decode(gzip.decompress(raw), corpus), corpus, "text")
@@ -64,7 +73,9 @@ def read_documents(corpus: str, text_field: str = "text") -> list[str]:
             raise ValueError(f"corpus {corpus}: not a valid gzip file ({e})") from None
     text = _decode(raw, corpus)
     if path.name.endswith((".jsonl", ".jsonl.gz")):
-        docs = _parse_jsonl(text, corpus, text_field)
+        docs = _parse_jsonl(text, corpus, text_field, prompt_field)
+    elif prompt_field:
+        raise ValueError(f"corpus {corpus}: a prompt field ({prompt_field!r}) needs a .jsonl corpus")
     else:
         docs = [d.strip("\n") for d in re.split(r"^\f$", text, flags=re.M) if d.strip()]
     if not docs:
@@ -79,7 +90,7 @@ def _decode(raw: bytes, where: str) -> str:
         raise ValueError(f"corpus {where}: not valid UTF-8 at byte {e.start}") from None
 
 
-def _parse_jsonl(text: str, where: str, field: str) -> list[str]:
+def _parse_jsonl(text: str, where: str, field: str, prompt_field: str = "") -> list:
     docs = []
     for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
@@ -88,10 +99,25 @@ def _parse_jsonl(text: str, where: str, field: str) -> list[str]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"corpus {where}, line {lineno}: invalid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
-            raise ValueError(f'corpus {where}, line {lineno}: expected an object with a string "{field}"')
-        docs.append(obj[field])
+        for name in (prompt_field, field) if prompt_field else (field,):
+            if not isinstance(obj, dict) or not isinstance(obj.get(name), str):
+                raise ValueError(f'corpus {where}, line {lineno}: expected an object with a string "{name}"')
+        docs.append((obj[prompt_field], obj[field]) if prompt_field else obj[field])
     return docs
+
+
+def encode_documents(encode, docs: list, eos: int) -> tuple[list[int], list[int] | None]:
+    """(ids, loss mask) of docs, EOS after each: the mask is 1 where a token is a loss target and
+    0 on SFT prompts (None when no document is a pair). Completion and EOS are targets."""
+    ids: list[int] = []
+    mask: list[int] | None = [] if any(isinstance(d, tuple) for d in docs) else None
+    for doc in docs:
+        prompt, text = doc if isinstance(doc, tuple) else ("", doc)
+        p, t = (encode(prompt) if prompt else []), encode(text)
+        ids += p + t + [eos]
+        if mask is not None:
+            mask += [0] * len(p) + [1] * (len(t) + 1)
+    return ids, mask
 
 
 # ---------------------------------------------------------------- token streams
@@ -106,6 +132,23 @@ class TokenData:
     """short sha256 of the tokenizer name and both streams; identifies the data"""
     n_train_docs: int
     n_val_docs: int
+    eos_id: int = EOS_ID
+    train_loss_T: torch.Tensor | None = None
+    """uint8, 1 where a token of train_T is a loss target (0 on SFT prompts); None: all are"""
+    val_loss_T: torch.Tensor | None = None
+
+    def stream(self, split: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return (self.train_T, self.train_loss_T) if split == "train" else (self.val_T, self.val_loss_T)
+
+    @functools.cached_property
+    def _starts(self) -> dict[str, torch.Tensor]:
+        return {split: torch.cat([torch.zeros(1, dtype=torch.long),
+                                  (self.stream(split)[0] == self.eos_id).nonzero().flatten() + 1])
+                for split in ("train", "val")}
+
+    def doc_starts(self, split: str) -> torch.Tensor:
+        """int64 [S]: where each document of the split's stream starts (0 and after every EOS)."""
+        return self._starts[split]
 
 
 def check_token_ids(tokens, vocab_size: int, where: str) -> None:
@@ -128,8 +171,10 @@ def load_prepared(path: Path, vocab_size: int) -> TokenData:
         raise ValueError(f"corpus {path} was tokenised with a vocabulary of {index['vocab_size']} "
                          f"ids (> model.vocab_size={vocab_size})")
     train_T, val_T = (torch.from_numpy(arrays[s]) for s in ("train", "val"))
+    masks = [torch.from_numpy(arrays[s + ".loss_mask"]) if s + ".loss_mask" in arrays else None
+             for s in ("train", "val")]
     return TokenData(train_T, val_T, index["fingerprint"], index["splits"]["train"]["docs"],
-                     index["splits"]["val"]["docs"])
+                     index["splits"]["val"]["docs"], index["eos_id"], *masks)
 
 
 def load_data(dcfg: DataConfig, vocab_size: int) -> TokenData:
@@ -138,29 +183,25 @@ def load_data(dcfg: DataConfig, vocab_size: int) -> TokenData:
     if dcfg.tokenizer != "byte":
         raise ValueError(f"data.tokenizer={dcfg.tokenizer!r} is not supported (only 'byte')")
     tok = ByteTokenizer()
-    docs = read_documents(dcfg.corpus)
+    docs = read_documents(dcfg.corpus, dcfg.text_field, dcfg.prompt_field)
     n_val = max(1, round(len(docs) * dcfg.val_fraction))
     if n_val >= len(docs):
         raise ValueError(f"corpus {dcfg.corpus} has {len(docs)} documents, too few to hold out "
                          f"data.val_fraction={dcfg.val_fraction} and still train")
-    train_T = _token_stream(tok, docs[:-n_val])
-    val_T = _token_stream(tok, docs[-n_val:])
+    (train_T, train_loss_T), (val_T, val_loss_T) = (_token_stream(tok, d) for d in (docs[:-n_val], docs[-n_val:]))
     check_token_ids(train_T, vocab_size, f"corpus {dcfg.corpus} (train)")
     check_token_ids(val_T, vocab_size, f"corpus {dcfg.corpus} (val)")
     h = hashlib.sha256(tok.name.encode())
-    for stream_T in (train_T, val_T):
-        # the length prefix keeps (train, val) splits of the same tokens apart
-        h.update(len(stream_T).to_bytes(8, "little"))
-        h.update(stream_T.numpy().astype("<i4").tobytes())
-    return TokenData(train_T, val_T, h.hexdigest()[:16], len(docs) - n_val, n_val)
+    for stream_T in (train_T, val_T, train_loss_T, val_loss_T):
+        if stream_T is not None:  # the length prefix keeps (train, val) splits of the same tokens apart
+            h.update(len(stream_T).to_bytes(8, "little"))
+            h.update(stream_T.numpy().astype("<i4").tobytes())
+    return TokenData(train_T, val_T, h.hexdigest()[:16], len(docs) - n_val, n_val, EOS_ID, train_loss_T, val_loss_T)
 
 
-def _token_stream(tok: ByteTokenizer, docs: list[str]) -> torch.Tensor:
-    ids: list[int] = []
-    for doc in docs:
-        ids += tok.encode(doc)
-        ids.append(EOS_ID)
-    return torch.tensor(ids, dtype=torch.int32)
+def _token_stream(tok: ByteTokenizer, docs: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ids, mask = encode_documents(tok.encode, docs, EOS_ID)
+    return torch.tensor(ids, dtype=torch.int32), None if mask is None else torch.tensor(mask, dtype=torch.uint8)
 
 
 # ---------------------------------------------------------------- batches
@@ -186,6 +227,8 @@ class Loader:
     batch_size: int
     grad_accum: int
     seed: int
+    doc_mask: bool = False
+    """batches carry positions_BL and ignore each document's first label (packing with document masks)"""
 
     @property
     def n_samples(self) -> int:
@@ -203,12 +246,12 @@ class Loader:
             window_B[in_epoch_B] = _epoch_permutation(self.seed, epoch, n)[pos_B[in_epoch_B]]
         return epoch_B * n + window_B
 
-    def batch_at(self, step: int, dp_rank: int, dp_size: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs_BL, labels_BL) int64 of one rank's micro-batch; labels are inputs shifted by one."""
+    def batch_at(self, step: int, dp_rank: int, dp_size: int, micro: int) -> tuple[torch.Tensor, ...]:
+        """(inputs_BL, labels_BL) int64 of one rank's micro-batch, plus positions_BL with doc_mask;
+        labels are inputs shifted by one (IGNORE where they have no loss)."""
         window_B = self.sample_ids(step, dp_rank, dp_size, micro) % self.n_samples
         idx_BL = window_B[:, None] * self.seq_len + torch.arange(self.seq_len + 1)
-        tokens_BL = self.data.train_T[idx_BL].long()
-        return tokens_BL[:, :-1], tokens_BL[:, 1:]
+        return windows(self.data, "train", idx_BL, self.doc_mask)
 
     def _micro_batch(self, step: int, dp_rank: int, dp_size: int, micro: int) -> int:
         per_step = dp_size * self.grad_accum
@@ -224,10 +267,26 @@ class Loader:
         return self.batch_size // per_step
 
 
-def val_batches(data: TokenData, seq_len: int, batch: int, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def windows(data: TokenData, split: str, idx_BL: torch.Tensor, doc_mask: bool) -> tuple[torch.Tensor, ...]:
+    """(inputs_BL, labels_BL[, positions_BL]) of the split's windows at stream indices idx_BL [B, L+1]."""
+    stream_T, loss_T = data.stream(split)
+    tokens_BL = stream_T[idx_BL].long()
+    inputs_BL, labels_BL = tokens_BL[:, :-1], tokens_BL[:, 1:].clone()
+    if loss_T is not None:
+        labels_BL[loss_T[idx_BL[:, 1:]] == 0] = IGNORE
+    if not doc_mask:
+        return inputs_BL, labels_BL
+    starts_S = data.doc_starts(split)
+    positions_BL = idx_BL - starts_S[torch.searchsorted(starts_S, idx_BL, right=True) - 1]
+    labels_BL[positions_BL[:, 1:] == 0] = IGNORE
+    return inputs_BL, labels_BL, positions_BL[:, :-1]
+
+
+def val_batches(data: TokenData, seq_len: int, batch: int, n_batches: int,
+                doc_mask: bool = False) -> list[tuple[torch.Tensor, ...]]:
     """The first n_batches * batch windows of val_T, in order (fewer if val_T is short; the last
-    batch may be smaller). Windows start at multiples of L like training samples; a val_T shorter
-    than L+1 tokens gives one window of its whole length."""
+    batch may be smaller), as Loader.batch_at gives them. Windows start at multiples of L like
+    training samples; a val_T shorter than L+1 tokens gives one window of its whole length."""
     if batch < 1 or n_batches < 1:
         raise ValueError(f"val batch={batch} and n_batches={n_batches} must be >= 1")
     L = min(seq_len, len(data.val_T) - 1)
@@ -235,5 +294,4 @@ def val_batches(data: TokenData, seq_len: int, batch: int, n_batches: int) -> li
         raise ValueError(f"the validation stream has {len(data.val_T)} tokens; need at least 2")
     n_windows = min((len(data.val_T) - 1) // L, batch * n_batches)
     idx_NL = torch.arange(n_windows)[:, None] * L + torch.arange(L + 1)
-    tokens_NL = data.val_T[idx_NL].long()
-    return [(t_BL[:, :-1], t_BL[:, 1:]) for t_BL in tokens_NL.split(batch)]
+    return [windows(data, "val", idx_BL, doc_mask) for idx_BL in idx_NL.split(batch)]

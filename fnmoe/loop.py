@@ -177,9 +177,9 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
 
     t, L = run.train, run.data.seq_len
     data = load_data(run.data, run.model.vocab_size)
-    loader = Loader(data, L, t.batch_size, t.grad_accum, t.seed)
+    loader = Loader(data, L, t.batch_size, t.grad_accum, t.seed, run.data.doc_mask)
     # every rank evaluates the same global micro-batches: val_loss is the same on any mesh
-    val = val_batches(data, L, t.batch_size // t.grad_accum, t.eval_batches)
+    val = val_batches(data, L, t.batch_size // t.grad_accum, t.eval_batches, run.data.doc_mask)
     tx, schedule = optim.from_config(run.optim, t.steps)
     if found:
         state = checkpoint.load_state(*found, run, tx, loader)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from fnmoe import compile as fcompile
-from fnmoe.attention import attention, max_logits_H, rms_norm, rope, upcast
+from fnmoe.attention import attention, doc_mask, max_logits_H, rms_norm, rope, upcast
 from fnmoe.config import ModelConfig
 from fnmoe.moe import moe_block, swiglu, use_grouped
 from fnmoe.tree import Tree, map_with_path, tree_map
@@ -145,8 +145,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, *, device: str | torch.device =
 
 # ---------------------------------------------------------------- forward
 
-def _attention_region(p, x_BLD, cos_LA, sin_LA, cfg):
-    return attention(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cos_LA, sin_LA, cfg)
+def _attention_region(p, x_BLD, cos_LA, sin_LA, cfg, mask=None):
+    return attention(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cos_LA, sin_LA, cfg, mask)
 
 
 def _mlp_region(p, x_BLD, cfg):
@@ -161,10 +161,11 @@ def _region(fn: Callable, cfg: ModelConfig, traceable: bool = True) -> Callable:
     return fcompile.compiled(fn) if cfg.compile and traceable else fn
 
 
-def block(p: dict, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig):
-    """One transformer block on compute-dtype params: (x_BLD, the MoE stats of moe_block or None)."""
+def block(p: dict, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig, mask=None):
+    """One transformer block on compute-dtype params: (x_BLD, the MoE stats of moe_block or None).
+    mask (attention.doc_mask's) keeps the documents of packed rows apart; None is plain causal."""
     attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
-    x_BLD = x_BLD + _region(_attention_region, cfg)(attn, x_BLD, cos_LA, sin_LA, cfg)
+    x_BLD = x_BLD + _region(_attention_region, cfg)(attn, x_BLD, cos_LA, sin_LA, cfg, mask)
     if "moe" in p:
         grouped = use_grouped(cfg, x_BLD.dtype)
         if cfg.compile and not grouped:
@@ -218,32 +219,45 @@ def layer_params(params: Tree, i: int, dtype: torch.dtype) -> dict:
     return _with_bias(gather_fn(params)(params["layers"][str(i)], dtype), _router_bias(params, i))
 
 
-def stored_block(stored: dict, bias_E, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig, gather: Callable):
+def stored_block(stored: dict, bias_E, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig, gather: Callable,
+                 mask=None):
     """block on a layer's stored (sharded) params, gathered here so that a block_fn recomputing in
     backward can gather them again there instead of keeping them."""
-    return block(_with_bias(gather(stored, DTYPE[cfg.compute_dtype]), bias_E), x_BLD, cos_LA, sin_LA, cfg)
+    return block(_with_bias(gather(stored, DTYPE[cfg.compute_dtype]), bias_E), x_BLD, cos_LA, sin_LA, cfg, mask)
 
 
 @torch.no_grad()
-def _block_max_logits_H(p: dict, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig) -> torch.Tensor:
+def _block_max_logits_H(p: dict, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig,
+                        positions_BL: torch.Tensor | None) -> torch.Tensor:
     """max_logits_H of block p's attention on the block input x_BLD (normed here, as the block does)."""
-    return max_logits_H(p["attn"], rms_norm(x_BLD, p["attn_norm"]["w_D"], cfg.norm_eps), cos_LA, sin_LA, cfg)
+    return max_logits_H(p["attn"], rms_norm(x_BLD, p["attn_norm"]["w_D"], cfg.norm_eps), cos_LA, sin_LA, cfg,
+                        positions_BL=positions_BL)
 
 
 def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
-                  block_fn: Callable | None = None, record_max_logits: bool = False):
+                  block_fn: Callable | None = None, record_max_logits: bool = False,
+                  positions_BL: torch.Tensor | None = None):
     """Final-norm hidden states [B, L, D] in the compute dtype, and aux: expert_counts_LE (tokens
     per expert per MoE layer) and balance_loss (the mean over MoE layers, 0-D; both None without
     MoE), plus seq_balance_loss and z_loss (the same means) only when their coefficients are set,
     and with record_max_logits max_logits_LH (per layer and head, fp32; MuonClip's input).
 
     block_fn(fn, *args) runs a block (memory policies wrap it, e.g. recompute in backward).
+    positions_BL marks packed documents (positions restart at 0 where one starts): RoPE uses them
+    and attention stays within each document; None is one sequence per row.
     """
     dtype = DTYPE[cfg.compute_dtype]
     L = tokens_BL.shape[1]
     if L > cfg.max_seq_len:
         raise ValueError(f"sequence length {L} exceeds model.max_seq_len={cfg.max_seq_len}")
-    cos_LA, sin_LA = rope(cfg, torch.arange(L, device=tokens_BL.device))
+    if positions_BL is None:
+        cos_LA, sin_LA, mask = *rope(cfg, torch.arange(L, device=tokens_BL.device)), None
+    else:
+        if positions_BL.shape != tokens_BL.shape:
+            raise ValueError(f"positions {tuple(positions_BL.shape)} must have the shape of the tokens "
+                             f"{tuple(tokens_BL.shape)}")
+        cos_LA, sin_LA = rope(cfg, positions_BL)
+        mask = doc_mask(positions_BL, block_sparse=tokens_BL.is_cuda and cfg.compile)
     gather = gather_fn(params)
     # F.embedding's CPU backward is deterministic; indexing's (a threaded index_put) is not
     x_BLD = F.embedding(tokens_BL, gather(params["embed"], dtype)["w_VD"])
@@ -253,13 +267,13 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
         stored, bias_E = params["layers"][str(i)], _router_bias(params, i)
         if gather is cast:  # one process: the block takes its cast params, which memory policies keep
             p = _with_bias(cast(stored, dtype), bias_E)
-            block_args = (block, p, x_BLD, cos_LA, sin_LA, cfg)
+            block_args = (block, p, x_BLD, cos_LA, sin_LA, cfg, mask)
         else:  # sharded: gathered inside the block, so that a recompute in backward gathers again
-            block_args = (stored_block, stored, bias_E, x_BLD, cos_LA, sin_LA, cfg, gather)
+            block_args = (stored_block, stored, bias_E, x_BLD, cos_LA, sin_LA, cfg, gather, mask)
         if record_max_logits:  # outside block_fn, so recompute in backward does not repeat it
             with torch.no_grad():
                 p = _with_bias(gather(stored, dtype), bias_E)
-            max_logits.append(_block_max_logits_H(p, x_BLD, cos_LA, sin_LA, cfg))
+            max_logits.append(_block_max_logits_H(p, x_BLD, cos_LA, sin_LA, cfg, positions_BL))
         x_BLD, layer_stats = run(*block_args)
         if layer_stats is not None:
             stats.append(layer_stats)
@@ -283,8 +297,9 @@ def head_weight(params: Tree, cfg: ModelConfig) -> torch.Tensor:
     return gather(params["embed"], dtype)["w_VD"].T if cfg.tie_embeddings else gather(params["head"], dtype)["w_DV"]
 
 
-def forward(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig):
-    """(logits_BLV fp32, aux): aux["expert_counts_LE"] holds tokens per expert per MoE layer."""
+def forward(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig, positions_BL: torch.Tensor | None = None):
+    """(logits_BLV fp32, aux): aux["expert_counts_LE"] holds tokens per expert per MoE layer;
+    positions_BL marks packed documents (see hidden_states)."""
     check_tokens(tokens_BL, cfg.vocab_size)
-    h_BLD, aux = hidden_states(params, tokens_BL, cfg)
+    h_BLD, aux = hidden_states(params, tokens_BL, cfg, positions_BL=positions_BL)
     return upcast(h_BLD @ head_weight(params, cfg).to(h_BLD.dtype)), aux

@@ -9,6 +9,8 @@ Layout of a prepared directory (read by fnmoe.data when `--data.corpus DIR`):
                   "sha256"}}, "fingerprint"}
     train.bin    the training documents' tokens, EOS after each (raw little-endian dtype)
     val.bin      the held-out documents (the last val_fraction of all documents, in input order)
+    train.loss_mask.bin, val.loss_mask.bin   SFT sets only (--prompt-field): uint8 per token, 0 on
+                 prompt tokens (never labels), 1 elsewhere; in the index as splits.<s>.loss_mask
 
 Documents are tokenised in parallel in parts of PART_DOCS documents; each finished part is
 renamed into `parts/` with its token count, so an interrupted run resumes at the first missing
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fnmoe.data import EOS_ID, ByteTokenizer, read_documents
+from fnmoe.data import EOS_ID, ByteTokenizer, encode_documents, read_documents
 
 FORMAT, VERSION = "fnmoe-tokens", 1
 PART_DOCS = 64
@@ -54,23 +56,21 @@ def load_tokenizer(spec: str):
         tok.get_vocab_size(), eos
 
 
-def read_inputs(inputs: list[str], text_field: str) -> list[str]:
-    docs: list[str] = []
+def read_inputs(inputs: list[str], text_field: str, prompt_field: str = "") -> list:
+    docs: list = []
     for name in inputs:
-        docs += read_documents(name, text_field)
+        docs += read_documents(name, text_field, prompt_field)
     if not docs:
         raise ValueError(f"no documents in {inputs}")
     return docs
 
 
-def _encode_part(args: tuple[str, str, list[str]]) -> np.ndarray:
+def _encode_part(args: tuple[str, str, list]) -> np.ndarray:
+    """[T] token ids, or [2, T] ids and loss mask for SFT pairs."""
     spec, dtype, docs = args
     _, encode, _, eos = load_tokenizer(spec)
-    ids: list[int] = []
-    for doc in docs:
-        ids += encode(doc)
-        ids.append(eos)
-    return np.asarray(ids, dtype=dtype)
+    ids, mask = encode_documents(encode, docs, eos)
+    return np.asarray(ids if mask is None else [ids, mask], dtype=dtype)
 
 
 def _progress(done: int, total: int) -> None:
@@ -95,12 +95,12 @@ def _tokenise_parts(docs: list[str], spec: str, dtype: str, parts_dir: Path, wor
     sys.stderr.write("\n")
 
 
-def _concat(parts: list[Path], out: Path, dtype: str) -> dict:
-    """Stream parts into out (via a temp name) and return its index entry."""
+def _concat(parts: list[Path], out: Path, dtype: str, row: int = 0) -> dict:
+    """Stream row `row` of parts (1: the SFT loss mask) into out (via a temp name); its index entry."""
     tmp, h, n = out.with_suffix(".tmp"), hashlib.sha256(), 0
     with open(tmp, "wb") as f:
         for part in parts:
-            b = np.load(part).astype(dtype).astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+            b = np.atleast_2d(np.load(part))[row].astype(np.dtype(dtype).newbyteorder("<")).tobytes()
             f.write(b)
             h.update(b)
             n += len(b) // np.dtype(dtype).itemsize
@@ -111,11 +111,12 @@ def _concat(parts: list[Path], out: Path, dtype: str) -> dict:
 
 
 def prepare(inputs: list[str], tokenizer: str, out_dir: str | Path, text_field: str = "text",
-            val_fraction: float = 0.05, workers: int = 2) -> dict:
-    """Tokenise inputs into out_dir (resuming an interrupted run there); returns the index."""
+            val_fraction: float = 0.05, workers: int = 2, prompt_field: str = "") -> dict:
+    """Tokenise inputs into out_dir (resuming an interrupted run there); returns the index.
+    prompt_field: JSONL SFT pairs, whose prompt tokens are written with loss mask 0."""
     out = Path(out_dir)
     name, _, vocab, eos = load_tokenizer(tokenizer)
-    docs = read_inputs(inputs, text_field)
+    docs = read_inputs(inputs, text_field, prompt_field)
     n_val = max(1, round(len(docs) * val_fraction))
     if not 0 < val_fraction < 1 or n_val >= len(docs):
         raise ValueError(f"{len(docs)} documents cannot hold out val_fraction={val_fraction} and still train")
@@ -129,15 +130,20 @@ def prepare(inputs: list[str], tokenizer: str, out_dir: str | Path, text_field: 
     if cut:  # the boundary part holds both splits: split it by document
         head = _encode_part((tokenizer, dtype, docs[boundary * PART_DOCS:split]))
         whole = np.load(parts[boundary])
-        np.save(parts_dir / "split_train.npy", whole[:len(head)])
-        np.save(parts_dir / "split_val.npy", whole[len(head):])
+        np.save(parts_dir / "split_train.npy", whole[..., :head.shape[-1]])
+        np.save(parts_dir / "split_val.npy", whole[..., head.shape[-1]:])
         train_parts = parts[:boundary] + [parts_dir / "split_train.npy"]
         val_parts = [parts_dir / "split_val.npy"] + parts[boundary + 1:]
     else:
         train_parts, val_parts = parts[:boundary], parts[boundary:]
     splits = {"train": _concat(train_parts, out / "train.bin", dtype) | {"docs": split},
               "val": _concat(val_parts, out / "val.bin", dtype) | {"docs": n_val}}
-    fingerprint = hashlib.sha256((name + splits["train"]["sha256"] + splits["val"]["sha256"]).encode())
+    if prompt_field:
+        for s, s_parts in (("train", train_parts), ("val", val_parts)):
+            splits[s]["loss_mask"] = _concat(s_parts, out / f"{s}.loss_mask.bin", "uint8", row=1)
+    hashes = [e["sha256"] for e in splits.values()] + \
+        [e["loss_mask"]["sha256"] for e in splits.values() if "loss_mask" in e]
+    fingerprint = hashlib.sha256((name + "".join(hashes)).encode())
     index = {"format": FORMAT, "version": VERSION, "tokenizer": name, "tokenizer_spec": tokenizer,
              "vocab_size": vocab, "eos_id": eos, "dtype": dtype, "splits": splits,
              "fingerprint": fingerprint.hexdigest()[:16]}
@@ -164,4 +170,9 @@ def open_prepared(dir_: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
             raise ValueError(f"{path}: missing or truncated (expected {expected} bytes)")
         # copy-on-write: readers never write, and torch wants a writable buffer to wrap
         arrays[split] = np.memmap(path, dtype=np.dtype(index["dtype"]).newbyteorder("<"), mode="c")
+        if "loss_mask" in entry:
+            mask_path = d / entry["loss_mask"]["file"]
+            if not mask_path.is_file() or mask_path.stat().st_size != entry["tokens"]:
+                raise ValueError(f"{mask_path}: missing or truncated (expected {entry['tokens']} bytes)")
+            arrays[split + ".loss_mask"] = np.memmap(mask_path, dtype=np.uint8, mode="c")
     return index, arrays

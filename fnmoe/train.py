@@ -19,13 +19,12 @@ from torch.utils.checkpoint import checkpoint
 from fnmoe import muon, optim
 from fnmoe.attention import upcast
 from fnmoe.config import ModelConfig, RunConfig
+from fnmoe.data import IGNORE
 from fnmoe.memory import train_runner
 from fnmoe.model import check_tokens, head_weight, hidden_states
 from fnmoe.moe import balance_loss_part, update_router_bias
 from fnmoe.sharding import all_sum, regather_in_backward
 from fnmoe.tree import Tree, tree_map, value_and_grad
-
-IGNORE = -100
 
 
 @dataclass(frozen=True)
@@ -54,14 +53,15 @@ def ce_loss_sum(h_BLD: torch.Tensor, w_DV: torch.Tensor, labels_BL: torch.Tensor
 
 def loss_fn(params: Tree, inputs_BL: torch.Tensor, labels_BL: torch.Tensor, cfg: ModelConfig,
             n_global: torch.Tensor | int, ce_chunks: int = 1, block_fn: Callable | None = None,
-            record_max_logits: bool = False):
+            record_max_logits: bool = False, positions_BL: torch.Tensor | None = None):
     """(this micro-batch's share of the step loss, aux); n_global counts the step's non-ignored labels.
 
     The router losses (load balance, sequence-wise balance, z-loss) are weighted by this
     micro-batch's share of the labels, so the step's total weights each once; aux["ce_loss"] is
-    the cross-entropy part alone; with record_max_logits, aux["max_logits_LH"] feeds MuonClip.
+    the cross-entropy part alone; with record_max_logits, aux["max_logits_LH"] feeds MuonClip;
+    positions_BL marks packed documents (model.hidden_states).
     """
-    h_BLD, aux = hidden_states(params, inputs_BL, cfg, block_fn, record_max_logits)
+    h_BLD, aux = hidden_states(params, inputs_BL, cfg, block_fn, record_max_logits, positions_BL)
     ce = ce_loss_sum(h_BLD, head_weight(params, cfg), labels_BL, ce_chunks) / n_global
     aux["ce_loss"] = ce.detach()
     m = cfg.moe
@@ -93,7 +93,8 @@ def _all_max(t: torch.Tensor) -> torch.Tensor:
 
 
 def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callable:
-    """train_step(state, micro_batches) -> (state, metrics); micro_batches: [(inputs_BL, labels_BL)]."""
+    """train_step(state, micro_batches) -> (state, metrics); micro_batches: [(inputs_BL, labels_BL)]
+    or, for packed documents, [(inputs_BL, labels_BL, positions_BL)] (Loader.batch_at's)."""
     cfg = run.model
     grad_fn = value_and_grad(loss_fn, has_aux=True)
     block_fn = train_runner(run)
@@ -102,16 +103,16 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
     qk_clip = run.optim.qk_clip
 
     def train_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
-        for inputs_BL, labels_BL in micro_batches:
+        for inputs_BL, *_ in micro_batches:
             check_tokens(inputs_BL, cfg.vocab_size)
         # every rank's labels count: the loss is the same function of the global batch on any mesh
-        n_global = int(all_sum(sum((y != IGNORE).sum() for _, y in micro_batches)))
+        n_global = int(all_sum(sum((mb[1] != IGNORE).sum() for mb in micro_batches)))
         if n_global == 0:
             raise ValueError("every label of this step is ignored (-100): the loss is undefined")
         loss, grads, counts, max_logits_LH, dropped = torch.zeros(()), None, None, None, 0
-        for inputs_BL, labels_BL in micro_batches:
+        for inputs_BL, labels_BL, *positions in micro_batches:
             (_, aux), g = grad_fn(state.params, inputs_BL, labels_BL, cfg, n_global, run.train.ce_chunks, block_fn,
-                                  record_max_logits=qk_clip)
+                                  record_max_logits=qk_clip, positions_BL=positions[0] if positions else None)
             loss = loss + aux["ce_loss"]
             grads = g if grads is None else tree_map(torch.add, grads, g)
             c = aux["expert_counts_LE"]
@@ -147,12 +148,12 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
     return train_step
 
 
-def eval_loss(params: Tree, batches: list[tuple[torch.Tensor, torch.Tensor]], run: RunConfig) -> float:
-    """Mean token cross-entropy over batches, no gradients."""
+def eval_loss(params: Tree, batches: list[tuple[torch.Tensor, ...]], run: RunConfig) -> float:
+    """Mean token cross-entropy over batches (as train_step's micro-batches), no gradients."""
     total, count = 0.0, 0
     with torch.no_grad():
-        for inputs_BL, labels_BL in batches:
-            h_BLD, _ = hidden_states(params, inputs_BL, run.model)
+        for inputs_BL, labels_BL, *positions in batches:
+            h_BLD, _ = hidden_states(params, inputs_BL, run.model, positions_BL=positions[0] if positions else None)
             total += ce_loss_sum(h_BLD, head_weight(params, run.model), labels_BL, run.train.ce_chunks).item()
             count += int((labels_BL != IGNORE).sum())
     return total / max(count, 1)
