@@ -251,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         notes = "".join(f"\n  {note}" for note in getattr(e, "__notes__", ()))  # e.g. the rank that raised
         print(f"fnmoe {sub}: error: {e}{notes}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from fnmoe.loop import OutOfMemory
+        if not isinstance(e, OutOfMemory):
+            raise
+        print(f"fnmoe {sub}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -29,6 +29,11 @@ def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(t, "sum", group))
 
 
+def all_to_all(t: torch.Tensor, output_split_sizes: list, input_split_sizes: list, group) -> torch.Tensor:
+    """t's 1-D pieces (input_split_sizes, by destination rank) exchanged over group (no autograd)."""
+    return funcol.wait_tensor(funcol.all_to_all_single(t, output_split_sizes, input_split_sizes, group))
+
+
 def exchange_counts(counts_E: torch.Tensor, group) -> torch.Tensor:
     """[S, X] rows this rank will receive: entry (s, x) is what rank s sends to local expert x."""
     S = group.size()

@@ -25,6 +25,8 @@ from fnmoe.config import DistConfig
 try:  # private torch APIs, imported here only
     from torch.distributed._local_tensor import LocalTensorMode, enabled_local_tensor_mode
     from torch.distributed._local_tensor import rank_map as _rank_map
+    from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
+    from torch.distributed._local_tensor import tensor_map as _tensor_map
     from torch.testing._internal.distributed.fake_pg import FakeStore
 except ImportError as e:  # pragma: no cover - a torch without them
     raise ImportError(f"fnmoe.dist needs torch.distributed._local_tensor and the fake process group "
@@ -78,6 +80,36 @@ def simulated() -> bool:
 def rank_map(fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
     """fn(rank) as this rank's tensor; in a simulation, one value per simulated rank."""
     return _rank_map(fn)
+
+
+def tensor_map(t: torch.Tensor, fn: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """fn(rank, this rank's t): local work that differs by rank (in a simulation, run once per rank)."""
+    return _tensor_map(t, fn)
+
+
+def rank_ints(fn: Callable[[int], list[int]]) -> list:
+    """fn(rank): ints that differ by rank, such as a collective's split sizes; in a simulation each
+    is a SymInt holding every simulated rank's value. Computed on the host: no device sync."""
+    return rank_map(lambda r: torch.tensor(fn(r), dtype=torch.int64, device="cpu")).tolist()
+
+
+def ranks_here() -> list[int]:
+    """The ranks this process runs: its own, or every simulated one."""
+    mode = enabled_local_tensor_mode()
+    return sorted(mode.ranks) if mode is not None else [rank()]
+
+
+def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
+    """{rank: t's value there} for each of ranks_here(), as plain tensors."""
+    if isinstance(t, LocalTensor):
+        return dict(t._local_tensors)
+    return dict.fromkeys(ranks_here(), t)
+
+
+def unsimulated() -> contextlib.AbstractContextManager:
+    """Ops on plain tensors in the body stay plain (a simulation's mode is off there): for host work
+    such as file IO on values taken out of a simulation with rank_values."""
+    return maybe_disable_local_tensor_mode()
 
 
 @contextlib.contextmanager

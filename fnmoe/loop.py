@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import resource
 import signal
 import time
 from pathlib import Path
@@ -40,28 +41,14 @@ def _unsupported(run: RunConfig) -> None:
     if run.mesh.world == 1:
         return
     where = f"mesh.fsdp={run.mesh.fsdp} x mesh.ep={run.mesh.ep}"
-    if run.optim.name == "muon":
-        raise ValueError(f"{where}: optim.name='muon' on several ranks is not built yet (Newton-Schulz must "
-                         "see whole matrices); use optim.name='adamw'")
-    if run.resume != "none":
-        raise ValueError(f"{where}: resuming a multi-rank run is not built yet (sharded checkpoints); "
-                         "use --resume none")
     if run.model.compile:  # compiled regions under the regather checkpoint and EP are untested
         raise ValueError(f"{where}: model.compile on several ranks is not built yet; use --model.no-compile")
 
 
 class _NoOutput:
-    """What ranks other than 0 have instead of the metrics writer and the checkpoint saver."""
-
-    last_step = 0
+    """What ranks other than 0 have instead of the metrics writer."""
 
     def write(self, *args) -> None:
-        pass
-
-    def save(self, *args, **kwargs) -> None:
-        return None
-
-    def join(self) -> None:
         pass
 
     def close(self) -> None:
@@ -156,6 +143,10 @@ def train(run: RunConfig) -> dict:
     rank, mesh = _start_ranks(run)
     try:
         return _train(run, rank, mesh)
+    except RuntimeError as e:
+        if not _is_oom(e):
+            raise
+        raise OutOfMemory(_oom_report(run, rank, e)) from None
     except BaseException as e:
         if mesh is not None:
             e.add_note(f"fnmoe: raised on rank {rank} of {fdist.world()}")
@@ -163,6 +154,39 @@ def train(run: RunConfig) -> dict:
     finally:
         if mesh is not None and fdist.launched():
             dist.destroy_process_group()
+
+
+class OutOfMemory(RuntimeError):
+    """Training ran out of memory; the message holds the plan and the measured peak."""
+
+
+def _is_oom(e: RuntimeError) -> bool:
+    # CUDA raises torch.OutOfMemoryError; the CPU allocator a RuntimeError with this text
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+
+
+def _oom_report(run: RunConfig, rank: int, e: RuntimeError) -> str:
+    """What ran out, the measured peak, and the planner's table for this config, to pick a policy from."""
+    from fnmoe.plan import format_plan, plan
+
+    if torch.cuda.is_available():
+        peak = f"peak device memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB (torch.cuda.max_memory_allocated)"
+    else:  # Linux reports ru_maxrss in KiB
+        peak = f"peak host memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (max RSS)"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (f"out of memory on rank {rank}: {first}\nmeasured: {peak}\n"
+            f"the plan for this config (fnmoe plan; try --memory.recompute full, --memory.offload, "
+            f"a smaller --train.batch-size or more --train.grad-accum):\n{format_plan(plan(run))}\n"
+            "no checkpoint was written for the failed step; the last complete one is kept")
+
+
+def _memory_report(run: RunConfig, params, batch: tuple, rank: int) -> None:
+    """--memory.report: every rank measures (a mesh's forward needs all of them); rank 0 prints."""
+    from fnmoe import memory_report
+
+    rows = memory_report.measure(run, params, batch)
+    if rank == 0:
+        log.info(memory_report.table(rows, run.memory))
 
 
 def _train(run: RunConfig, rank: int, mesh) -> dict:
@@ -182,7 +206,7 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
     val = val_batches(data, L, t.batch_size // t.grad_accum, t.eval_batches, run.data.doc_mask)
     tx, schedule = optim.from_config(run.optim, t.steps)
     if found:
-        state = checkpoint.load_state(*found, run, tx, loader)
+        state = checkpoint.load_state(*found, run, tx, loader, mesh)
     else:
         state = init_state(init_params(run.model, t.seed, mesh=mesh), tx)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -192,19 +216,20 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
                 "params": state.params, "interrupted": False, "checkpoint": str(found[0])}
     if rank == 0:
         (run_dir / "config.toml").write_text(to_toml(run))
-    checkpoint.discard_after(ckpt_root, state.step)
+        # alone: the other ranks reach their first save only after rank 0 is past this (a step's collectives)
+        checkpoint.discard_after(ckpt_root, state.step)
     train_step = make_train_step(run, tx)
     fpt = flops_per_token(run.model, L)
     writer = _NoOutput() if rank else MetricsWriter(
         _metrics_writer(run_dir / "metrics.jsonl", state.step if found else None),
         TensorBoardWriter(run_dir / "tensorboard") if t.tensorboard else None)
-    if mesh is not None and rank == 0:
-        log.warning("checkpoints of multi-rank runs are not written yet (sharded save comes with issue 8)")
-    saver = _NoOutput() if mesh is not None else checkpoint.Saver(ckpt_root, run.checkpoint, last_step=state.step)
+    saver = checkpoint.Saver(ckpt_root, run.checkpoint, last_step=state.step)  # on every rank: a save is collective
     prof = _profile_window(run, run_dir)
     log.info("run %s: steps %d..%d x %d sequences x %d tokens -> %s", run.name, state.step + 1, t.steps,
              t.batch_size, L, run_dir)
 
+    if run.memory.report:
+        _memory_report(run, state.params, loader.batch_at(state.step, rank, run.dp_size, 0), rank)
     start, tokens, row, first = time.perf_counter(), state.step * t.batch_size * L, {}, state.step + 1
     try:
         for step in range(state.step + 1, t.steps + 1):

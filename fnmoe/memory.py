@@ -1,56 +1,168 @@
 """Activation memory policies: how a block's saved tensors are kept for backward.
 
 `none` keeps everything; `full` recomputes the whole block in backward (torch.utils.checkpoint,
-non-reentrant), keeping only its input. Routing is recomputed from the same inputs and weights,
-so it cannot change; the expert counts a block returns are read from the forward only.
+non-reentrant), keeping only its input and the routing; the expert counts a block returns are
+read from the forward only.
 
 `offload` (memory.offload) wraps each block but the last in saved-tensor hooks: a saved tensor of
 at least memory.offload_min_bytes that is not one of the block's parameters (or a view of one) is
 copied into a HostPool and the original is dropped, so its memory is freed until backward unpacks
 the copy. With recompute='full' the only such tensor is the block input. On CPU the pool is one
-preallocated buffer, which a memory meter can be told about (HostPool.buffer); a CUDA pool would be
-pinned and filled on a side stream (not built yet: offload raises on CUDA).
+preallocated buffer, which a memory meter can be told about (HostPool.buffer); on CUDA it is pinned,
+filled on a side stream with a bound on copies in flight, and a block's copies come back together
+(prefetched on the side stream) when backward first needs one of them.
+
+Per region (memory.attention / moe / mlp): `full` and `selective` are checkpoints with a
+selective-checkpoint policy traced into the region's compiled graph; `offload` puts the region's
+saved tensors in the pool. Every recompute saves the router's top-k outputs and the expert-parallel
+exchange (ROUTING_OPS, EXCHANGE_OPS): backward never routes or communicates again, so routing
+cannot change and the counts the router bias learns from are the forward's.
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
+import functools
 from typing import Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from fnmoe import compile as fcompile
 from fnmoe.config import MemoryConfig
 from fnmoe.tree import flatten_dict
 
 
-def _recompute(fn: Callable, *args):
-    return checkpoint(fn, *args, use_reentrant=False)
+aten = torch.ops.aten
+ROUTING_OPS = frozenset({aten.topk.default})
+"""outputs every recompute keeps: routing is decided once, in the forward"""
+EXCHANGE_OPS = frozenset({torch.ops._c10d_functional.all_to_all_single.default,
+                          torch.ops._c10d_functional_autograd.all_to_all_single.default,
+                          torch.ops._c10d_functional.wait_tensor.default})
+"""the expert-parallel exchange: recompute never repeats communication"""
+SELECTIVE_SAVE_OPS = ROUTING_OPS | EXCHANGE_OPS | frozenset(
+    getattr(aten, name).default for name in (
+        "mm", "addmm", "bmm", "_grouped_mm", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_flex_attention") if hasattr(aten, name))
+"""selective recompute keeps matmul and attention outputs and recomputes the cheap elementwise rest
+(norms, SwiGLU, RoPE, softmax of the router), as Megatron's and TorchTitan's op-level policies do"""
+
+
+def _policy(save_ops: frozenset) -> Callable:
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def recompute(fn: Callable, *args, save_ops: frozenset = ROUTING_OPS | EXCHANGE_OPS):
+    """fn(*args) keeping only its inputs and the outputs of save_ops for backward (non-reentrant)."""
+    return checkpoint(fn, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _policy(save_ops)))
 
 
 def _plain(fn: Callable, *args):
     return fn(*args)
 
 
+@functools.lru_cache(maxsize=None)   # one function per (region, policy): compiled once each
+def with_policy(fn: Callable, policy: str) -> Callable:
+    """fn under a recompute policy ('full' or 'selective'), as one function that can be compiled
+    (the checkpoint is traced into the region's graph); other policies leave fn as it is."""
+    if policy not in ("full", "selective"):
+        return fn
+    save_ops = SELECTIVE_SAVE_OPS if policy == "selective" else ROUTING_OPS | EXCHANGE_OPS
+
+    @functools.wraps(fn)
+    def region(*args):
+        return recompute(fn, *args, save_ops=save_ops)
+    return region
+
+
 class HostPool:
     """A preallocated host buffer that offloaded saved tensors are copied into (a bump allocator,
-    rewound at the start of each forward pass, when the previous backward has consumed every copy)."""
+    rewound at the start of each forward pass, when the previous backward has consumed every copy).
 
-    def __init__(self, nbytes: int):
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+    For CUDA tensors the buffer is pinned and each copy runs on a side stream, so the forward does
+    not wait for it; at most max_inflight_bytes of copies are in flight (the oldest is waited for
+    beyond that). Untested on a GPU so far (no GPU run has reported this path)."""
+
+    def __init__(self, nbytes: int, device: torch.device | str | None = None, max_inflight_bytes: int = 1 << 30):
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        self.stream = torch.cuda.Stream(torch.device(device)) if self.cuda else None
+        self.max_inflight_bytes = max_inflight_bytes
+        self.inflight: collections.deque = collections.deque()  # (event, bytes) of unfinished copies
         self.offset = 0
 
     def rewind(self) -> None:
+        self._wait_inflight(0)
         self.offset = 0
 
-    def store(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of t in the pool with its shape, dtype and strides (t must be non-overlapping and
-        dense): the same strides keep backward's kernels, and so its rounding, unchanged."""
+    def inflight_bytes(self) -> int:
+        return sum(n for _, n in self.inflight)
+
+    def _wait_inflight(self, room: int) -> None:
+        while self.inflight and self.inflight_bytes() + room > self.max_inflight_bytes:
+            event, _ = self.inflight.popleft()
+            event.synchronize()
+
+    def _slot(self, t: torch.Tensor) -> torch.Tensor:
         n = t.numel() * t.element_size()
         start = -(-self.offset // 64) * 64  # 64-byte aligned slots, like the allocator: kernels (and rounding) do not change
         if start + n > self.buffer.numel():
             raise RuntimeError(f"offload host pool of {self.buffer.numel()} bytes is full; plan it larger "
                                "(fnmoe plan reports offload_host)")
         self.offset = start + n
-        return self.buffer[start:start + n].view(t.dtype).as_strided(t.shape, t.stride()).copy_(t)
+        return self.buffer[start:start + n].view(t.dtype).as_strided(t.shape, t.stride())
+
+    def store(self, t: torch.Tensor):
+        """A copy of t in the pool with its shape, dtype and strides (t must be non-overlapping and
+        dense): the same strides keep backward's kernels, and so its rounding, unchanged. On CPU the
+        copy itself; on CUDA an _InFlight handle that `load` brings back."""
+        if not t.is_cuda:
+            return self._slot(t).copy_(t)
+        n = t.numel() * t.element_size()
+        self._wait_inflight(n)
+        slot = self._slot(t)
+        self.stream.wait_stream(torch.cuda.current_stream(t.device))  # t is computed
+        with torch.cuda.stream(self.stream):
+            slot.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        t.record_stream(self.stream)  # the allocator keeps t's memory until the copy has read it
+        self.inflight.append((done, n))
+        return _InFlight(slot, t.device, done)
+
+    def prefetch(self, handle: "_InFlight") -> None:
+        """Start bringing handle back to its device on the side stream (idempotent)."""
+        if handle.back is not None:
+            return
+        self.stream.wait_event(handle.done)
+        with torch.cuda.stream(self.stream):
+            handle.back = handle.host.to(handle.device, non_blocking=True)
+            handle.ready = torch.cuda.Event()
+            handle.ready.record(self.stream)
+
+    def load(self, handle):
+        """The device tensor of a stored handle (the CPU copy as it is)."""
+        if not isinstance(handle, _InFlight):
+            return handle
+        self.prefetch(handle)
+        current = torch.cuda.current_stream(handle.device)
+        current.wait_event(handle.ready)
+        handle.back.record_stream(current)  # made on the side stream, used and freed on this one
+        return handle.back
+
+
+@dataclasses.dataclass(eq=False)
+class _InFlight:
+    host: torch.Tensor
+    device: torch.device
+    done: object  # torch.cuda.Event: the device-to-host copy has finished
+    back: torch.Tensor | None = None
+    ready: object = None  # torch.cuda.Event: `back` holds the values again
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -63,8 +175,12 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _offload_hooks(pool: HostPool, keep: set[int], min_bytes: int, stats: dict):
-    """(pack, unpack) moving saved tensors of >= min_bytes whose storage is not in keep to the pool."""
+def _offload_hooks(pool: HostPool, keep: set[int], min_bytes: int, stats: dict, handles: list):
+    """(pack, unpack) moving saved tensors of >= min_bytes whose storage is not in keep to the pool;
+    a tensor saved twice (same storage, view and version) is copied once. handles collects this
+    block's CUDA handles, which the first unpack of the block prefetches together."""
+    copies: dict[tuple, tuple] = {}
+
     def pack(t: torch.Tensor):
         n = t.numel() * t.element_size()
         # expanded (overlapping) tensors are broadcasts of small ones: not worth a copy
@@ -72,56 +188,99 @@ def _offload_hooks(pool: HostPool, keep: set[int], min_bytes: int, stats: dict):
                 or not _dense(t)):
             stats["kept"] += n
             return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
+        seen = copies.get(key)
+        if seen is not None and not seen[0].expired():  # the same storage, still alive: the same values
+            return seen[1]
         stats["offloaded"] += n
-        return pool.store(t)  # the handle holds no reference to t: its memory is freed
+        handle = pool.store(t)  # the handle holds no reference to t: its memory is freed
+        copies[key] = (StorageWeakRef(t.untyped_storage()), handle)
+        if isinstance(handle, _InFlight):
+            handles.append(handle)
+        return handle
 
-    return pack, lambda t: t
+    def unpack(handle):
+        if isinstance(handle, _InFlight):
+            for h in handles:  # the whole block comes back while backward works on its first tensor
+                pool.prefetch(h)
+        return pool.load(handle)
+
+    return pack, unpack
 
 
-def block_runner(mem: MemoryConfig, n_layers: int = 0, pool: HostPool | None = None) -> Callable | None:
-    """The block_fn for model.hidden_states under this policy (None: plain call). Offload needs
-    n_layers (the last block stays) and a pool; runner.stats[i] has the kept and offloaded bytes of
-    block i in the latest forward."""
-    inner = {"none": _plain, "full": _recompute}[mem.recompute]
-    if not mem.offload:
-        return None if mem.recompute == "none" else inner
-    if pool is None or n_layers < 1:
-        raise ValueError("memory.offload=true needs a HostPool and the model's n_layers")
-    calls = [0]
-    stats: dict[int, dict] = {}
+REGIONS = ("attention", "moe", "mlp")
 
-    def run(fn: Callable, p: dict, *args):
-        i = calls[0] % n_layers
-        calls[0] += 1
-        if i == 0:
-            pool.rewind()
-        if i == n_layers - 1 or not torch.is_grad_enabled():
-            return inner(fn, p, *args)
-        if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
-            raise NotImplementedError("memory.offload on CUDA (pinned pool, side stream) is not built yet")
-        # params, and inputs every block shares (RoPE tables, buffers), outlive this block: a copy
-        # of them would free nothing
-        shared = [t for t in flatten_dict(p).values()] + [
-            a for a in args if isinstance(a, torch.Tensor) and not a.requires_grad]
-        keep = {t.untyped_storage().data_ptr() for t in shared}
-        stats[i] = {"kept": 0, "offloaded": 0}
-        with torch.autograd.graph.saved_tensors_hooks(*_offload_hooks(pool, keep, mem.offload_min_bytes, stats[i])):
-            return inner(fn, p, *args)
 
-    run.stats = stats
-    return run
+class Runner:
+    """The block_fn of model.hidden_states under a MemoryConfig: `runner(fn, *args)` runs block i
+    (calls count blocks, so i = calls mod n_layers) under the block policy, and `runner.region(name,
+    fn, compile, *args)` runs one of its regions under that region's policy. stats[i] holds the
+    kept and offloaded bytes of block i's saved tensors in the latest forward (offload only)."""
+
+    def __init__(self, mem: MemoryConfig, n_layers: int, pool: HostPool | None = None,
+                 block_inner: Callable = _plain):
+        offloads = mem.offload or "offload" in (getattr(mem, r) for r in REGIONS)
+        if offloads and (pool is None or n_layers < 1):
+            raise ValueError("offload needs a HostPool and the model's n_layers")
+        self.mem, self.n_layers, self.pool = mem, n_layers, pool
+        self.inner = recompute if mem.recompute == "full" else block_inner
+        self.calls, self.block, self.stats, self.handles = 0, 0, {}, {}
+
+    def __call__(self, fn: Callable, p: dict, *args):
+        self.block = self.calls % self.n_layers
+        self.calls += 1
+        if self.block == 0 and self.pool is not None:
+            self.pool.rewind()
+            self.stats, self.handles = {}, {}
+        if not self.mem.offload or not self._offloading():
+            return self.inner(fn, p, *args)
+        with self._hooks(p, args):
+            return self.inner(fn, p, *args)
+
+    def region(self, name: str, fn: Callable, compile: bool, *args):
+        policy = getattr(self.mem, name)
+        call = with_policy(fn, policy)
+        call = fcompile.compiled(call) if compile else call
+        if policy != "offload" or not self._offloading():
+            return call(*args)
+        with self._hooks(args[0], args[1:]):
+            return call(*args)
+
+    def _offloading(self) -> bool:
+        # the last block's saved tensors are the first backward needs: a copy would only add latency
+        return self.block != self.n_layers - 1 and torch.is_grad_enabled()
+
+    def _hooks(self, p: dict, args: tuple):
+        # params, and inputs every block shares (RoPE tables, masks, buffers), outlive this block:
+        # a copy of them would free nothing
+        shared = list(flatten_dict(p).values()) + [a for a in args if isinstance(a, torch.Tensor) and not a.requires_grad]
+        keep = {t.untyped_storage().data_ptr() for t in shared if isinstance(t, torch.Tensor)}
+        stats = self.stats.setdefault(self.block, {"kept": 0, "offloaded": 0})
+        handles = self.handles.setdefault(self.block, [])
+        return torch.autograd.graph.saved_tensors_hooks(
+            *_offload_hooks(self.pool, keep, self.mem.offload_min_bytes, stats, handles))
+
+
+def block_runner(mem: MemoryConfig, n_layers: int = 0, pool: HostPool | None = None,
+                 block_inner: Callable = _plain) -> Callable | None:
+    """The block_fn for model.hidden_states under this policy (None: a plain call will do)."""
+    plain = mem.recompute == "none" and not mem.offload and all(getattr(mem, r) == "none" for r in REGIONS)
+    if plain and block_inner is _plain:
+        return None
+    return Runner(mem, max(n_layers, 1), pool, block_inner)
 
 
 def train_runner(run) -> Callable | None:
-    """block_runner for a RunConfig: the host pool sized from the planner's offload bytes (+25%)."""
+    """block_runner for a RunConfig: the host pool sized from the planner's offload bytes (+25%);
+    with several ranks and resharding, gathered weights are dropped after forward and gathered again
+    in backward."""
     from fnmoe.plan import activation_plan
+    from fnmoe.sharding import regather_in_backward
 
     mem = run.memory
-    regions = [f"memory.{r}={getattr(mem, r)!r}" for r in ("attention", "moe", "mlp") if getattr(mem, r) != "none"]
-    if regions:
-        raise ValueError(f"{', '.join(regions)}: per-region policies are planned (fnmoe plan) but not run yet; "
-                         "use memory.recompute and memory.offload")
-    if not mem.offload:
-        return block_runner(mem)
-    pool = HostPool(int(activation_plan(run)["host"] * 1.25) + (1 << 20))
-    return block_runner(mem, run.model.n_layers, pool)
+    inner = regather_in_backward if run.mesh.world > 1 and run.mesh.reshard_after_forward else _plain
+    offloads = mem.offload or "offload" in (getattr(mem, r) for r in REGIONS)
+    device = "cuda" if torch.cuda.is_available() else None  # where training runs (fnmoe.loop's rule)
+    pool = HostPool(int(activation_plan(run)["host"] * 1.25) + (1 << 20), device, mem.max_inflight_bytes) \
+        if offloads else None
+    return block_runner(mem, run.model.n_layers, pool, inner)

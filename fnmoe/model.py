@@ -157,24 +157,26 @@ def _moe_region(p, x_BLD, cfg, grouped):
     return moe_block(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cfg, grouped)
 
 
-def _region(fn: Callable, cfg: ModelConfig, traceable: bool = True) -> Callable:
-    return fcompile.compiled(fn) if cfg.compile and traceable else fn
+def _plain_region(name: str, fn: Callable, compile: bool, *args):
+    return (fcompile.compiled(fn) if compile else fn)(*args)
 
 
-def block(p: dict, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig, mask=None):
+def block(p: dict, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig, mask=None, region_fn=None):
     """One transformer block on compute-dtype params: (x_BLD, the MoE stats of moe_block or None).
-    mask (attention.doc_mask's) keeps the documents of packed rows apart; None is plain causal."""
+    mask (attention.doc_mask's) keeps the documents of packed rows apart; None is plain causal.
+    region_fn(name, fn, compile, *args) runs each region (memory policies per region)."""
+    run = region_fn or _plain_region
     attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
-    x_BLD = x_BLD + _region(_attention_region, cfg)(attn, x_BLD, cos_LA, sin_LA, cfg, mask)
+    x_BLD = x_BLD + run("attention", _attention_region, cfg.compile, attn, x_BLD, cos_LA, sin_LA, cfg, mask)
     if "moe" in p:
         grouped = use_grouped(cfg, x_BLD.dtype)
         if cfg.compile and not grouped:
             fcompile.say_once("compile: the MoE region runs eager (grouped GEMM needs bfloat16 "
                               "and 16-byte-aligned dims to trace); attention and MLP are compiled")
-        y_BLD, stats = _region(_moe_region, cfg, grouped)(
-            dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, grouped)
+        y_BLD, stats = run("moe", _moe_region, cfg.compile and grouped,
+                           dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, grouped)
         return x_BLD + y_BLD, stats
-    return x_BLD + _region(_mlp_region, cfg)(dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg), None
+    return x_BLD + run("mlp", _mlp_region, cfg.compile, dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg), None
 
 
 def check_tokens(tokens_BL: torch.Tensor, vocab_size: int) -> None:
@@ -220,10 +222,11 @@ def layer_params(params: Tree, i: int, dtype: torch.dtype) -> dict:
 
 
 def stored_block(stored: dict, bias_E, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig, gather: Callable,
-                 mask=None):
+                 mask=None, region_fn=None):
     """block on a layer's stored (sharded) params, gathered here so that a block_fn recomputing in
     backward can gather them again there instead of keeping them."""
-    return block(_with_bias(gather(stored, DTYPE[cfg.compute_dtype]), bias_E), x_BLD, cos_LA, sin_LA, cfg, mask)
+    return block(_with_bias(gather(stored, DTYPE[cfg.compute_dtype]), bias_E), x_BLD, cos_LA, sin_LA, cfg, mask,
+                 region_fn)
 
 
 @torch.no_grad()
@@ -242,7 +245,8 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     MoE), plus seq_balance_loss and z_loss (the same means) only when their coefficients are set,
     and with record_max_logits max_logits_LH (per layer and head, fp32; MuonClip's input).
 
-    block_fn(fn, *args) runs a block (memory policies wrap it, e.g. recompute in backward).
+    block_fn(fn, *args) runs a block (memory policies wrap it, e.g. recompute in backward); a
+    block_fn with a `region` method (memory.Runner) also runs each region under its own policy.
     positions_BL marks packed documents (positions restart at 0 where one starts): RoPE uses them
     and attention stays within each document; None is one sequence per row.
     """
@@ -263,13 +267,14 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     x_BLD = F.embedding(tokens_BL, gather(params["embed"], dtype)["w_VD"])
     stats, max_logits = [], []
     run = block_fn or (lambda fn, *a: fn(*a))
+    region_fn = getattr(block_fn, "region", None)
     for i in range(cfg.n_layers):
         stored, bias_E = params["layers"][str(i)], _router_bias(params, i)
         if gather is cast:  # one process: the block takes its cast params, which memory policies keep
             p = _with_bias(cast(stored, dtype), bias_E)
-            block_args = (block, p, x_BLD, cos_LA, sin_LA, cfg, mask)
+            block_args = (block, p, x_BLD, cos_LA, sin_LA, cfg, mask, region_fn)
         else:  # sharded: gathered inside the block, so that a recompute in backward gathers again
-            block_args = (stored_block, stored, bias_E, x_BLD, cos_LA, sin_LA, cfg, gather, mask)
+            block_args = (stored_block, stored, bias_E, x_BLD, cos_LA, sin_LA, cfg, gather, mask, region_fn)
         if record_max_logits:  # outside block_fn, so recompute in backward does not repeat it
             with torch.no_grad():
                 p = _with_bias(gather(stored, dtype), bias_E)

@@ -7,21 +7,39 @@ Newton-Schulz outputs are bitwise equal to torch's. The step itself is optax's c
 in place (W*(1 - lr*wd), then a fused multiply-add); the roundings differ, so params agree
 to ~1 ulp per step (checked at 1e-6 relative), not bitwise.
 
+On a mesh (params and grads DTensors, sharding.py) Newton-Schulz still sees only whole matrices,
+each on exactly one rank. A leaf whose mesh dims split only leading (batch) dims, an expert stack
+split on E, is orthogonalised on the shards each rank holds: no communication. A leaf whose matrix
+dims are split has every matrix assigned to one owner of the splitting group (heaviest first to the
+least-loaded rank); one all-to-all sends each rank's pieces of all the group's matrices to their
+owners in bf16 (what Newton-Schulz rounds them to anyway), owners run it batched, and one reverse
+all-to-all returns the pieces: two collectives per group and step, moving each matrix twice in
+bf16. Momentum and the scaling stay elementwise on the shards, so the update equals the
+single-process one, bitwise where a batched GEMM's result does not depend on the batch (CPU).
+
 Legend: B matrices batched into one Newton-Schulz call (leading dims of all leaves of one
 matrix shape, flattened together), I in, O out (weights are [*, I, O]), R <= C the rows
-and columns of the wide view that Newton-Schulz iterates on. QK-clip: L layers, H query heads,
-N query and M key features, X latent key/value features (attention.py), 1 a broadcast dim.
+and columns of the wide view that Newton-Schulz iterates on, Z a flat all-to-all buffer.
+QK-clip: L layers, H query heads, N query and M key features, X latent key/value features
+(attention.py), 1 a broadcast dim.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections import defaultdict
 from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fnmoe import dist as fdist
+from fnmoe import sharding
 from fnmoe.config import ModelConfig
+from fnmoe.dispatch import all_to_all
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """Keller Jordan's quintic: maximal slope at zero, converges to singular values in about [0.7, 1.2]"""
@@ -81,6 +99,102 @@ def _orthogonalize(U_leaves: list[Tensor], steps: int, eps: float) -> list[Tenso
     return out
 
 
+def _matrix_split(U: Tensor) -> tuple[DeviceMesh, int] | None:
+    """(mesh, mesh dim) of the one mesh dim that splits U's matrices; None when U is plain or its
+    mesh dims split only batch dims (Newton-Schulz then runs on the shards as they are)."""
+    if not isinstance(U, DTensor):
+        return None
+    splits = [m for m, d in sharding.split_dims(U).items() if d >= U.ndim - 2]
+    if len(splits) > 1 or any(not isinstance(U.placements[m], Shard) for m in splits):
+        raise ValueError(f"muon: matrices split as {U.placements} over {U.device_mesh}; it supports one "
+                         "mesh dim splitting a matrix dim, as Shard")
+    return (U.device_mesh, splits[0]) if splits else None
+
+
+def _on_shards(U_leaves: list[Tensor], steps: int, eps: float) -> list[Tensor]:
+    """_orthogonalize on what this rank holds of each leaf, DTensors rewrapped as they were."""
+    locals_ = [U.to_local() if isinstance(U, DTensor) else U for U in U_leaves]
+    return [DTensor.from_local(O, U.device_mesh, U.placements, shape=U.shape, stride=U.stride())
+            if isinstance(U, DTensor) else O for U, O in zip(U_leaves, _orthogonalize(locals_, steps, eps))]
+
+
+def _owners(costs: list[int], n_ranks: int) -> list[int]:
+    """Each matrix's owner: the heaviest first, each to the least-loaded rank (ties to the lower
+    rank), so every rank computes the same answer and the Newton-Schulz work is balanced."""
+    load = [(0, k) for k in range(n_ranks)]
+    owner = [0] * len(costs)
+    for u in sorted(range(len(costs)), key=lambda u: -costs[u]):  # stable: equal costs in leaf order
+        total, k = heapq.heappop(load)
+        owner[u] = k
+        heapq.heappush(load, (total + costs[u], k))
+    return owner
+
+
+def _pieces(shape: tuple[int, int], d: int, n_ranks: int) -> list[tuple[int, int]]:
+    """The [I, O] shapes that the ranks of a group hold of a matrix whose dim d they split."""
+    return [(n, shape[1]) if d == 0 else (shape[0], n) for n in sharding.chunk_lengths(shape[d], n_ranks)]
+
+
+def _owner_step(recv_Z: Tensor, mine: list[tuple[tuple[int, int], int]], n_ranks: int, steps: int,
+                eps: float) -> Tensor:
+    """On one owner: every rank's pieces of its matrices (by source rank, then matrix) made whole,
+    orthogonalised, and cut into the pieces to send back (by destination rank, then matrix)."""
+    if not mine:
+        return recv_Z
+    pieces = [_pieces(shape, d, n_ranks) for shape, d in mine]
+    flat = recv_Z.split([math.prod(p[s]) for s in range(n_ranks) for p in pieces])
+    whole = [torch.cat([flat[s * len(mine) + j].view(p[s]) for s in range(n_ranks)], dim=d)
+             for j, (p, (_, d)) in enumerate(zip(pieces, mine))]
+    cut = [O.split([q[d] for q in p], dim=d) for O, p, (_, d) in zip(_orthogonalize(whole, steps, eps), pieces, mine)]
+    return torch.cat([c[s].flatten() for s in range(n_ranks) for c in cut])
+
+
+def _on_owners(U_leaves: list[DTensor], mesh: DeviceMesh, mesh_dim: int, steps: int, eps: float) -> list[Tensor]:
+    """_orthogonalize of leaves whose matrices mesh_dim splits: each matrix gathered whole to one
+    owner of that group, orthogonalised there, and its pieces sent back (two all-to-alls)."""
+    S, group = mesh.size(mesh_dim), mesh.get_group(mesh_dim)
+    shards = [U.to_local() for U in U_leaves]
+    # a matrix is (leaf, index in the rank's batch); batch splits are even (E % ep == 0), so every
+    # rank of every group lists the same matrices
+    counts = [math.prod(x.shape[:-2]) for x in shards]
+    held = [m for x, n in zip(shards, counts) for m in x.reshape(n, *x.shape[-2:]).unbind()]  # this rank's pieces
+    split = [sharding.split_dims(U)[mesh_dim] - (U.ndim - 2) for U in U_leaves]  # 0: I, 1: O
+    mats = [(tuple(U.shape[-2:]), d) for U, d, n in zip(U_leaves, split, counts) for _ in range(n)]
+    owner = _owners([min(I, O) ** 2 * max(I, O) for (I, O), _ in mats], S)
+    order = sorted(range(len(mats)), key=owner.__getitem__)
+    mine = [[mats[u] for u in order if owner[u] == k] for k in range(S)]
+
+    def from_each(r: int) -> list[int]:  # what rank r, as an owner, receives from each rank of its group
+        us = mine[sharding.coordinate(mesh, r)[mesh_dim]]
+        return [sum(math.prod(_pieces(shape, d, S)[s]) for shape, d in us) for s in range(S)]
+    from_all = fdist.rank_ints(from_each)
+    to_owner = [sum(held[u].numel() for u in order if owner[u] == k) for k in range(S)]
+    send_Z = torch.cat([held[u].flatten() for u in order]).to(torch.bfloat16)  # Newton-Schulz's own rounding
+    recv_Z = all_to_all(send_Z, from_all, to_owner, group)
+    done_Z = fdist.tensor_map(recv_Z, lambda r, x: _owner_step(x, mine[sharding.coordinate(mesh, r)[mesh_dim]], S,
+                                                               steps, eps))
+    back_Z = all_to_all(done_Z, to_owner, from_all, group)
+    back = dict(zip(order, back_Z.split([held[u].numel() for u in order])))
+    starts = itertools.accumulate(counts, initial=0)
+    return [DTensor.from_local(torch.stack([back[u].view(held[u].shape) for u in range(a, a + n)]).view(x.shape),
+                               U.device_mesh, U.placements, shape=U.shape, stride=U.stride())
+            for U, x, a, n in zip(U_leaves, shards, starts, counts)]
+
+
+def _orthogonalize_leaves(U_leaves: list[Tensor], steps: int, eps: float) -> list[Tensor]:
+    """Newton-Schulz of every matrix of every leaf, plain or DTensor, always on whole matrices:
+    on the shards where no matrix dim is split, else by owners, one exchange per splitting group."""
+    groups: dict[tuple | None, list[int]] = defaultdict(list)
+    for i, U in enumerate(U_leaves):
+        groups[_matrix_split(U)].append(i)
+    out: list[Tensor | None] = [None] * len(U_leaves)
+    for key, idx in groups.items():
+        leaves = [U_leaves[i] for i in idx]
+        for i, O in zip(idx, _on_shards(leaves, steps, eps) if key is None else _on_owners(leaves, *key, steps, eps)):
+            out[i] = O
+    return out
+
+
 class ScaleByMuonState(NamedTuple):
     momentum: Tensor
     mu: Tree
@@ -92,7 +206,8 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int =
                   momentum_dtype: torch.dtype = torch.float32) -> GradientTransformation:
     """s * NS(U) per matrix: M = lerp(M, G, 1-mu); U = lerp(G, M, mu) (Nesterov) or M.
 
-    Leaves need >= 2 dims: the last two are [in, out], leading dims are a batch (experts).
+    Leaves need >= 2 dims: the last two are [in, out], leading dims are a batch (experts). Leaves
+    are plain tensors or DTensors laid out by sharding.py (module docstring: whole matrices only).
     Follow with add_decayed_weights and scale_by_learning_rate for the full Muon step.
     """
     lr_scale(1, 1, adjust_lr)  # fail at construction on an unknown name
@@ -107,7 +222,7 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int =
         # the same lerps as torch.optim.Muon, so the buffers are bitwise equal
         M_leaves = [M.lerp(G.to(M.dtype), 1 - mu) for G, M in zip(G_leaves, _leaves(state.mu), strict=True)]
         U_leaves = [G.lerp(M.to(G.dtype), mu) for G, M in zip(G_leaves, M_leaves)] if nesterov else M_leaves
-        O_leaves = _orthogonalize(U_leaves, ns_steps, eps)
+        O_leaves = _orthogonalize_leaves(U_leaves, ns_steps, eps)
         # back to the update dtype before scaling: scaling bf16 O would round it again (~1e-4 off torch)
         out = [O.to(G.dtype, copy=True).mul_(lr_scale(*G.shape[-2:], adjust_lr)) for G, O in zip(G_leaves, O_leaves)]
         return rebuild(out), ScaleByMuonState(mu, rebuild(M_leaves))
@@ -145,7 +260,10 @@ QK_CLIP_ALPHA = 0.5
 
 def _scale_columns(w_IO: Tensor, s_O: Tensor) -> Tensor:
     # a factor of exactly 1 leaves a column bitwise unchanged
-    return (w_IO * s_O.to(w_IO.dtype)).requires_grad_(w_IO.requires_grad)
+    s_O = s_O.to(w_IO.dtype)
+    if isinstance(w_IO, DTensor):  # the same factors on every rank: each scales the columns of its shard
+        s_O = DTensor.from_local(s_O, w_IO.device_mesh, [Replicate()] * w_IO.device_mesh.ndim)
+    return (w_IO * s_O).requires_grad_(w_IO.requires_grad)
 
 
 def _clip_gqa(p: dict, gamma_H: Tensor, cfg: ModelConfig) -> dict:

@@ -79,10 +79,16 @@ def make_mesh(mcfg: MeshConfig, dcfg: DistConfig | None = None) -> DeviceMesh:
     return mesh
 
 
+@functools.cache
+def _ranks(mesh: DeviceMesh) -> tuple[int, ...]:
+    """The global ranks of mesh in row-major order, computed once (DeviceMesh.mesh builds a tensor
+    at every call, which is slow in a simulation)."""
+    return tuple(mesh.mesh.flatten().tolist())
+
+
 def _coord(mesh: DeviceMesh, rank: int) -> dict[str, int]:
     """rank's position on each axis of the ("fsdp", "ep") mesh."""
-    ranks = mesh.mesh.flatten().tolist()
-    i = ranks.index(rank)
+    i = _ranks(mesh).index(rank)
     return {"fsdp": i // mesh.size(1), "ep": i % mesh.size(1), DP: i}
 
 
@@ -212,6 +218,34 @@ def full_params(params: Tree) -> Tree:
     return map_with_path(lambda _, t: t.full_tensor() if isinstance(t, DTensor) else t, params)
 
 
+def distribute(tree: Tree, mesh: DeviceMesh, read: Callable[[str, tuple[slice, ...]], torch.Tensor]) -> Tree:
+    """Leaves placed by the rules whose local value on each rank is read(path, that rank's slice);
+    `tree` gives the paths and global shapes (tensors, meta tensors or LeafInits)."""
+    return map_with_path(lambda path, x: _distribute(path, tuple(x.shape), mesh, lambda idx: read(path, idx)), tree)
+
+
+def distribute_like(t: DTensor, read: Callable[[tuple[slice, ...]], torch.Tensor]) -> DTensor:
+    """A DTensor placed as t whose local value on each rank is read(that rank's slice of t)."""
+    value = fdist.rank_map(lambda r: read(stored_slice(t, r)[0]))
+    return DTensor.from_local(value, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+
+
+def stored_slice(t: DTensor, rank: int) -> tuple[tuple[slice, ...], bool]:
+    """(the slice of t's global value that rank stores, whether rank is the lowest rank storing
+    it) for a DTensor placed by `placements`: what a sharded checkpoint writes once."""
+    dmesh = t.device_mesh
+    names, i = dmesh.mesh_dim_names, _ranks(dmesh).index(rank)
+    coord = {}
+    for name, n in zip(reversed(names), reversed(dmesh.shape)):
+        coord[name], i = i % n, i // n
+    split = {name: p.dim for name, p in zip(names, t.placements) if isinstance(p, (Shard, _StridedShard))}
+    # in RULES order: ep splits the expert dim first, then fsdp each ep part (_StridedShard)
+    spec = LeafSpec(tuple((axis, split[axis]) for axis in (DP, "ep", "fsdp") if axis in split))
+    idx = local_index(spec, tuple(t.shape), coord, dict(zip(names, dmesh.shape)))
+    # moving to coordinate 0 on the axes that replicate t keeps the slice and lowers the rank
+    return idx, all(coord[name] == 0 for name in names if name not in split)
+
+
 # ---------------------------------------------------------------- compute
 
 _gathering = [False]  # set while `gather` runs, so the regather policy can tell its ops apart
@@ -298,3 +332,22 @@ def global_norm_sq(tree: Tree) -> torch.Tensor:
                 sq = all_reduce_sum(sq, m.get_group(d))
         total = total + sq
     return total
+
+
+# ---------------------------------------------------------------- layouts for whole-matrix work (Muon)
+
+def split_dims(t: DTensor) -> dict[int, int]:
+    """{mesh dim: tensor dim} for every mesh dim that splits t (Shard or _StridedShard)."""
+    if any(p.is_partial() for p in t.placements):
+        raise ValueError(f"a DTensor with placements {t.placements} holds partial sums: reduce it first")
+    return {m: p.dim for m, p in enumerate(t.placements) if isinstance(p, (Shard, _StridedShard))}
+
+
+def coordinate(mesh: DeviceMesh, rank: int) -> tuple[int, ...]:
+    """A global rank's index on each dim of mesh (DeviceMesh.get_coordinate knows only its own)."""
+    return tuple((mesh.mesh == rank).nonzero()[0].tolist())
+
+
+def chunk_lengths(n: int, parts: int) -> list[int]:
+    """The lengths of torch.chunk's `parts` pieces of n (DTensor's Shard rule), empty pieces included."""
+    return [b - a for a, b in (_chunk(n, parts, i) for i in range(parts))]

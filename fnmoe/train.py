@@ -23,7 +23,7 @@ from fnmoe.data import IGNORE
 from fnmoe.memory import train_runner
 from fnmoe.model import check_tokens, head_weight, hidden_states
 from fnmoe.moe import balance_loss_part, update_router_bias
-from fnmoe.sharding import all_sum, regather_in_backward
+from fnmoe.sharding import all_sum
 from fnmoe.tree import Tree, tree_map, value_and_grad
 
 
@@ -98,8 +98,6 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
     cfg = run.model
     grad_fn = value_and_grad(loss_fn, has_aux=True)
     block_fn = train_runner(run)
-    if block_fn is None and run.mesh.world > 1 and run.mesh.reshard_after_forward:
-        block_fn = regather_in_backward  # gathered weights are dropped after forward, gathered again in backward
     qk_clip = run.optim.qk_clip
 
     def train_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):

@@ -20,6 +20,7 @@ Tree = Any
 tree_map = _pytree.tree_map
 tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
+tree_leaves = _pytree.tree_leaves
 
 
 def _key_str(k: Any) -> str:

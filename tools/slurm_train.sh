@@ -6,8 +6,8 @@
 #   sbatch --nodes 2 tools/slurm_train.sh --config configs/tiny.toml --mesh.fsdp 2 --mesh.ep 8
 #
 # Environment: NPROC_PER_NODE (default: the node's GPUs, else 1), RDZV_PORT (default 29500),
-# MAX_RESTARTS (default 0; torchrun restarts every process after a failure, which needs
-# --resume auto and checkpoints of multi-rank runs, not built yet).
+# MAX_RESTARTS (default 0; torchrun restarts every process after a failure: pass --resume auto and
+# --checkpoint.every N so they continue from the newest checkpoint).
 #SBATCH --job-name=fnmoe
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive

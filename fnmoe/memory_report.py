@@ -1,0 +1,110 @@
+"""`fnmoe train --memory.report`: what each block keeps, offloads and recomputes, measured.
+
+Each block's forward is run under the run's memory policy and, for the baseline, under `none`,
+one block at a time (its output detached before the next, so at most one block's saved tensors
+are alive and the baseline cannot run out of memory where the policy fits). Per block:
+
+  saved       device bytes the block leaves alive for backward under `none`
+  kept        the same under the run's policy (what stays on the device)
+  offloaded   bytes the block copied into the host pool
+  recomputed  saved - kept - offloaded: what backward recomputes instead
+
+Live bytes are torch.cuda.memory_allocated on CUDA; elsewhere, the bytes of the storages the block
+allocated (seen by a dispatch mode) that are still alive after it, the host pool excluded.
+
+Legend: B batch, L sequence, D model.
+"""
+from __future__ import annotations
+
+import gc
+from typing import Callable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+from fnmoe.config import MemoryConfig, RunConfig
+from fnmoe.memory import HostPool, Runner
+from fnmoe.model import hidden_states, stored_block
+from fnmoe.tree import Tree, tree_leaves
+
+COLUMNS = ("saved", "kept", "offloaded", "recomputed")
+
+
+class _NewStorages(TorchDispatchMode):
+    """Every storage an op outputs while active (weakly held), but for the ones in `old`."""
+
+    def __init__(self, old: set[int]):
+        super().__init__()
+        self.old, self.refs = old, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.old:
+                st = t.untyped_storage()
+                seen = self.refs.get(st.data_ptr())
+                if seen is None or seen[0].expired():  # a freed storage's address may be reused
+                    self.refs[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+        return out
+
+    def live_bytes(self) -> int:
+        gc.collect()
+        return sum(n for ref, n in self.refs.values() if not ref.expired())
+
+
+def _storages(*trees) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tree_leaves(trees) if isinstance(t, torch.Tensor)}
+
+
+def _measure(run: RunConfig, params: Tree, batch: tuple, mem: MemoryConfig) -> list[dict[str, int]]:
+    """Per block: kept and offloaded bytes of its forward under mem."""
+    inputs_BL, _, *positions = batch
+    pool = HostPool(_pool_bytes(run))
+    runner = Runner(mem, run.model.n_layers, pool)
+    rows: list[dict[str, int]] = []
+
+    def measured(fn: Callable, *args):
+        x = 2 if fn is stored_block else 1  # where the block input is
+        # the block input cut from the previous block's graph (not a leaf: offload may move it)
+        args = (*args[:x], args[x].detach().requires_grad_().clone(), *args[x + 1:])
+        offset, cuda = pool.offset, args[x].is_cuda
+        before = torch.cuda.memory_allocated() if cuda else 0
+        # the block's inputs and the host pool exist already: only storages it allocates count
+        mode = _NewStorages(_storages(args, pool.buffer))
+        with mode:
+            x_BLD, _ = runner(fn, *args)
+        out = x_BLD.untyped_storage().nbytes()
+        kept = (torch.cuda.memory_allocated() - before if cuda else mode.live_bytes()) - out
+        rows.append({"kept": max(kept, 0), "offloaded": pool.offset - offset})
+        return x_BLD.detach(), None  # the block's graph, and what it saved, die here
+
+    measured.region = runner.region
+    hidden_states(params, inputs_BL, run.model, measured, positions_BL=positions[0] if positions else None)
+    return rows
+
+
+def _pool_bytes(run: RunConfig) -> int:
+    from fnmoe.plan import activation_plan
+    return int(activation_plan(run)["host"] * 1.25) + (1 << 20)
+
+
+def measure(run: RunConfig, params: Tree, batch: tuple) -> list[dict[str, int]]:
+    """Per block: saved / kept / offloaded / recomputed bytes (see the module docstring)."""
+    base = _measure(run, params, batch, MemoryConfig())
+    mine = _measure(run, params, batch, run.memory)
+    return [{"saved": b["kept"], "kept": m["kept"], "offloaded": m["offloaded"],
+             "recomputed": max(b["kept"] - m["kept"] - m["offloaded"], 0)} for b, m in zip(base, mine)]
+
+
+def table(rows: list[dict[str, int]], mem: MemoryConfig) -> str:
+    policy = f"recompute={mem.recompute} offload={mem.offload} " + \
+        " ".join(f"{r}={getattr(mem, r)}" for r in ("attention", "moe", "mlp"))
+    lines = [f"memory report ({policy}), MB per block of one micro-batch, measured:",
+             f"{'block':>6} " + " ".join(f"{c:>11}" for c in COLUMNS)]
+    for i, row in enumerate(rows):
+        lines.append(f"{i:>6} " + " ".join(f"{row[c] / 2**20:>11.2f}" for c in COLUMNS))
+    total = {c: sum(r[c] for r in rows) for c in COLUMNS}
+    lines.append(f"{'total':>6} " + " ".join(f"{total[c] / 2**20:>11.2f}" for c in COLUMNS))
+    return "\n".join(lines)
