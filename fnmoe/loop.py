@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from fnmoe import checkpoint, optim, sharding
 from fnmoe import dist as fdist
@@ -24,6 +25,7 @@ from fnmoe.metrics import (JsonlWriter, MetricsWriter, TensorBoardWriter, drop_r
                            load_by_layer, load_max_over_mean, mfu)
 from fnmoe.model import init_params
 from fnmoe.train import TrainState, eval_loss, init_state, make_train_step
+from fnmoe.tree import tree_map
 
 log = logging.getLogger("fnmoe")
 # test hook (tests/test_checkpoint.py): SIGKILL the process after this step on torchrun's first attempt
@@ -189,6 +191,18 @@ def _memory_report(run: RunConfig, params, batch: tuple, rank: int) -> None:
         log.info(memory_report.table(rows, run.memory))
 
 
+def _device() -> torch.device:
+    """Where this process trains: its GPU when there is one (torchrun's LOCAL_RANK picks it), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _to(tree, device: torch.device):
+    """tree's plain tensors on device (DTensors are placed by their mesh already)."""
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t, tree)
+
+
 def _train(run: RunConfig, rank: int, mesh) -> dict:
     _use_deterministic(run.train.deterministic)
     torch.manual_seed(run.train.seed)
@@ -203,12 +217,14 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
     data = load_data(run.data, run.model.vocab_size)
     loader = Loader(data, L, t.batch_size, t.grad_accum, t.seed, run.data.doc_mask)
     # every rank evaluates the same global micro-batches: val_loss is the same on any mesh
-    val = val_batches(data, L, t.batch_size // t.grad_accum, t.eval_batches, run.data.doc_mask)
+    device = _device()
+    val = [_to(b, device) for b in val_batches(data, L, t.batch_size // t.grad_accum, t.eval_batches, run.data.doc_mask)]
     tx, schedule = optim.from_config(run.optim, t.steps)
     if found:
         state = checkpoint.load_state(*found, run, tx, loader, mesh)
+        state = TrainState(_to(state.params, device), _to(state.opt_state, device), state.step)
     else:
-        state = init_state(init_params(run.model, t.seed, mesh=mesh), tx)
+        state = init_state(init_params(run.model, t.seed, device=device, mesh=mesh), tx)
     run_dir.mkdir(parents=True, exist_ok=True)
     if state.step >= t.steps:
         log.info("%s is at step %d and train.steps=%d: nothing to train", found[0], state.step, t.steps)
@@ -229,13 +245,13 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
              t.batch_size, L, run_dir)
 
     if run.memory.report:
-        _memory_report(run, state.params, loader.batch_at(state.step, rank, run.dp_size, 0), rank)
+        _memory_report(run, state.params, _to(loader.batch_at(state.step, rank, run.dp_size, 0), device), rank)
     start, tokens, row, first = time.perf_counter(), state.step * t.batch_size * L, {}, state.step + 1
     try:
         for step in range(state.step + 1, t.steps + 1):
             if prof and step == prof[0]:
                 prof[2].start()
-            batch = [loader.batch_at(step - 1, rank, run.dp_size, m) for m in range(t.grad_accum)]
+            batch = [_to(loader.batch_at(step - 1, rank, run.dp_size, m), device) for m in range(t.grad_accum)]
             t_step = time.perf_counter()
             new_state, m = train_step(state, batch)
             dt = time.perf_counter() - t_step

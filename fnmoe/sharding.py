@@ -192,7 +192,8 @@ def _distribute(path: str, shape: tuple[int, ...], mesh: DeviceMesh, local: Call
     """A leaf whose local value on each rank is local(index of that rank's slice)."""
     sizes = mesh_sizes(mesh)
     spec = leaf_spec(path, shape, sizes)
-    value = fdist.rank_map(lambda r: local(local_index(spec, shape, _coord(mesh, r), sizes)))
+    # drawn or read on the host, held where the mesh computes (a no-op on CPU meshes)
+    value = fdist.rank_map(lambda r: local(local_index(spec, shape, _coord(mesh, r), sizes)).to(mesh.device_type))
     if not spec.splits:
         return value
     dmesh, places = placements(spec, mesh)
@@ -226,7 +227,7 @@ def distribute(tree: Tree, mesh: DeviceMesh, read: Callable[[str, tuple[slice, .
 
 def distribute_like(t: DTensor, read: Callable[[tuple[slice, ...]], torch.Tensor]) -> DTensor:
     """A DTensor placed as t whose local value on each rank is read(that rank's slice of t)."""
-    value = fdist.rank_map(lambda r: read(stored_slice(t, r)[0]))
+    value = fdist.rank_map(lambda r: read(stored_slice(t, r)[0]).to(t.device_mesh.device_type))
     return DTensor.from_local(value, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
 
 

@@ -82,7 +82,7 @@ from fnmoe.metrics import flops_per_token, mfu  # noqa: E402
 from fnmoe.model import init_params, leaf_inits  # noqa: E402
 from fnmoe.moe import expert_mlp, moe_block  # noqa: E402
 from fnmoe.train import init_state, make_train_step  # noqa: E402
-from fnmoe.tree import map_with_path, tree_map  # noqa: E402
+from fnmoe.tree import flatten_dict, map_with_path, tree_map  # noqa: E402
 
 
 class Recorder:
@@ -337,10 +337,30 @@ def check_memory_policies(rec: Recorder, device: str, dry: bool, base: list | No
         rec.row("offload policy", f"not offered by MemoryConfig (fields: {names})", "skip")
 
 
+def check_train_loop(rec: Recorder, device: str, dry: bool, base: list | None) -> None:
+    """`fnmoe train`'s own loop (fnmoe.loop.train): it must put params and batches on the GPU by itself."""
+    import tempfile
+
+    from fnmoe.loop import train
+
+    run = tiny_run(dry)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = dataclasses.replace(run, train=dataclasses.replace(run.train, steps=3, eval_every=0, eval_batches=1,
+                                                                 run_dir=tmp), resume="none")
+        out = train(run)
+        where = next(iter(flatten_dict(out["params"]).values())).device.type
+        losses = [json.loads(line)["loss"] for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()
+                  if '"loss"' in line]
+    e = max(abs(a - b[0]) / abs(b[0]) for a, b in zip(losses, base)) if base else float("nan")
+    rec.row("fnmoe train loop, 3 steps", f"params on {where}; losses {' '.join(f'{x:.4f}' for x in losses)}; "
+            f"max rel diff vs the direct steps {e:.1e}", status(where == torch.device(device).type and e < 1e-5))
+
+
 def step_correctness(rec: Recorder, device: str, dry: bool) -> None:
     rec.guarded("grouped GEMM", check_grouped_gemm, rec, device, dry)
     rec.guarded("compiled MoE block", check_compiled_moe, rec, device, dry)
     base = rec.guarded("tiny preset training steps", check_train_steps, rec, device, dry)
+    rec.guarded("fnmoe train loop", check_train_loop, rec, device, dry, base)
     rec.guarded("memory policies", check_memory_policies, rec, device, dry, base)
 
 
