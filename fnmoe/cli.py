@@ -17,7 +17,7 @@ from typing import Annotated, Callable
 
 import tyro
 
-from fnmoe.config import RunConfig, load_config, validate
+from fnmoe.config import RunConfig, load_config, to_toml, validate
 
 TOP_HELP = """usage: fnmoe SUBCOMMAND [--config FILE] [OVERRIDES]
 
@@ -173,6 +173,10 @@ def cmd_convert(argv: list[str]) -> int:
     if args.from_hf:
         cfg, params = hf.load(args.from_hf)
         save_tree(args.out, params, cfg)
+        # a run config with this model, for `fnmoe train --config DST/config.toml --train.init-from-hf SRC`
+        run = RunConfig(model=cfg)
+        run = dataclasses.replace(run, data=dataclasses.replace(run.data, seq_len=min(run.data.seq_len, cfg.max_seq_len)))
+        (Path(args.out) / "config.toml").write_text(to_toml(run))
     else:
         cfg, params = load_model(Path(args.to_hf))
         hf.save(args.out, params, cfg)

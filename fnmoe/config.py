@@ -269,6 +269,9 @@ class TrainConfig:
     deterministic: bool = False
     """deterministic kernels only (torch.use_deterministic_algorithms; the cuBLAS workspace setting on
     CUDA): needed for bit-exact resume on GPUs, slower there; on CPU resume is bit-exact without it"""
+    init_from_hf: str = ""
+    """start from the weights of this Hugging Face checkpoint directory (fnmoe.hf.load; on a mesh each
+    rank reads only its slices) instead of the random init; its shapes must be the config's"""
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from safetensors.torch import save_file
 
 from fnmoe.config import ModelConfig, MoEConfig, validate_model
 from fnmoe.model import leaf_inits
+from fnmoe.sharding import distribute
 from fnmoe.tree import Tree, flatten_dict, unflatten_dict
 
 log = logging.getLogger("fnmoe")
@@ -289,36 +290,45 @@ class _Reader:
             raise ValueError(f"missing tensor '{key}'")
         return tuple(self.files[key].get_slice(key).get_shape())
 
-    def read(self, key: str, want: tuple[int, ...]) -> torch.Tensor:
+    def read(self, key: str, want: tuple[int, ...], index: tuple[slice, ...] = ()) -> torch.Tensor:
+        """The tensor (its slice at index: only those bytes are read, but for block-FP8 tensors,
+        which are dequantized whole first) in fp32."""
         if self.shape(key) != want:
             raise ValueError(f"tensor '{key}' has shape {list(self.shape(key))}, expected {list(want)}")
-        t = self.files[key].get_tensor(key)
         self.used.add(key)
-        scale_key = key + "_scale_inv"
-        if scale_key in self.files:
-            if self.block is None:
-                raise ValueError(f"tensor '{scale_key}' needs quantization_config.weight_block_size in config.json")
-            b0, b1 = self.block
-            want_s = (math.ceil(want[0] / b0), math.ceil(want[1] / b1))
-            if self.shape(scale_key) != want_s:
-                raise ValueError(f"tensor '{scale_key}' has shape {list(self.shape(scale_key))}, expected {list(want_s)}")
-            self.used.add(scale_key)
-            return dequantize_fp8(t, self.files[scale_key].get_tensor(scale_key), self.block)
+        if key + "_scale_inv" in self.files:
+            return self._dequantized(key, want)[index]
+        t = self.files[key].get_slice(key)[index] if index else self.files[key].get_tensor(key)
         if t.dtype in FP8_DTYPES:
-            raise ValueError(f"tensor '{key}' is {t.dtype} without '{scale_key}'")
+            raise ValueError(f"tensor '{key}' is {t.dtype} without '{key}_scale_inv'")
         return t.float()
 
+    def _dequantized(self, key: str, want: tuple[int, ...]) -> torch.Tensor:
+        scale_key = key + "_scale_inv"
+        if self.block is None:
+            raise ValueError(f"tensor '{scale_key}' needs quantization_config.weight_block_size in config.json")
+        b0, b1 = self.block
+        want_s = (math.ceil(want[0] / b0), math.ceil(want[1] / b1))
+        if self.shape(scale_key) != want_s:
+            raise ValueError(f"tensor '{scale_key}' has shape {list(self.shape(scale_key))}, expected {list(want_s)}")
+        self.used.add(scale_key)
+        return dequantize_fp8(self.files[key].get_tensor(key), self.files[scale_key].get_tensor(scale_key), self.block)
 
-def _leaf(reader: _Reader, how: str, keys: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+
+def _leaf(reader: _Reader, how: str, keys: tuple[str, ...], shape: tuple[int, ...],
+          index: tuple[slice, ...] = ()) -> torch.Tensor:
+    """The leaf, or its slice at index (one slice per leading dim), reading only that slice's bytes
+    (an HF [out, in] matrix is the transpose of the leaf's, so the index is reversed for it)."""
     hf_shape = _hf_shape(how, shape)
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     if how == "copy":
-        return reader.read(keys[0], hf_shape)
+        return reader.read(keys[0], hf_shape, index)
     if how == "linear":
-        return reader.read(keys[0], hf_shape).T.contiguous()
-    out = torch.empty(shape)
-    for j, key in enumerate(keys):
-        out[j] = reader.read(key, hf_shape).T
-    return out
+        return reader.read(keys[0], hf_shape, index[::-1]).T.contiguous()
+    experts = range(*index[0].indices(shape[0]))
+    reader.used.update(keys)  # the experts this rank skips, other ranks read
+    return torch.stack([reader.read(keys[j], hf_shape, index[:0:-1]).T for j in experts]) if experts else \
+        torch.empty(0, *[len(range(*i.indices(n))) for i, n in zip(index[1:], shape[1:])])
 
 
 def _mtp_keys(keys: list[str], hf: dict, arch: str, n_layers: int) -> list[str]:
@@ -327,8 +337,10 @@ def _mtp_keys(keys: list[str], hf: dict, arch: str, n_layers: int) -> list[str]:
     return [k for k in keys if (m := LAYER_KEY.match(k)) and n_layers <= int(m.group(1)) < n_layers + n_mtp]
 
 
-def load(hf_dir: str | Path) -> tuple[ModelConfig, Tree]:
-    """(ModelConfig, fp32 params tree) of a Hugging Face checkpoint directory."""
+def load(hf_dir: str | Path, mesh=None) -> tuple[ModelConfig, Tree]:
+    """(ModelConfig, fp32 params tree) of a Hugging Face checkpoint directory; with a mesh, this
+    rank's shards (DTensor leaves laid out by fnmoe.sharding), each rank reading only the experts
+    it holds (dense matrices are read whole, one at a time, and sliced)."""
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir}: no config.json (not a Hugging Face checkpoint directory)")
@@ -337,7 +349,12 @@ def load(hf_dir: str | Path) -> tuple[ModelConfig, Tree]:
     inits = flatten_dict(leaf_inits(cfg))
     with contextlib.ExitStack() as stack:
         reader = _Reader(_open(hf_dir, stack), fp8_block(hf))
-        flat = {path: _leaf(reader, how, keys, inits[path].shape) for path, (how, keys) in key_map(cfg, arch).items()}
+        keys = key_map(cfg, arch)
+        if mesh is None:
+            flat = {path: _leaf(reader, how, k, inits[path].shape) for path, (how, k) in keys.items()}
+        else:
+            flat = flatten_dict(distribute(unflatten_dict(inits), mesh,
+                                           lambda path, idx: _leaf(reader, *keys[path], inits[path].shape, idx)))
         skipped = _mtp_keys(list(reader.files), hf, arch, cfg.n_layers)
         unexpected = sorted(set(reader.files) - reader.used - set(skipped))
         if cfg.tie_embeddings and "lm_head.weight" in unexpected:  # a redundant copy some exporters write

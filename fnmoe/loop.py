@@ -25,7 +25,7 @@ from fnmoe.metrics import (JsonlWriter, MetricsWriter, TensorBoardWriter, drop_r
                            load_by_layer, load_max_over_mean, mfu)
 from fnmoe.model import init_params
 from fnmoe.train import TrainState, eval_loss, init_state, make_train_step
-from fnmoe.tree import tree_map
+from fnmoe.tree import flatten_dict, tree_map
 
 log = logging.getLogger("fnmoe")
 # test hook (tests/test_checkpoint.py): SIGKILL the process after this step on torchrun's first attempt
@@ -191,6 +191,24 @@ def _memory_report(run: RunConfig, params, batch: tuple, rank: int) -> None:
         log.info(memory_report.table(rows, run.memory))
 
 
+def _initial_params(run: RunConfig, device: torch.device, mesh):
+    """The random init, or the weights of --train.init-from-hf (checked against the config's shapes)."""
+    if not run.train.init_from_hf:
+        return init_params(run.model, run.train.seed, device=device, mesh=mesh)
+    from fnmoe import hf
+    from fnmoe.model import leaf_inits
+
+    cfg, params = hf.load(run.train.init_from_hf, mesh=mesh)
+    want = {p: tuple(i.shape) for p, i in flatten_dict(leaf_inits(run.model)).items()}
+    have = {p: tuple(t.shape) for p, t in flatten_dict(params).items()}
+    if want != have:
+        diff = sorted(set(want.items()) ^ set(have.items()))[:4]
+        raise ValueError(f"train.init_from_hf={run.train.init_from_hf}: its model ({cfg.n_layers} layers, dim "
+                         f"{cfg.dim}, {cfg.moe.n_experts} experts) does not match the config's; first differences "
+                         f"(path, shape): {diff}; `fnmoe convert --from-hf SRC --out DST` writes DST/config.toml with its model")
+    return _to(params, device)
+
+
 def _device() -> torch.device:
     """Where this process trains: its GPU when there is one (torchrun's LOCAL_RANK picks it), else the CPU."""
     if torch.cuda.is_available():
@@ -224,7 +242,7 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
         state = checkpoint.load_state(*found, run, tx, loader, mesh)
         state = TrainState(_to(state.params, device), _to(state.opt_state, device), state.step)
     else:
-        state = init_state(init_params(run.model, t.seed, device=device, mesh=mesh), tx)
+        state = init_state(_initial_params(run, device, mesh), tx)
     run_dir.mkdir(parents=True, exist_ok=True)
     if state.step >= t.steps:
         log.info("%s is at step %d and train.steps=%d: nothing to train", found[0], state.step, t.steps)

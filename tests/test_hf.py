@@ -334,3 +334,60 @@ def test_convert_a_training_checkpoint_to_hf(tmp_path):
     ours, _ = forward(params, tokens, run.model)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(tokens).logits
     assert (ours - theirs).abs().max() <= 1e-4 * ours.abs().max()
+
+
+def test_load_on_a_mesh_reads_only_each_ranks_experts(tmp_path, monkeypatch):
+    from torch.distributed.tensor import DTensor
+
+    from fnmoe import dist as fdist
+    from fnmoe import sharding
+    from fnmoe.config import MeshConfig
+
+    qwen3(seed=7, num_experts=8, num_hidden_layers=2).save_pretrained(tmp_path)
+    cfg, ref = hf.load(tmp_path)
+    reads: dict[str, int] = {}
+    read = hf._Reader.read
+
+    def counted(self, key, want, index=()):
+        reads[key] = reads.get(key, 0) + 1
+        return read(self, key, want, index)
+    monkeypatch.setattr(hf._Reader, "read", counted)
+    with fdist.simulate(4):
+        mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
+        cfg2, params = hf.load(tmp_path, mesh=mesh)
+        got = flatten_dict(params)
+        for path, want in flatten_dict(ref).items():
+            leaf = got[path]
+            whole = leaf.full_tensor() if isinstance(leaf, DTensor) else leaf
+            whole = whole.reconcile() if hasattr(whole, "reconcile") else whole
+            assert torch.equal(whole, want), path
+    assert cfg2 == cfg
+    experts = {k: n for k, n in reads.items() if ".experts." in k}
+    assert experts and set(experts.values()) == {1}  # 8 experts over 4 ranks: each read by its owner only
+
+
+def test_train_starts_from_a_hugging_face_checkpoint(tmp_path, capsys):
+    from fnmoe.cli import main
+    from fnmoe.data import Loader, load_data
+    from fnmoe.train import loss_fn
+
+    src, conv = tmp_path / "hf", tmp_path / "native"
+    qwen3(seed=9, vocab_size=300, num_hidden_layers=2).save_pretrained(src)
+    assert main(["convert", "--from-hf", str(src), "--out", str(conv)]) == 0
+    args = ["--config", str(conv / "config.toml"), "--train.init-from-hf", str(src), "--train.steps", "2",
+            "--train.batch-size", "2", "--data.seq-len", "16", "--train.eval-batches", "1", "--train.log-every", "1",
+            "--train.run-dir", str(tmp_path / "run")]
+    assert main(["train", *args]) == 0
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    run = load_config(conv / "config.toml")
+    cfg, params = hf.load(src)
+    data = load_data(dataclasses.replace(run.data, seq_len=16), cfg.vocab_size)
+    x, y = Loader(data, 16, 2, 1, run.train.seed).batch_at(0, 0, 1, 0)
+    with torch.no_grad():
+        _, aux = loss_fn(params, x, y, cfg, y.numel())
+    expected = float(aux["ce_loss"])  # metrics report the cross-entropy, without the router's balance loss
+    assert abs(first["loss"] - expected) <= 1e-5 * expected
+    # a config whose shapes differ is refused, naming the difference
+    assert main(["train", "--train.init-from-hf", str(src), "--train.steps", "1",
+                 "--train.run-dir", str(tmp_path / "bad")]) == 2
+    assert "does not match the config's" in capsys.readouterr().err
