@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from fnmoe import dist as fdist
+
 try:  # private torch API, imported here only
     import torch.distributed._functional_collectives as funcol
 except ImportError as e:  # pragma: no cover
@@ -31,12 +33,14 @@ def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
 
 def all_to_all(t: torch.Tensor, output_split_sizes: list, input_split_sizes: list, group) -> torch.Tensor:
     """t's 1-D pieces (input_split_sizes, by destination rank) exchanged over group (no autograd)."""
+    fdist.entering("all-to-all of Muon's whole matrices")  # its one caller
     return funcol.wait_tensor(funcol.all_to_all_single(t, output_split_sizes, input_split_sizes, group))
 
 
 def exchange_counts(counts_E: torch.Tensor, group) -> torch.Tensor:
     """[S, X] rows this rank will receive: entry (s, x) is what rank s sends to local expert x."""
     S = group.size()
+    fdist.entering("MoE count all-to-all over ep")
     recv = funcol.wait_tensor(funcol.all_to_all_single(counts_E.contiguous(), None, None, group))
     return recv.view(S, -1)
 
@@ -51,11 +55,15 @@ def ep_expert_mlp(expert_mlp, x_RD: torch.Tensor, counts_E: torch.Tensor, w_gate
     recv_SX = exchange_counts(counts_E, group)
     send = counts_E.view(S, X).sum(1).tolist()  # host sync: uneven splits must be known on the host
     recv = recv_SX.sum(1).tolist()
+    fdist.entering("MoE dispatch all-to-all over ep")
     x_recv = funcol.wait_tensor(funcol.all_to_all_single_autograd(x_RD, recv, send, group))
+    x_recv = fdist.entering_in_backward(x_recv, "MoE dispatch all-to-all over ep (backward)")
     # arrival order is (source rank, local expert); the GEMM wants rows grouped by local expert
     expert_of_row = torch.repeat_interleave(torch.arange(X, device=x_RD.device).repeat(S), recv_SX.reshape(-1))
     order = torch.argsort(expert_of_row, stable=True)
     inverse = torch.argsort(order)  # a permutation's inverse
     y_sorted = expert_mlp(x_recv[order], w_gate_XDF, w_up_XDF, w_down_XFD, recv_SX.sum(0), grouped)
     y_recv = y_sorted[inverse]
-    return funcol.wait_tensor(funcol.all_to_all_single_autograd(y_recv, send, recv, group))
+    fdist.entering("MoE combine all-to-all over ep")
+    y_RD = funcol.wait_tensor(funcol.all_to_all_single_autograd(y_recv, send, recv, group))
+    return fdist.entering_in_backward(y_RD, "MoE combine all-to-all over ep (backward)")

@@ -1,4 +1,5 @@
-"""Process groups: start one from torchrun's environment, warm it, and simulate ranks in one process.
+"""Process groups: start one from torchrun's environment, warm it, diagnose a failed collective,
+and simulate ranks in one process.
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address; `init_from_env` starts the
 default group from them (gloo on CPU, NCCL on GPU) with --dist.timeout-s and warms it with a
@@ -7,14 +8,21 @@ some ranks reach. `simulate(world)` runs `world` ranks in this process (LocalTen
 fake process group): every tensor holds one value per rank and collectives are computed exactly,
 which is how the tests check the mesh matrix without starting processes.
 
-The private torch APIs used for that (torch.distributed._local_tensor, the fake process group)
-are imported here only.
+A collective that waits longer than --dist.timeout-s, or loses a peer, raises on gloo;
+`failure_report` turns that into a message naming the collective (the last one `entering` named on
+this rank) and the ranks that do not answer (asked through the rendezvous store, which torchrun's
+agent holds, so a stopped rank cannot block the question). On NCCL the watchdog ends the process
+itself, with its own message.
+
+The private torch APIs used for that (torch.distributed._local_tensor, the fake process group,
+the default group's store) are imported here only.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import os
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -27,10 +35,18 @@ try:  # private torch APIs, imported here only
     from torch.distributed._local_tensor import rank_map as _rank_map
     from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
     from torch.distributed._local_tensor import tensor_map as _tensor_map
+    from torch.distributed.distributed_c10d import _get_default_store
     from torch.testing._internal.distributed.fake_pg import FakeStore
 except ImportError as e:  # pragma: no cover - a torch without them
     raise ImportError(f"fnmoe.dist needs torch.distributed._local_tensor and the fake process group "
                       f"(private torch APIs, torch >= 2.10): {e}") from e
+
+# how long ranks whose collective failed wait for the others to say they are alive
+PROBE_S = 10.0
+_PROBE_KEY = "fnmoe/probe/"
+# The collective this rank entered last. A plain global, not a ContextVar: backward's collectives
+# are named by autograd hooks, which run on autograd's threads on GPUs.
+_entered = ["none named yet"]
 
 
 def launched() -> bool:
@@ -62,6 +78,72 @@ def group_options(dcfg: DistConfig):
     opts = dist.ProcessGroupGloo._Options() if backend == "gloo" else dist.ProcessGroupNCCL.Options()
     opts._timeout = datetime.timedelta(seconds=dcfg.timeout_s)
     return backend, opts
+
+
+def entering(what: str) -> None:
+    """Name the collective this rank is about to enter, for a failure's message (a list write: cheap
+    enough for every call site). Inside compiled regions nothing is named: a graph has no place
+    for a host-side write, and the region's name is on the last one made outside it."""
+    if not torch.compiler.is_compiling():
+        _entered[0] = what
+
+
+def entering_in_backward(t: torch.Tensor, what: str) -> torch.Tensor:
+    """t, naming `what` when backward reaches the op that made t: the backward of the collective
+    behind it runs next. A hook on the node, which costs less than a tensor hook."""
+    if not torch.compiler.is_compiling() and t.grad_fn is not None:
+        t.grad_fn.register_prehook(lambda _: entering(what))
+    return t
+
+
+class CollectiveError(ValueError):
+    """A collective failed: it waited longer than --dist.timeout-s, or a peer went away; the message
+    names it and the ranks that do not answer. A ValueError so that the CLI reports it as one line."""
+
+
+_GLOO_FAILURES = {"Timed out waiting": "timed out after {timeout_s:g} s (--dist.timeout-s)",
+                  # a peer that exited, crashed, or timed out first (gloo then closes its connections)
+                  "Connection closed by peer": "lost a peer's connection",
+                  "Connection reset by peer": "lost a peer's connection"}
+
+
+def collective_failed(e: BaseException) -> bool:
+    """gloo's error for a collective that waited past its group's timeout or lost a peer."""
+    return isinstance(e, RuntimeError) and any(text in str(e) for text in _GLOO_FAILURES)
+
+
+def unresponsive_ranks(wait_s: float) -> list[int]:
+    """The ranks not yet marked alive in the rendezvous store wait_s after the first failing rank
+    asked: one deadline for all, so every failing rank names the same ranks at about the same time
+    (before torchrun stops the job)."""
+    store = _get_default_store()
+    store.set_timeout(datetime.timedelta(seconds=wait_s))  # bounds every call, should the store's host be lost
+    store.set(f"{_PROBE_KEY}alive/{rank()}", b"")
+    deadline = float(store.compare_set(f"{_PROBE_KEY}deadline", "", str(time.time() + wait_s)))
+    keys = [f"{_PROBE_KEY}alive/{r}" for r in range(world())]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=max(deadline - time.time(), 0.1)))
+        return []
+    except dist.DistStoreError:
+        return [r for r, key in enumerate(keys) if not store.check([key])]
+
+
+def failure_report(e: RuntimeError, timeout_s: float) -> str:
+    """What failed on this rank, the collective it entered last and which ranks do not answer."""
+    wait_s = min(timeout_s, PROBE_S)
+    try:
+        missing = unresponsive_ranks(wait_s)
+    except RuntimeError as probe_error:  # e.g. the store's host is the lost one
+        who = f"which ranks are unresponsive is unknown: the rendezvous store did not answer ({probe_error})"
+    else:
+        who = (f"unresponsive: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} (no answer "
+               f"within {wait_s:g} s more: stopped, hung, dead or on a lost host)" if missing else
+               f"every rank answered within {wait_s:g} s, so none is lost: one is slower than the timeout, or "
+               "the ranks wait in different collectives")
+    first = str(e).strip().splitlines()[0]
+    what = next(v for k, v in _GLOO_FAILURES.items() if k in str(e)).format(timeout_s=timeout_s)
+    return (f"rank {rank()} of {world()}: a collective {what}; the last one this rank entered: {_entered[0]}; "
+            f"{who}\n  gloo: {first}")
 
 
 def rank() -> int:

@@ -32,19 +32,13 @@ log = logging.getLogger("fnmoe")
 KILL_AT_STEP_ENV = "FNMOE_TEST_KILL_AT_STEP"
 # with it, only this rank dies (tests/test_sharding.py: one rank lost under torchrun)
 KILL_RANK_ENV = "FNMOE_TEST_KILL_RANK"
+# test hooks (tests/test_failures.py): this rank stops itself (SIGSTOP) as this step starts
+STOP_AT_STEP_ENV = "FNMOE_TEST_STOP_AT_STEP"
+STOP_RANK_ENV = "FNMOE_TEST_STOP_RANK"
 
 
 def run_dir_of(run: RunConfig) -> Path:
     return Path(run.train.run_dir or Path("runs") / run.name)
-
-
-def _unsupported(run: RunConfig) -> None:
-    """Say clearly what this build cannot do yet, before any work starts."""
-    if run.mesh.world == 1:
-        return
-    where = f"mesh.fsdp={run.mesh.fsdp} x mesh.ep={run.mesh.ep}"
-    if run.model.compile:  # compiled regions under the regather checkpoint and EP are untested
-        raise ValueError(f"{where}: model.compile on several ranks is not built yet; use --model.no-compile")
 
 
 class _NoOutput:
@@ -113,6 +107,14 @@ def _fault_injection(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _stop_injection(step: int, rank: int) -> None:
+    """Hangs like a stuck worker (SIGSTOP: no exit, no closed socket) as step FNMOE_TEST_STOP_AT_STEP
+    starts on rank FNMOE_TEST_STOP_RANK, so the other ranks wait inside that step's first collective."""
+    if os.environ.get(STOP_AT_STEP_ENV) == str(step) and os.environ.get(STOP_RANK_ENV) == str(rank):
+        log.warning("test hook: rank %d (pid %d) stops itself at step %d", rank, os.getpid(), step)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def _save_on_interrupt(saver: checkpoint.Saver, state: TrainState, run: RunConfig, loader: Loader) -> str:
     """Ctrl-C: finish the save in flight, save the last finished step; say where the work is."""
     saver.join()
@@ -141,11 +143,12 @@ def train(run: RunConfig) -> dict:
     """Train run from scratch or from the checkpoint --resume names, saving checkpoints on the way;
     returns a summary (steps done, last loss, final val_loss, the last checkpoint). Under torchrun
     every rank runs this; rank 0 prints and writes metrics.jsonl and config.toml."""
-    _unsupported(run)
     rank, mesh = _start_ranks(run)
     try:
         return _train(run, rank, mesh)
     except RuntimeError as e:
+        if fdist.collective_failed(e):
+            raise fdist.CollectiveError(fdist.failure_report(e, run.dist.timeout_s)) from e
         if not _is_oom(e):
             raise
         raise OutOfMemory(_oom_report(run, rank, e)) from None
@@ -267,6 +270,7 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
     start, tokens, row, first = time.perf_counter(), state.step * t.batch_size * L, {}, state.step + 1
     try:
         for step in range(state.step + 1, t.steps + 1):
+            _stop_injection(step, rank)
             if prof and step == prof[0]:
                 prof[2].start()
             batch = [_to(loader.batch_at(step - 1, rank, run.dp_size, m), device) for m in range(t.grad_accum)]

@@ -26,10 +26,12 @@ import functools
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fnmoe import compile as fcompile
+from fnmoe import reshard
 from fnmoe.config import MemoryConfig
 from fnmoe.tree import flatten_dict
 
@@ -37,9 +39,10 @@ from fnmoe.tree import flatten_dict
 aten = torch.ops.aten
 ROUTING_OPS = frozenset({aten.topk.default})
 """outputs every recompute keeps: routing is decided once, in the forward"""
+# not wait_tensor: the FSDP gathers that recompute does repeat are waited by it, and a wait answered
+# from the cache would leave their work (holding shards and gathered weights) in c10d for good
 EXCHANGE_OPS = frozenset({torch.ops._c10d_functional.all_to_all_single.default,
-                          torch.ops._c10d_functional_autograd.all_to_all_single.default,
-                          torch.ops._c10d_functional.wait_tensor.default})
+                          torch.ops._c10d_functional_autograd.all_to_all_single.default})
 """the expert-parallel exchange: recompute never repeats communication"""
 SELECTIVE_SAVE_OPS = ROUTING_OPS | EXCHANGE_OPS | frozenset(
     getattr(aten, name).default for name in (
@@ -214,16 +217,19 @@ REGIONS = ("attention", "moe", "mlp")
 class Runner:
     """The block_fn of model.hidden_states under a MemoryConfig: `runner(fn, *args)` runs block i
     (calls count blocks, so i = calls mod n_layers) under the block policy, and `runner.region(name,
-    fn, compile, *args)` runs one of its regions under that region's policy. stats[i] holds the
-    kept and offloaded bytes of block i's saved tensors in the latest forward (offload only)."""
+    fn, compile, *args)` runs one of its regions under that region's policy. With reshard (several
+    ranks, --mesh.reshard-after-forward) gathered weights are regathered in backward, not kept
+    (fnmoe.reshard), composed with offload where both apply. stats[i] holds the kept and offloaded
+    bytes of block i's saved tensors in the latest forward (offload only)."""
 
-    def __init__(self, mem: MemoryConfig, n_layers: int, pool: HostPool | None = None,
-                 block_inner: Callable = _plain):
+    def __init__(self, mem: MemoryConfig, n_layers: int, pool: HostPool | None = None, reshard: bool = False):
         offloads = mem.offload or "offload" in (getattr(mem, r) for r in REGIONS)
         if offloads and (pool is None or n_layers < 1):
             raise ValueError("offload needs a HostPool and the model's n_layers")
-        self.mem, self.n_layers, self.pool = mem, n_layers, pool
-        self.inner = recompute if mem.recompute == "full" else block_inner
+        self.mem, self.n_layers, self.pool, self.reshard = mem, n_layers, pool, reshard
+        # a block recomputed in backward gathers its weights again there by itself: nothing to
+        # reshard, and a gather issued one block early would not be among the ops recompute replays
+        self.prefetch = mem.recompute != "full"
         self.calls, self.block, self.stats, self.handles = 0, 0, {}, {}
 
     def __call__(self, fn: Callable, p: dict, *args):
@@ -232,10 +238,14 @@ class Runner:
         if self.block == 0 and self.pool is not None:
             self.pool.rewind()
             self.stats, self.handles = {}, {}
-        if not self.mem.offload or not self._offloading():
-            return self.inner(fn, p, *args)
-        with self._hooks(p, args):
-            return self.inner(fn, p, *args)
+        inner = recompute if self.mem.recompute == "full" else _plain
+        if self.mem.offload and self._offloading():
+            with self._hooks(p, args):
+                return inner(fn, p, *args)
+        if self.reshard and inner is _plain:
+            with reshard.hooks():
+                return fn(p, *args)
+        return inner(fn, p, *args)
 
     def region(self, name: str, fn: Callable, compile: bool, *args):
         policy = getattr(self.mem, name)
@@ -254,20 +264,21 @@ class Runner:
         # params, and inputs every block shares (RoPE tables, masks, buffers), outlive this block:
         # a copy of them would free nothing
         shared = list(flatten_dict(p).values()) + [a for a in args if isinstance(a, torch.Tensor) and not a.requires_grad]
-        keep = {t.untyped_storage().data_ptr() for t in shared if isinstance(t, torch.Tensor)}
+        keep = {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+                for t in shared if isinstance(t, torch.Tensor)}
         stats = self.stats.setdefault(self.block, {"kept": 0, "offloaded": 0})
         handles = self.handles.setdefault(self.block, [])
-        return torch.autograd.graph.saved_tensors_hooks(
-            *_offload_hooks(self.pool, keep, self.mem.offload_min_bytes, stats, handles))
+        offload = _offload_hooks(self.pool, keep, self.mem.offload_min_bytes, stats, handles)
+        return reshard.hooks(offload) if self.reshard else torch.autograd.graph.saved_tensors_hooks(*offload)
 
 
 def block_runner(mem: MemoryConfig, n_layers: int = 0, pool: HostPool | None = None,
-                 block_inner: Callable = _plain) -> Callable | None:
+                 reshard: bool = False) -> Callable | None:
     """The block_fn for model.hidden_states under this policy (None: a plain call will do)."""
     plain = mem.recompute == "none" and not mem.offload and all(getattr(mem, r) == "none" for r in REGIONS)
-    if plain and block_inner is _plain:
+    if plain and not reshard:
         return None
-    return Runner(mem, max(n_layers, 1), pool, block_inner)
+    return Runner(mem, max(n_layers, 1), pool, reshard)
 
 
 def train_runner(run) -> Callable | None:
@@ -275,12 +286,10 @@ def train_runner(run) -> Callable | None:
     with several ranks and resharding, gathered weights are dropped after forward and gathered again
     in backward."""
     from fnmoe.plan import activation_plan
-    from fnmoe.sharding import regather_in_backward
 
     mem = run.memory
-    inner = regather_in_backward if run.mesh.world > 1 and run.mesh.reshard_after_forward else _plain
     offloads = mem.offload or "offload" in (getattr(mem, r) for r in REGIONS)
     device = "cuda" if torch.cuda.is_available() else None  # where training runs (fnmoe.loop's rule)
     pool = HostPool(int(activation_plan(run)["host"] * 1.25) + (1 << 20), device, mem.max_inflight_bytes) \
         if offloads else None
-    return block_runner(mem, run.model.n_layers, pool, inner)
+    return block_runner(mem, run.model.n_layers, pool, run.mesh.world > 1 and run.mesh.reshard_after_forward)

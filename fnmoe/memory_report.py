@@ -10,7 +10,10 @@ are alive and the baseline cannot run out of memory where the policy fits). Per 
   recomputed  saved - kept - offloaded: what backward recomputes instead
 
 Live bytes are torch.cuda.memory_allocated on CUDA; elsewhere, the bytes of the storages the block
-allocated (seen by a dispatch mode) that are still alive after it, the host pool excluded.
+allocated (seen by a dispatch mode) that are still alive after it, the host pool excluded. On a
+mesh each rank measures its own blocks: DTensor ops are counted by the local ops they run, and
+blocks run as in training (with resharding, gathered weights are gathered again in backward, not
+saved), so `saved` is activations only.
 
 Legend: B batch, L sequence, D model.
 """
@@ -20,8 +23,9 @@ import gc
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 
 from fnmoe.config import MemoryConfig, RunConfig
@@ -40,9 +44,11 @@ class _NewStorages(TorchDispatchMode):
         self.old, self.refs = old, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:  # DTensor runs its local ops, which come back here (as in MemTracker)
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.old:
+        for t in _plain_tensors(out):
+            if t.untyped_storage().data_ptr() not in self.old:
                 st = t.untyped_storage()
                 seen = self.refs.get(st.data_ptr())
                 if seen is None or seen[0].expired():  # a freed storage's address may be reused
@@ -54,15 +60,28 @@ class _NewStorages(TorchDispatchMode):
         return sum(n for ref, n in self.refs.values() if not ref.expired())
 
 
+def _plain_tensors(tree) -> list[torch.Tensor]:
+    """The plain tensors of tree's leaves, wrapper subclasses (DTensor, AsyncCollectiveTensor) unwrapped."""
+    out = []
+    for t in tree_leaves(tree):
+        if is_traceable_wrapper_subclass(t):
+            out += _plain_tensors([getattr(t, name) for name in t.__tensor_flatten__()[0]])
+        elif isinstance(t, torch.Tensor):
+            out.append(t)
+    return out
+
+
 def _storages(*trees) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tree_leaves(trees) if isinstance(t, torch.Tensor)}
+    return {t.untyped_storage().data_ptr() for t in _plain_tensors(trees)}
 
 
 def _measure(run: RunConfig, params: Tree, batch: tuple, mem: MemoryConfig) -> list[dict[str, int]]:
     """Per block: kept and offloaded bytes of its forward under mem."""
     inputs_BL, _, *positions = batch
     pool = HostPool(_pool_bytes(run))
-    runner = Runner(mem, run.model.n_layers, pool)
+    # as memory.train_runner: on a mesh with resharding, gathered weights are gathered again in backward
+    regather = run.mesh.world > 1 and run.mesh.reshard_after_forward
+    runner = Runner(mem, run.model.n_layers, pool, reshard=regather)
     rows: list[dict[str, int]] = []
 
     def measured(fn: Callable, *args):

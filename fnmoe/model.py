@@ -30,10 +30,11 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from fnmoe import compile as fcompile
+from fnmoe import reshard
 from fnmoe.attention import attention, doc_mask, max_logits_H, rms_norm, rope, upcast
 from fnmoe.config import ModelConfig
 from fnmoe.moe import moe_block, swiglu, use_grouped
-from fnmoe.tree import Tree, map_with_path, tree_map
+from fnmoe.tree import Tree, flatten_dict, map_with_path, tree_map, unflatten_dict
 
 CHUNK_ROWS = 256
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -223,10 +224,28 @@ def layer_params(params: Tree, i: int, dtype: torch.dtype) -> dict:
 
 def stored_block(stored: dict, bias_E, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig, gather: Callable,
                  mask=None, region_fn=None):
-    """block on a layer's stored (sharded) params, gathered here so that a block_fn recomputing in
-    backward can gather them again there instead of keeping them."""
-    return block(_with_bias(gather(stored, DTYPE[cfg.compute_dtype]), bias_E), x_BLD, cos_LA, sin_LA, cfg, mask,
-                 region_fn)
+    """block on a layer's stored (sharded) params, gathered here: a block_fn that recomputes in
+    backward gathers them again there, and resharding (fnmoe.reshard) regathers what backward needs."""
+    dtype = DTYPE[cfg.compute_dtype]
+    p = gather(stored, dtype)
+    reshard.track(p, stored, lambda path, leaf: flatten_dict(gather(unflatten_dict({path: leaf}), dtype))[path])
+    return block(_with_bias(p, bias_E), x_BLD, cos_LA, sin_LA, cfg, mask, region_fn)
+
+
+class _Prefetching:
+    """stored_block's gather with one block of lookahead: `issue` starts gathering a layer's params
+    before the previous block computes (collectives are asynchronous, so they overlap it) and that
+    layer's block takes the result once; any later call (backward's) gathers anew."""
+
+    def __init__(self, gather: Callable, dtype: torch.dtype):
+        self.gather, self.dtype, self.ready = gather, dtype, {}
+
+    def issue(self, stored: dict) -> None:
+        self.ready[id(stored)] = self.gather(stored, self.dtype)
+
+    def __call__(self, stored: dict, dtype: torch.dtype):
+        got = self.ready.pop(id(stored), None)
+        return got if got is not None and dtype == self.dtype else self.gather(stored, dtype)
 
 
 @torch.no_grad()
@@ -268,13 +287,19 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     stats, max_logits = [], []
     run = block_fn or (lambda fn, *a: fn(*a))
     region_fn = getattr(block_fn, "region", None)
+    block_gather = gather
+    if gather is not cast and getattr(block_fn, "prefetch", True):
+        block_gather = _Prefetching(gather, dtype)
+        block_gather.issue(params["layers"]["0"])
     for i in range(cfg.n_layers):
         stored, bias_E = params["layers"][str(i)], _router_bias(params, i)
+        if isinstance(block_gather, _Prefetching) and i + 1 < cfg.n_layers:
+            block_gather.issue(params["layers"][str(i + 1)])  # block i+1's gather runs while block i computes
         if gather is cast:  # one process: the block takes its cast params, which memory policies keep
             p = _with_bias(cast(stored, dtype), bias_E)
             block_args = (block, p, x_BLD, cos_LA, sin_LA, cfg, mask, region_fn)
         else:  # sharded: gathered inside the block, so that a recompute in backward gathers again
-            block_args = (stored_block, stored, bias_E, x_BLD, cos_LA, sin_LA, cfg, gather, mask, region_fn)
+            block_args = (stored_block, stored, bias_E, x_BLD, cos_LA, sin_LA, cfg, block_gather, mask, region_fn)
         if record_max_logits:  # outside block_fn, so recompute in backward does not repeat it
             with torch.no_grad():
                 p = _with_bias(gather(stored, dtype), bias_E)

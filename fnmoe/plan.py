@@ -208,25 +208,42 @@ def ep_buffer_bytes(run: RunConfig) -> int:
 
 
 def comm_bytes(run: RunConfig) -> dict:
-    """Bytes one rank sends per optimizer step: FSDP all-gathers (forward, and backward again when
-    resharding), fp32 gradient reduce-scatters, EP all-to-alls (dispatch and combine, forward and
-    backward, once more when recomputing)."""
+    """Bytes one rank sends per optimizer step (a ring collective of n bytes over g ranks sends
+    n·(g-1)/g a rank), as fnmoe's step runs them, per micro-batch:
+
+      fsdp  compute-dtype all-gathers of every sharded leaf (dense over all ranks, expert stacks
+            over fsdp alone: the ep rank's E/ep experts) and fp32 reduce-scatters of their
+            gradients, one per gather that autograd differentiates. A block's leaves are gathered
+            again in backward when resharding or under full recompute; the embedding, final norm
+            and head are gathered outside the blocks, once (twice for a tied embedding, which the
+            head gathers again); QK-clip gathers each block once more, without gradient.
+      ep    the dispatch and combine all-to-alls of T·K rows of D (the (ep-1)/ep that leave the
+            rank, balanced routing), forward and backward: 4 passes a MoE layer; recompute never
+            repeats them (memory.EXCHANGE_OPS are saved by every recompute policy).
+
+    Buffers are replicated and never communicated; the count exchange and the scalar all-reduces
+    (loss, label count, expert counts, gradient norm) are a few bytes and left out. Checked against
+    bytes counted on the collectives of eager steps on a 2x2 gloo mesh (tests/test_mesh_memory.py)."""
     cfg, mesh, accum = run.model, run.mesh, run.train.grad_accum
     world, s = mesh.world, DTYPE_BYTES[cfg.compute_dtype]
     if world == 1:
         return {"fsdp": 0, "ep": 0, "total": 0}
-    dense = expert = 0
+    blocks = outer = 0.0  # elements a rank sends in one gather of every block leaf / of the other leaves
     for path, init in flatten_dict(leaf_inits(cfg)).items():
         n = math.prod(init.shape)
-        if _leaf_kind(path) == "expert":
-            expert += n / mesh.ep * (mesh.fsdp - 1) / mesh.fsdp
+        kind = _leaf_kind(path)
+        if kind == "buffer":
+            continue
+        sent = n / mesh.ep * (mesh.fsdp - 1) / mesh.fsdp if kind == "expert" else n * (world - 1) / world
+        if path.startswith("layers."):
+            blocks += sent
         else:
-            dense += n * (world - 1) / world
-    gathers = 2 if mesh.reshard_after_forward else 1
-    fsdp = accum * (dense + expert) * (gathers * s + GRAD_BYTES)
+            outer += sent * (2 if cfg.tie_embeddings and path.startswith("embed.") else 1)
+    regathered = mesh.reshard_after_forward or run.memory.recompute == "full"
+    block_gathers = (2 if regathered else 1) + (1 if run.optim.qk_clip else 0)
+    fsdp = accum * ((blocks * block_gathers + outer) * s + (blocks + outer) * GRAD_BYTES)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    passes = 4 + (2 if run.memory.recompute == "full" or run.memory.moe in ("full", "selective") else 0)
-    ep = accum * n_moe * passes * tokens_per_rank(run) * cfg.moe.top_k * cfg.dim * s * (mesh.ep - 1) / mesh.ep
+    ep = accum * n_moe * 4 * tokens_per_rank(run) * cfg.moe.top_k * cfg.dim * s * (mesh.ep - 1) / mesh.ep
     return {"fsdp": int(fsdp), "ep": int(ep), "total": int(fsdp + ep)}
 
 

@@ -15,9 +15,9 @@ first and each ep part over fsdp, which DTensor calls _StridedShard(0, ep) on fs
 
 Compute: `gather` all-gathers a block's leaves in the compute dtype (dense leaves over dp; an
 expert stack over fsdp alone, giving the ep rank its own experts); gradients come back as fp32
-shards (a reduce-scatter of each rank's partial sums). `regather_in_backward` drops the gathered
-copies after the forward and gathers again in backward: a selective checkpoint that recomputes
-only what ran inside `gather` and keeps every other saved tensor.
+shards (a reduce-scatter of each rank's partial sums). fnmoe.reshard drops the gathered copies
+after the forward and gathers again in backward; fnmoe.model issues each block's gather one
+block early.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fnmoe import dist as fdist
 from fnmoe.config import DistConfig, MeshConfig, ModelConfig
@@ -249,16 +248,17 @@ def stored_slice(t: DTensor, rank: int) -> tuple[tuple[slice, ...], bool]:
 
 # ---------------------------------------------------------------- compute
 
-_gathering = [False]  # set while `gather` runs, so the regather policy can tell its ops apart
 
 
-def _gather_leaf(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _gather_leaf(path: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not isinstance(t, DTensor):
         return t.to(dtype)
     if t.device_mesh.ndim == 1:  # dense: whole on every rank
+        fdist.entering(f"all-gather of {path} over dp (fsdp x ep)")
         full = t.redistribute(t.device_mesh, (Replicate(),), forward_dtype=dtype, backward_dtype=torch.float32)
         # each rank's gradient is a partial sum over its own tokens: backward reduce-scatters it
-        return full.to_local(grad_placements=(Partial(),))
+        return fdist.entering_in_backward(full.to_local(grad_placements=(Partial(),)),
+                                          f"reduce-scatter of {path}'s gradient over dp (backward)")
     # an expert stack: gather this ep rank's experts over fsdp alone, as a 1-D DTensor of shape
     # [E/ep, ...] (one plain all-gather, whatever dim fsdp splits)
     fsdp, _ = t.placements
@@ -270,19 +270,16 @@ def _gather_leaf(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     part = DTensor.from_local(local, submesh(t.device_mesh, "fsdp"), (Shard(fsdp.dim),), shape=torch.Size(shape),
                               stride=stride)
+    fdist.entering(f"all-gather of {path} over fsdp")
     full = part.redistribute(placements=(Replicate(),), forward_dtype=dtype, backward_dtype=torch.float32)
-    return full.to_local(grad_placements=(Partial(),))
+    return fdist.entering_in_backward(full.to_local(grad_placements=(Partial(),)),
+                                      f"reduce-scatter of {path}'s gradient over fsdp (backward)")
 
 
 def gather(tree: Tree, dtype: torch.dtype) -> Tree:
     """A subtree's leaves as plain compute-dtype tensors (expert stacks: this ep rank's experts);
     the group of the expert-parallel axis is added as `ep_group` beside sharded expert stacks."""
-    _gathering[0] = True
-    try:
-        out = map_with_path(lambda _, t: _gather_leaf(t, dtype), tree)
-    finally:
-        _gathering[0] = False
-    return _with_ep_group(tree, out)
+    return _with_ep_group(tree, map_with_path(lambda path, t: _gather_leaf(path, t, dtype), tree))
 
 
 def _with_ep_group(tree: Tree, out: Tree) -> Tree:
@@ -295,23 +292,13 @@ def _with_ep_group(tree: Tree, out: Tree) -> Tree:
     return out
 
 
-def _regather_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_RECOMPUTE if _gathering[0] else CheckpointPolicy.PREFER_SAVE
-
-
-def regather_in_backward(fn: Callable, *args):
-    """block_fn that keeps every saved tensor of fn except what `gather` made (the gathered
-    weights), which backward gathers again: only one block's full weights live at a time."""
-    return checkpoint(fn, *args, use_reentrant=False,
-                      context_fn=functools.partial(create_selective_checkpoint_contexts, _regather_policy))
-
-
 # ---------------------------------------------------------------- reductions
 
-def all_sum(t: torch.Tensor) -> torch.Tensor:
-    """t summed over every rank (t itself without a process group)."""
+def all_sum(t: torch.Tensor, what: str = "a sum") -> torch.Tensor:
+    """t summed over every rank (t itself without a process group); `what` names t in a failure's message."""
     if not dist.is_initialized():
         return t
+    fdist.entering(f"all-reduce of {what} over every rank")
     return all_reduce_sum(t, dist.group.WORLD)
 
 
@@ -330,6 +317,7 @@ def global_norm_sq(tree: Tree) -> torch.Tensor:
     for m, sq in by_mesh.items():
         if m is not None:
             for d in range(m.ndim):
+                fdist.entering(f"all-reduce of the gradient norm over {m.mesh_dim_names[d]}")
                 sq = all_reduce_sum(sq, m.get_group(d))
         total = total + sq
     return total

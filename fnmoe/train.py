@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from fnmoe import dist as fdist
 from fnmoe import muon, optim
 from fnmoe.attention import upcast
 from fnmoe.config import ModelConfig, RunConfig
@@ -76,9 +77,9 @@ def loss_fn(params: Tree, inputs_BL: torch.Tensor, labels_BL: torch.Tensor, cfg:
         share = n_local / n_global
         if value is aux["balance_loss"] and dist.is_initialized():
             # with data parallelism each rank adds its part of the whole micro-batch's Switch loss
-            counts_NE = all_sum(aux["expert_counts_LE"])
+            counts_NE = all_sum(aux["expert_counts_LE"], "expert counts for the balance loss")
             value = balance_loss_part(aux["probs_sum_LE"], counts_NE, counts_NE[0].sum() // m.top_k, m.top_k)
-            share = all_sum(n_local) / n_global
+            share = all_sum(n_local, "the micro-batch's label count") / n_global
         loss = loss + coeff * share * value
     return loss, aux
 
@@ -88,6 +89,7 @@ def _all_max(t: torch.Tensor) -> torch.Tensor:
     if not dist.is_initialized():
         return t
     t = t.clone()
+    fdist.entering("all-reduce (max) of attention logits for QK-clip over every rank")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
 
@@ -104,7 +106,7 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
         for inputs_BL, *_ in micro_batches:
             check_tokens(inputs_BL, cfg.vocab_size)
         # every rank's labels count: the loss is the same function of the global batch on any mesh
-        n_global = int(all_sum(sum((mb[1] != IGNORE).sum() for mb in micro_batches)))
+        n_global = int(all_sum(sum((mb[1] != IGNORE).sum() for mb in micro_batches), "the step's label count"))
         if n_global == 0:
             raise ValueError("every label of this step is ignored (-100): the loss is undefined")
         loss, grads, counts, max_logits_LH, dropped = torch.zeros(()), None, None, None, 0
@@ -120,10 +122,11 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
             if qk_clip:
                 m = aux["max_logits_LH"]
                 max_logits_LH = m if max_logits_LH is None else torch.maximum(max_logits_LH, m)
-        loss = all_sum(loss)
+        loss = all_sum(loss, "the loss")
         if qk_clip:  # every rank clips the same heads by the same gamma, or replicas would drift apart
             max_logits_LH = _all_max(max_logits_LH)
-        counts = None if counts is None else all_sum(counts)  # the router bias sees every rank's tokens
+        # the router bias sees every rank's tokens
+        counts = None if counts is None else all_sum(counts, "expert counts")
         grad_norm = optim.global_norm(grads)
         finite = torch.isfinite(grad_norm) & torch.isfinite(loss)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -140,7 +143,7 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
         metrics = {"loss": loss_f, "grad_norm": grad_norm_f, "skipped": int(not finite_f),
                    "n_tokens": n_global, "expert_counts_LE": counts}
         if cfg.moe.capacity_factor:  # routed (token, expert) rows over capacity, all ranks
-            metrics["dropped_tokens"] = int(all_sum(torch.as_tensor(dropped)))
+            metrics["dropped_tokens"] = int(all_sum(torch.as_tensor(dropped), "the dropped-token count"))
         return TrainState(params, opt_state, state.step + 1), metrics
 
     return train_step

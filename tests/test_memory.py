@@ -11,7 +11,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fnmoe import memory, memory_report, moe
+from fnmoe import memory, memory_report, moe, optim
 from fnmoe.config import MemoryConfig, load_config
 from fnmoe.model import init_params
 from fnmoe.train import loss_fn
@@ -101,11 +101,12 @@ def _grads(run, mem: MemoryConfig, tokens, pool=None):
     return loss, torch.autograd.grad(loss, list(leaves.values())), aux, runner
 
 
-@pytest.mark.parametrize("config", ["tiny.toml", "tiny_mla.toml"])
+@pytest.mark.parametrize("config,dtype", [("tiny.toml", "float32"), ("tiny_mla.toml", "float32"),
+                                          ("tiny.toml", "bfloat16")])
 @pytest.mark.parametrize("attention,moe,mlp,recompute,offload", POLICIES)
-def test_region_policies_give_the_gradients_of_none_bitwise(config, attention, moe, mlp, recompute, offload):
+def test_region_policies_give_the_gradients_of_none_bitwise(config, dtype, attention, moe, mlp, recompute, offload):
     run = load_config(ROOT / "configs" / config)
-    run = dataclasses.replace(run, model=dataclasses.replace(run.model, compute_dtype="float32", compile=False))
+    run = dataclasses.replace(run, model=dataclasses.replace(run.model, compute_dtype=dtype, compile=False))
     tokens = _tokens(2, 32)
     loss0, g0, aux0, _ = _grads(run, MemoryConfig(), tokens)
     mem = MemoryConfig(attention=attention, moe=moe, mlp=mlp, recompute=recompute, offload=offload)
@@ -150,6 +151,43 @@ def test_recompute_keeps_the_routing_of_the_forward(mem):
     with rerun:
         torch.autograd.grad(loss, leaves)
     assert rerun.calls == forward_topk.calls
+
+
+@pytest.mark.parametrize("mem", [MemoryConfig(recompute="full"), MemoryConfig(moe="full", attention="selective")])
+def test_recompute_leaves_the_router_bias_update_as_it_is(mem):
+    """The aux-loss-free bias learns from the step's expert counts: recompute must neither change
+    them nor count a block twice (tiny_mla has the score-correction bias)."""
+    from fnmoe.train import init_state, make_train_step
+
+    run = load_config(ROOT / "configs" / "tiny_mla.toml")
+    run = dataclasses.replace(run, model=dataclasses.replace(run.model, compute_dtype="float32", compile=False))
+    tx, _ = optim.from_config(run.optim, 10)
+    tokens = _tokens(2, 32)
+    out = {}
+    for name, m in (("none", MemoryConfig()), ("policy", mem)):
+        step = make_train_step(dataclasses.replace(run, memory=m), tx)
+        state, metrics = step(init_state(init_params(run.model, 0), tx), [(tokens[:, :-1], tokens[:, 1:])])
+        out[name] = (flatten_dict(state.params["buffers"]), metrics["expert_counts_LE"])
+    (bias0, counts0), (bias1, counts1) = out["none"], out["policy"]
+    assert torch.equal(counts0, counts1) and all(torch.equal(bias0[k], bias1[k]) for k in bias0)
+    assert any(b.abs().sum() > 0 for b in bias0.values())  # the bias did move
+
+
+def test_copies_in_flight_stay_under_the_bound():
+    """HostPool waits for the oldest device-to-host copies before one more would pass the bound."""
+    class Event:
+        def __init__(self):
+            self.waited = False
+
+        def synchronize(self):
+            self.waited = True
+    pool = memory.HostPool(1024, max_inflight_bytes=100)
+    old, newer = Event(), Event()
+    pool.inflight.extend([(old, 60), (newer, 30)])
+    pool._wait_inflight(20)  # 60 + 30 + 20 > 100: the oldest must finish first
+    assert old.waited and not newer.waited and pool.inflight_bytes() + 20 <= 100
+    pool._wait_inflight(90)
+    assert newer.waited and pool.inflight_bytes() == 0
 
 
 def test_train_runner_builds_a_runner_per_policy():

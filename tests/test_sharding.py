@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from fnmoe import dist as fdist
+from fnmoe import reshard
 from fnmoe import optim, sharding
 from fnmoe.config import MeshConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig, validate
 from fnmoe.model import forward, init_params
@@ -162,7 +163,7 @@ def test_grad_accumulation_on_2x2_equals_one_big_batch():
         acc, g_acc = 0.0, None
         for m in (x_BL[: B // 2], x_BL[B // 2:]):
             xm = _rank_part(m, 4)
-            (loss, _), g = grad_fn(params, xm[:, :-1], xm[:, 1:], cfg, B * L, block_fn=sharding.regather_in_backward)
+            (loss, _), g = grad_fn(params, xm[:, :-1], xm[:, 1:], cfg, B * L, block_fn=reshard.resharded)
             acc, g = acc + loss, flatten_dict(g)
             g_acc = g if g_acc is None else {k: g_acc[k] + g[k] for k in g}
         big, acc = _plain(sharding.all_sum(big)), _plain(sharding.all_sum(acc))
@@ -188,7 +189,7 @@ def test_ignored_labels_count_globally():
     assert n == B // 2 * L and abs(total.item() - ref.item()) <= 1e-6 * ref.item()
 
 
-def _forward_backward(reshard: bool, monkeypatch) -> tuple[int, int, int]:
+def _forward_backward(resharding: bool, monkeypatch) -> tuple[int, int, int]:
     """(gathered block weights still alive after the forward, all-gathers in forward + backward,
     sharded block leaves) of one 2x2 step."""
     refs = []
@@ -207,7 +208,7 @@ def _forward_backward(reshard: bool, monkeypatch) -> tuple[int, int, int]:
         x = _rank_part(x_BL, 4)
         with CommDebugMode() as comm:
             loss, _ = loss_fn(params, x[:, :-1], x[:, 1:], CFG, B * L,
-                              block_fn=sharding.regather_in_backward if reshard else None)
+                              block_fn=reshard.resharded if resharding else None)
             gc.collect()
             alive = sum(r() is not None for r in refs)
             loss.backward()
@@ -295,6 +296,28 @@ def test_torchrun_two_nodes_2x2_matches_one_process(tmp_path):
     assert sum(out.count("step 3/3") for out in outs) == 1  # rank 0 alone prints
 
 
+@pytest.mark.timeout(420)
+def test_compiled_regions_on_2x2_with_the_ep_exchange_inside_match_eager(tmp_path):
+    """--model.compile on a 2x2 mesh: every region, the MoE one with its all-to-alls, is one
+    fullgraph graph (a break would be an error), and the losses follow one eager bf16 process."""
+    common = ["--train.steps", "3", "--train.batch-size", "8", "--data.seq-len", "32", "--train.eval-batches", "1",
+              "--train.log-every", "1", "--model.compute-dtype", "bfloat16"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    one = subprocess.run([sys.executable, "-m", "fnmoe", "train", *common, "--model.no-compile",
+                          "--train.run-dir", str(tmp_path / "eager")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0, one.stderr[-3000:]
+    four = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           "-m", "fnmoe", "train", *common, "--model.compile", "--mesh.fsdp", "2", "--mesh.ep", "2",
+                           "--dist.timeout-s", "60", "--train.run-dir", str(tmp_path / "compiled")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert four.returncode == 0, (four.stdout + four.stderr)[-4000:]
+    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+                   if '"loss"' in line] for name in ("eager", "compiled")}
+    for a, b in zip(rows["eager"], rows["compiled"], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 2e-2 * a["loss"], (a, b)
+
+
 def test_slurm_script_parses():
     assert subprocess.run(["bash", "-n", str(ROOT / "tools" / "slurm_train.sh")], timeout=30).returncode == 0
 
@@ -314,3 +337,31 @@ def test_one_rank_killed_under_torchrun_ends_the_job(tmp_path):
     assert "Signals.SIGKILL" in job.stderr or "SIGKILL" in job.stderr, job.stderr[-3000:]
     # the survivor is ended within 30 s of the kill (process start-up is most of the rest)
     assert time.monotonic() - start < 60, job.stderr[-3000:]
+
+
+def test_the_next_blocks_gather_is_issued_before_this_block_computes(monkeypatch):
+    from fnmoe import model
+
+    events, layers = [], {}
+    gather, block = sharding.gather, model.block
+
+    def spy_gather(tree, dtype):
+        if "attn" in tree:
+            events.append(f"gather {layers[id(tree)]}")
+        return gather(tree, dtype)
+
+    def spy_block(*args, **kw):
+        events.append("compute")
+        return block(*args, **kw)
+    monkeypatch.setattr(sharding, "gather", spy_gather)
+    monkeypatch.setattr(model, "block", spy_block)
+    x = _tokens(0)
+    with fdist.simulate(4):
+        mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
+        params = init_params(CFG, 0, mesh=mesh)
+        layers.update({id(p): i for i, p in params["layers"].items()})
+        with torch.no_grad():
+            loss_fn(params, _rank_part(x, 4)[:, :-1], _rank_part(x, 4)[:, 1:], CFG, B * L)
+    n = CFG.n_layers
+    want = ["gather 0"] + [e for i in range(n) for e in ([f"gather {i + 1}"] if i + 1 < n else []) + ["compute"]]
+    assert events == want

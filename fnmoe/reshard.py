@@ -1,0 +1,103 @@
+"""Resharding after forward: a block's gathered weights are not kept for backward.
+
+With FSDP each block gathers its weights for compute (fnmoe.sharding.gather). The matmuls of the
+block save those gathered weights for their backward; keeping them would hold every block's full
+weights from forward to backward. Instead `track` notes which tensors are gathered weights, and
+saved-tensor hooks (`hooks`) replace each saved gathered weight (or a view of one) by a handle that
+gathers the leaf again when backward first needs it; the forward's gathered tensors are then
+freed as soon as the block's forward ends. Gradients still flow through the forward's gather, whose
+backward reduce-scatters them.
+
+Hooks, not selective checkpointing: a checkpoint's recompute must replay the forward's ops exactly,
+and a gather issued one block early (model._Prefetching) is not among the block's own ops.
+
+Legend: no shape-suffixed tensors here; weights are handled leaf by leaf.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fnmoe.tree import Tree, flatten_dict
+
+
+@dataclass(eq=False)
+class _Gathered:
+    """How to gather one leaf again. It lives while the forward's gathered tensor does (which holds
+    it) and while backward still has handles to it, so a regathered copy is shared by every saved
+    view of the leaf and freed once the last backward node that needs it has run."""
+    tensor: weakref.ref                 # the forward's gathered weight
+    gather_again: Callable[[], torch.Tensor]
+    again: torch.Tensor | None = None   # the regathered copy, made by the first unpack
+
+
+_tracked: weakref.WeakValueDictionary[int, _Gathered] = weakref.WeakValueDictionary()
+
+
+def track(gathered: Tree, stored: Tree, gather_leaf: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+    """Note gathered's leaves (gathered from stored's leaf at the same path) as gathered weights that
+    backward gathers again by gather_leaf(path, stored leaf) instead of keeping them."""
+    stored_flat = flatten_dict(stored)
+    for path, t in flatten_dict(gathered).items():
+        if isinstance(t, torch.Tensor) and t is not stored_flat.get(path):
+            leaf = stored_flat[path]
+            entry = _Gathered(weakref.ref(t), lambda leaf=leaf, path=path: gather_leaf(path, leaf))
+            t._fnmoe_gathered = entry  # the entry lives as long as the gathered tensor
+            _tracked[id(t)] = entry
+            if t._base is not None:  # a view's views name the root as their base
+                _tracked[id(t._base)] = entry
+
+
+@dataclass(eq=False)
+class _Regather:
+    """What a saved gathered weight (or a view of it) is replaced by until backward needs it."""
+    entry: _Gathered
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int  # storage offset relative to the gathered tensor's
+
+
+def _source(t: torch.Tensor) -> tuple[_Gathered, torch.Tensor] | None:
+    """(entry, gathered tensor) when t is a tracked gathered weight or a view of one (whose _base
+    is the gathered tensor or, when that is a view itself, its root)."""
+    for cand in (t, t._base):
+        entry = _tracked.get(id(cand)) if cand is not None else None
+        gathered = entry.tensor() if entry is not None else None
+        if gathered is not None and (gathered is cand or gathered._base is cand):
+            return entry, gathered
+    return None
+
+
+def _pack(t: torch.Tensor, inner: Callable | None):
+    found = _source(t)
+    if found is not None and found[1].is_contiguous():
+        entry, base = found
+        return _Regather(entry, t.size(), t.stride(), t.storage_offset() - base.storage_offset())
+    return inner(t) if inner else t
+
+
+def _unpack(handle, inner: Callable | None):
+    if not isinstance(handle, _Regather):
+        return inner(handle) if inner else handle
+    entry = handle.entry
+    if entry.again is None:
+        with torch.no_grad():
+            whole = entry.gather_again()
+            entry.again = (whole.wait() if hasattr(whole, "wait") else whole).contiguous()
+    return entry.again.as_strided(handle.size, handle.stride, entry.again.storage_offset() + handle.offset)
+
+
+def hooks(inner: tuple[Callable, Callable] | None = None):
+    """saved_tensors_hooks that regather tracked gathered weights and hand every other saved tensor
+    to inner's (pack, unpack) (e.g. offload's), or keep it."""
+    pack, unpack = inner or (None, None)
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: _pack(t, pack), lambda h: _unpack(h, unpack))
+
+
+def resharded(fn: Callable, *args):
+    """block_fn: fn(*args) with its gathered weights regathered in backward, not kept."""
+    with hooks():
+        return fn(*args)
