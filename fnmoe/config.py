@@ -179,6 +179,9 @@ class OptimConfig:
     """Muon only: lr of the AdamW leaves; 0 means the same as lr"""
     momentum_dtype: Literal["float32", "bfloat16"] = "float32"
     """Muon only: dtype of the momentum buffers (bfloat16 halves Muon's state)"""
+    ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Muon only: dtype of the Newton-Schulz iteration (bfloat16 as torch.optim.Muon; float32 costs
+    more and makes runs on different meshes follow each other closely)"""
     qk_clip: bool = False
     """MuonClip (Kimi K2), for any optimizer: after each step, rescale the query/key weights of
     heads whose max attention logit on the step's batch exceeded qk_clip_tau (costs a QK pass per layer)"""

@@ -36,7 +36,7 @@ from fnmoe.tree import Tree, tree_leaves
 COLUMNS = ("saved", "kept", "offloaded", "recomputed")
 
 
-class _NewStorages(TorchDispatchMode):
+class NewStorages(TorchDispatchMode):
     """Every storage an op outputs while active (weakly held), but for the ones in `old`."""
 
     def __init__(self, old: set[int]):
@@ -47,7 +47,7 @@ class _NewStorages(TorchDispatchMode):
         if DTensor in types:  # DTensor runs its local ops, which come back here (as in MemTracker)
             return NotImplemented
         out = func(*args, **(kwargs or {}))
-        for t in _plain_tensors(out):
+        for t in plain_tensors(out):
             if t.untyped_storage().data_ptr() not in self.old:
                 st = t.untyped_storage()
                 seen = self.refs.get(st.data_ptr())
@@ -60,19 +60,19 @@ class _NewStorages(TorchDispatchMode):
         return sum(n for ref, n in self.refs.values() if not ref.expired())
 
 
-def _plain_tensors(tree) -> list[torch.Tensor]:
+def plain_tensors(tree) -> list[torch.Tensor]:
     """The plain tensors of tree's leaves, wrapper subclasses (DTensor, AsyncCollectiveTensor) unwrapped."""
     out = []
     for t in tree_leaves(tree):
         if is_traceable_wrapper_subclass(t):
-            out += _plain_tensors([getattr(t, name) for name in t.__tensor_flatten__()[0]])
+            out += plain_tensors([getattr(t, name) for name in t.__tensor_flatten__()[0]])
         elif isinstance(t, torch.Tensor):
             out.append(t)
     return out
 
 
 def _storages(*trees) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in _plain_tensors(trees)}
+    return {t.untyped_storage().data_ptr() for t in plain_tensors(trees)}
 
 
 def _measure(run: RunConfig, params: Tree, batch: tuple, mem: MemoryConfig) -> list[dict[str, int]]:
@@ -91,7 +91,7 @@ def _measure(run: RunConfig, params: Tree, batch: tuple, mem: MemoryConfig) -> l
         offset, cuda = pool.offset, args[x].is_cuda
         before = torch.cuda.memory_allocated() if cuda else 0
         # the block's inputs and the host pool exist already: only storages it allocates count
-        mode = _NewStorages(_storages(args, pool.buffer))
+        mode = NewStorages(_storages(args, pool.buffer))
         with mode:
             x_BLD, _ = runner(fn, *args)
         out = x_BLD.untyped_storage().nbytes()

@@ -46,8 +46,10 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 AdjustLR = Literal["original", "match_rms_adamw", "spectral"]
 
 
-def newton_schulz(G_BIO: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
-    """Approximately orthogonalise each matrix [I, O] of G (any leading dims) in bf16.
+def newton_schulz(G_BIO: Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Approximately orthogonalise each matrix [I, O] of G (any leading dims) in dtype (bf16, as
+    torch; float32 makes the update insensitive to last-bit changes of the gradient, which bf16
+    rounding turns into ulp-sized jumps of single entries).
 
     Works on torch's [out, in] view G.mT, made wide (transposed when out > in) as
     torch.optim.Muon does, with the same addmm-form updates in baddbmm, so each matrix
@@ -58,7 +60,7 @@ def newton_schulz(G_BIO: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
     I, O = G_BIO.shape[-2:]
     tall = O > I  # torch's view [O, I] has more rows than columns
     G_BRC = G_BIO.reshape(-1, I, O)
-    X_BRC = (G_BRC if tall else G_BRC.mT).to(torch.bfloat16, memory_format=torch.contiguous_format, copy=True)
+    X_BRC = (G_BRC if tall else G_BRC.mT).to(dtype, memory_format=torch.contiguous_format, copy=True)
     # Frobenius norm >= spectral norm, so this puts every singular value in [0, 1]
     X_BRC.div_(X_BRC.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
     Y_BRC = torch.empty_like(X_BRC)
@@ -83,7 +85,7 @@ def lr_scale(I: int, O: int, adjust_lr: AdjustLR) -> float:
     raise ValueError(f"adjust_lr must be 'original', 'match_rms_adamw' or 'spectral', got {adjust_lr!r}")
 
 
-def _orthogonalize(U_leaves: list[Tensor], steps: int, eps: float) -> list[Tensor]:
+def _orthogonalize(U_leaves: list[Tensor], steps: int, eps: float, dtype: torch.dtype) -> list[Tensor]:
     """newton_schulz on every leaf, with one batched call per (matrix shape, device)."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, U in enumerate(U_leaves):
@@ -91,10 +93,10 @@ def _orthogonalize(U_leaves: list[Tensor], steps: int, eps: float) -> list[Tenso
     out: list[Tensor | None] = [None] * len(U_leaves)
     for (I, O, device), idx in groups.items():
         sizes = [U_leaves[i].numel() // (I * O) for i in idx]
-        U_BIO = torch.empty(sum(sizes), I, O, dtype=torch.bfloat16, device=device)
+        U_BIO = torch.empty(sum(sizes), I, O, dtype=dtype, device=device)
         for i, U_part in zip(idx, U_BIO.split(sizes)):
             U_part.copy_(U_leaves[i].reshape(-1, I, O))
-        for i, O_part in zip(idx, newton_schulz(U_BIO, steps, eps).split(sizes)):
+        for i, O_part in zip(idx, newton_schulz(U_BIO, steps, eps, dtype).split(sizes)):
             out[i] = O_part.reshape(U_leaves[i].shape)
     return out
 
@@ -111,11 +113,11 @@ def _matrix_split(U: Tensor) -> tuple[DeviceMesh, int] | None:
     return (U.device_mesh, splits[0]) if splits else None
 
 
-def _on_shards(U_leaves: list[Tensor], steps: int, eps: float) -> list[Tensor]:
+def _on_shards(U_leaves: list[Tensor], steps: int, eps: float, dtype: torch.dtype) -> list[Tensor]:
     """_orthogonalize on what this rank holds of each leaf, DTensors rewrapped as they were."""
     locals_ = [U.to_local() if isinstance(U, DTensor) else U for U in U_leaves]
     return [DTensor.from_local(O, U.device_mesh, U.placements, shape=U.shape, stride=U.stride())
-            if isinstance(U, DTensor) else O for U, O in zip(U_leaves, _orthogonalize(locals_, steps, eps))]
+            if isinstance(U, DTensor) else O for U, O in zip(U_leaves, _orthogonalize(locals_, steps, eps, dtype))]
 
 
 def _owners(costs: list[int], n_ranks: int) -> list[int]:
@@ -136,7 +138,7 @@ def _pieces(shape: tuple[int, int], d: int, n_ranks: int) -> list[tuple[int, int
 
 
 def _owner_step(recv_Z: Tensor, mine: list[tuple[tuple[int, int], int]], n_ranks: int, steps: int,
-                eps: float) -> Tensor:
+                eps: float, dtype: torch.dtype) -> Tensor:
     """On one owner: every rank's pieces of its matrices (by source rank, then matrix) made whole,
     orthogonalised, and cut into the pieces to send back (by destination rank, then matrix)."""
     if not mine:
@@ -145,11 +147,12 @@ def _owner_step(recv_Z: Tensor, mine: list[tuple[tuple[int, int], int]], n_ranks
     flat = recv_Z.split([math.prod(p[s]) for s in range(n_ranks) for p in pieces])
     whole = [torch.cat([flat[s * len(mine) + j].view(p[s]) for s in range(n_ranks)], dim=d)
              for j, (p, (_, d)) in enumerate(zip(pieces, mine))]
-    cut = [O.split([q[d] for q in p], dim=d) for O, p, (_, d) in zip(_orthogonalize(whole, steps, eps), pieces, mine)]
+    cut = [O.split([q[d] for q in p], dim=d) for O, p, (_, d) in zip(_orthogonalize(whole, steps, eps, dtype), pieces, mine)]
     return torch.cat([c[s].flatten() for s in range(n_ranks) for c in cut])
 
 
-def _on_owners(U_leaves: list[DTensor], mesh: DeviceMesh, mesh_dim: int, steps: int, eps: float) -> list[Tensor]:
+def _on_owners(U_leaves: list[DTensor], mesh: DeviceMesh, mesh_dim: int, steps: int, eps: float,
+               dtype: torch.dtype) -> list[Tensor]:
     """_orthogonalize of leaves whose matrices mesh_dim splits: each matrix gathered whole to one
     owner of that group, orthogonalised there, and its pieces sent back (two all-to-alls)."""
     S, group = mesh.size(mesh_dim), mesh.get_group(mesh_dim)
@@ -169,10 +172,10 @@ def _on_owners(U_leaves: list[DTensor], mesh: DeviceMesh, mesh_dim: int, steps: 
         return [sum(math.prod(_pieces(shape, d, S)[s]) for shape, d in us) for s in range(S)]
     from_all = fdist.rank_ints(from_each)
     to_owner = [sum(held[u].numel() for u in order if owner[u] == k) for k in range(S)]
-    send_Z = torch.cat([held[u].flatten() for u in order]).to(torch.bfloat16)  # Newton-Schulz's own rounding
+    send_Z = torch.cat([held[u].flatten() for u in order]).to(dtype)  # Newton-Schulz's own rounding
     recv_Z = all_to_all(send_Z, from_all, to_owner, group)
     done_Z = fdist.tensor_map(recv_Z, lambda r, x: _owner_step(x, mine[sharding.coordinate(mesh, r)[mesh_dim]], S,
-                                                               steps, eps))
+                                                               steps, eps, dtype))
     back_Z = all_to_all(done_Z, to_owner, from_all, group)
     back = dict(zip(order, back_Z.split([held[u].numel() for u in order])))
     starts = itertools.accumulate(counts, initial=0)
@@ -181,7 +184,7 @@ def _on_owners(U_leaves: list[DTensor], mesh: DeviceMesh, mesh_dim: int, steps: 
             for U, x, a, n in zip(U_leaves, shards, starts, counts)]
 
 
-def _orthogonalize_leaves(U_leaves: list[Tensor], steps: int, eps: float) -> list[Tensor]:
+def _orthogonalize_leaves(U_leaves: list[Tensor], steps: int, eps: float, dtype: torch.dtype) -> list[Tensor]:
     """Newton-Schulz of every matrix of every leaf, plain or DTensor, always on whole matrices:
     on the shards where no matrix dim is split, else by owners, one exchange per splitting group."""
     groups: dict[tuple | None, list[int]] = defaultdict(list)
@@ -190,7 +193,8 @@ def _orthogonalize_leaves(U_leaves: list[Tensor], steps: int, eps: float) -> lis
     out: list[Tensor | None] = [None] * len(U_leaves)
     for key, idx in groups.items():
         leaves = [U_leaves[i] for i in idx]
-        for i, O in zip(idx, _on_shards(leaves, steps, eps) if key is None else _on_owners(leaves, *key, steps, eps)):
+        done = _on_shards(leaves, steps, eps, dtype) if key is None else _on_owners(leaves, *key, steps, eps, dtype)
+        for i, O in zip(idx, done):
             out[i] = O
     return out
 
@@ -203,7 +207,8 @@ class ScaleByMuonState(NamedTuple):
 
 def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                   adjust_lr: AdjustLR = "match_rms_adamw", eps: float = 1e-7,
-                  momentum_dtype: torch.dtype = torch.float32) -> GradientTransformation:
+                  momentum_dtype: torch.dtype = torch.float32, ns_dtype: torch.dtype = torch.bfloat16
+                  ) -> GradientTransformation:
     """s * NS(U) per matrix: M = lerp(M, G, 1-mu); U = lerp(G, M, mu) (Nesterov) or M.
 
     Leaves need >= 2 dims: the last two are [in, out], leading dims are a batch (experts). Leaves
@@ -222,7 +227,7 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int =
         # the same lerps as torch.optim.Muon, so the buffers are bitwise equal
         M_leaves = [M.lerp(G.to(M.dtype), 1 - mu) for G, M in zip(G_leaves, _leaves(state.mu), strict=True)]
         U_leaves = [G.lerp(M.to(G.dtype), mu) for G, M in zip(G_leaves, M_leaves)] if nesterov else M_leaves
-        O_leaves = _orthogonalize_leaves(U_leaves, ns_steps, eps)
+        O_leaves = _orthogonalize_leaves(U_leaves, ns_steps, eps, ns_dtype)
         # back to the update dtype before scaling: scaling bf16 O would round it again (~1e-4 off torch)
         out = [O.to(G.dtype, copy=True).mul_(lr_scale(*G.shape[-2:], adjust_lr)) for G, O in zip(G_leaves, O_leaves)]
         return rebuild(out), ScaleByMuonState(mu, rebuild(M_leaves))
@@ -237,7 +242,7 @@ def muon(lr: ScalarOrSchedule, weight_decay: float = 0.1, momentum: float = 0.95
          ns_steps: int = 5, adjust_lr: AdjustLR = "match_rms_adamw", adamw_lr: ScalarOrSchedule | None = None,
          adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
          adamw_weight_decay: float | None = None, labels: PerLeaf | None = None,
-         momentum_dtype: torch.dtype = torch.float32) -> GradientTransformation:
+         momentum_dtype: torch.dtype = torch.float32, ns_dtype: torch.dtype = torch.bfloat16) -> GradientTransformation:
     """Muon on matrices, AdamW on the rest, buffers frozen (labels: `default_labels`, or `labels=`).
 
     Muon leaves: W <- W(1 - lr*wd) - lr*s*NS(U), the decay with the unadjusted lr. AdamW
@@ -245,7 +250,8 @@ def muon(lr: ScalarOrSchedule, weight_decay: float = 0.1, momentum: float = 0.95
     matrices only. Set hyperparameters between steps with optim.set_hyperparams.
     """
     return partition({
-        "muon": chain(scale_by_muon(momentum, nesterov, ns_steps, adjust_lr, momentum_dtype=momentum_dtype),
+        "muon": chain(scale_by_muon(momentum, nesterov, ns_steps, adjust_lr, momentum_dtype=momentum_dtype,
+                                    ns_dtype=ns_dtype),
                       add_decayed_weights(weight_decay),
                       scale_by_learning_rate(lr)),
         "adamw": adamw(lr if adamw_lr is None else adamw_lr, *adamw_betas, adamw_eps,

@@ -427,7 +427,7 @@ def from_config(ocfg: OptimConfig, total_steps: int) -> tuple[GradientTransforma
                   ns_steps=ocfg.ns_steps, adjust_lr=ocfg.adjust_lr,
                   adamw_lr=schedule_from_config(ocfg, ocfg.adamw_lr or ocfg.lr, total_steps),
                   adamw_betas=(ocfg.beta1, ocfg.beta2), adamw_eps=ocfg.eps,
-                  momentum_dtype=getattr(torch, ocfg.momentum_dtype))
+                  momentum_dtype=getattr(torch, ocfg.momentum_dtype), ns_dtype=getattr(torch, ocfg.ns_dtype))
     elif ocfg.name == "adamw":
         tx = partition({"adamw": adamw(schedule, ocfg.beta1, ocfg.beta2, ocfg.eps, ocfg.weight_decay, mask=decay_mask),
                         "frozen": set_to_zero()},

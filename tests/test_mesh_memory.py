@@ -12,10 +12,10 @@ Meters (none is fnmoe's own accounting):
                  meets through a view as new, so tensors made before it starts (the params'
                  local shards) are registered with track_external, and only what ops make while
                  it runs adds to its live bytes.
-  _LiveStorages  a dispatch mode holding a weak reference to the storage of every tensor an op
-                 makes while it is active (DTensor ops are counted by the local ops they run, as
-                 MemTracker does); live bytes = the bytes of those storages still alive. Cheaper
-                 than MemTracker over ten steps.
+  _LiveStorages  fnmoe.memory_report.NewStorages excluding nothing: a dispatch mode holding a
+                 weak reference to the storage of every tensor an op makes while it is active
+                 (DTensor ops are counted by the local ops they run, as MemTracker does); live
+                 bytes = the bytes of those storages still alive. Cheaper than MemTracker.
   _CommBytes     a dispatch mode over the _c10d_functional collectives (DTensor's redistribute and
                  fnmoe's all-to-alls run on them): bytes a rank sends, ring accounting (an
                  all-gather sends its input to g-1 peers, a reduce-scatter (g-1)/g of its input,
@@ -40,12 +40,13 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fnmoe import memory_report, moe, optim, sharding
 from fnmoe import dist as fdist
 from fnmoe.config import DistConfig, MemoryConfig, MeshConfig, load_config
 from fnmoe.memory import train_runner
+from fnmoe.memory_report import NewStorages, plain_tensors
 from fnmoe.model import init_params, leaf_inits
 from fnmoe.plan import comm_bytes
 from fnmoe.train import init_state, loss_fn, make_train_step
@@ -73,15 +74,7 @@ def _tokens(rank: int, step: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- meters
 
-def _plain(tree) -> list[torch.Tensor]:
-    """The plain tensors of tree's leaves, wrapper subclasses (DTensor, AsyncCollectiveTensor) unwrapped."""
-    out = []
-    for t in tree_flatten(tree)[0]:
-        if is_traceable_wrapper_subclass(t):
-            out += _plain([getattr(t, name) for name in t.__tensor_flatten__()[0]])
-        elif isinstance(t, torch.Tensor):
-            out.append(t)
-    return out
+_plain = plain_tensors
 
 
 def _storage_bytes(tree) -> int:
@@ -89,25 +82,8 @@ def _storage_bytes(tree) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _plain(tree)}.values())
 
 
-class _LiveStorages(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.refs: dict[int, tuple] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if DTensor in types:  # DTensor runs its local ops, which come back here
-            return NotImplemented
-        out = func(*args, **(kwargs or {}))
-        for t in _plain(out):
-            st = t.untyped_storage()
-            seen = self.refs.get(st.data_ptr())
-            if seen is None or seen[0].expired():  # a freed storage's address may be reused
-                self.refs[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
-        return out
-
-    def live_bytes(self) -> int:
-        gc.collect()
-        return sum(n for ref, n in self.refs.values() if not ref.expired())
+def _LiveStorages() -> NewStorages:
+    return NewStorages(old=set())
 
 
 class _CommBytes(TorchDispatchMode):
