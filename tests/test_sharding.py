@@ -256,6 +256,15 @@ def test_capacity_factor_drops_rows_over_capacity_and_counts_them():
 
 # ---------------------------------------------------------------- real processes
 
+def assert_same_metrics(run_a: Path, run_b: Path, rel: float = 1e-4) -> None:
+    """Two runs' metrics.jsonl rows agree: loss, grad_norm and val_loss within rel, row by row."""
+    rows = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (run_a, run_b)]
+    for a, b in zip(*rows, strict=True):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= rel * abs(a[key]), (key, a, b)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -283,12 +292,7 @@ def test_torchrun_two_nodes_2x2_matches_one_process(tmp_path):
         for node in nodes:
             node.kill()
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(out[-3000:] for out in outs)
-    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-            for name in ("one", "four")}
-    for a, b in zip(rows["one"], rows["four"], strict=True):
-        for key in ("loss", "grad_norm", "val_loss"):
-            if key in a:
-                assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]), (key, a, b)
+    assert_same_metrics(tmp_path / "one", tmp_path / "four")
     assert (tmp_path / "four" / "config.toml").is_file()
     assert sum(out.count("step 3/3") for out in outs) == 1  # rank 0 alone prints
 
