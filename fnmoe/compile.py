@@ -73,12 +73,13 @@ def load_artifacts(path: Path) -> bool:
 
 
 def save_artifacts(path: Path) -> None:
-    """Write the artifacts of everything compiled so far (atomically: temp file, then rename)."""
+    """Write the artifacts of everything compiled so far (atomically: a temp file of this process, then
+    rename; the last writer wins, each file whole)."""
     saved = torch.compiler.save_cache_artifacts()
     if not saved:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # several processes (ranks) may save at once
     tmp.write_bytes(saved[0])
     tmp.replace(path)
 

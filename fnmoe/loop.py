@@ -289,7 +289,7 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
                 row["dropped_tokens"] = m["dropped_tokens"]
             writer.write(row, m["expert_counts_LE"])
             state = new_state  # only now: a checkpoint of `state` never lacks its metrics row
-            if artifacts and step == first:  # everything is compiled after this process's first step
+            if artifacts and step == first and rank == 0:  # all is compiled after the first step; ranks compile alike
                 save_artifacts(artifacts)
                 log.info("compile: %s (artifacts in %s)", cache_stats(), artifacts)
             if prof and step == prof[1]:
