@@ -54,9 +54,10 @@ class MoEConfig:
     """weight of DeepSeek-V3's sequence-wise balance loss (per sequence, averaged over sequences)"""
     z_loss_coeff: float = 0.0
     """weight of the router z-loss, mean over tokens of logsumexp(router logits)^2 (ST-MoE)"""
-    impl: Literal["auto", "grouped", "loop"] = "auto"
-    """expert GEMMs: grouped (torch._grouped_mm, bf16, 16-byte aligned dims) or a loop;
-    auto picks grouped where it applies"""
+    impl: Literal["auto", "grouped", "padded", "loop"] = "auto"
+    """expert GEMMs: grouped (torch._grouped_mm, bf16, 16-byte aligned dims), padded (batched
+    matmuls over per-expert slabs padded to the largest count; one host read of that count per
+    layer) or a loop; auto: in bf16 with aligned dims grouped on CUDA and padded on CPU, else the loop"""
     capacity_factor: float = 0.0
     """0: dropless. c > 0: an expert takes at most ceil(c*T*K/E) of the T*K rows a rank routes in a
     micro-batch (first come, in token order); the rest are dropped (zero expert output) and

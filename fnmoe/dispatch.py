@@ -9,7 +9,7 @@ expert, so the rows for ep rank s are one contiguous run. The exchange:
      each of its experts every peer sends (the one host sync of an MoE layer: the splits);
   2. dispatch: an all-to-all of uneven splits (autograd: its backward is the reverse exchange);
   3. the received rows, grouped by source rank then expert, are regrouped by local expert and
-     run as one grouped GEMM (or the loop), then put back in arrival order;
+     run by the expert GEMM path (grouped, padded or the loop), then put back in arrival order;
   4. combine: the reverse all-to-all returns every row to the rank and position it came from.
 
 torch.distributed._functional_collectives (private torch API) is imported here only.
@@ -46,7 +46,7 @@ def exchange_counts(counts_E: torch.Tensor, group) -> torch.Tensor:
 
 
 def ep_expert_mlp(expert_mlp, x_RD: torch.Tensor, counts_E: torch.Tensor, w_gate_XDF: torch.Tensor,
-                  w_up_XDF: torch.Tensor, w_down_XFD: torch.Tensor, group, grouped: bool) -> torch.Tensor:
+                  w_up_XDF: torch.Tensor, w_down_XFD: torch.Tensor, group, gemm: str) -> torch.Tensor:
     """expert_mlp for rows sorted by global expert, run by the ep ranks owning the experts; the
     result is in x_RD's order, on this rank."""
     S, X = group.size(), w_gate_XDF.shape[0]
@@ -62,7 +62,7 @@ def ep_expert_mlp(expert_mlp, x_RD: torch.Tensor, counts_E: torch.Tensor, w_gate
     expert_of_row = torch.repeat_interleave(torch.arange(X, device=x_RD.device).repeat(S), recv_SX.reshape(-1))
     order = torch.argsort(expert_of_row, stable=True)
     inverse = torch.argsort(order)  # a permutation's inverse
-    y_sorted = expert_mlp(x_recv[order], w_gate_XDF, w_up_XDF, w_down_XFD, recv_SX.sum(0), grouped)
+    y_sorted = expert_mlp(x_recv[order], w_gate_XDF, w_up_XDF, w_down_XFD, recv_SX.sum(0), gemm)
     y_recv = y_sorted[inverse]
     fdist.entering("MoE combine all-to-all over ep")
     y_RD = funcol.wait_tensor(funcol.all_to_all_single_autograd(y_recv, send, recv, group))

@@ -14,7 +14,7 @@ import torch
 from fnmoe.attention import gqa_qk, mla_qkv, mla_softmax_scale, rms_norm, rope
 from fnmoe.config import ModelConfig
 from fnmoe.model import DTYPE, _mlp_region, _moe_region, check_tokens, head_weight, layer_params
-from fnmoe.moe import use_grouped
+from fnmoe.moe import expert_gemm
 from fnmoe.tree import Tree
 
 
@@ -71,7 +71,8 @@ def step_logits(params: Tree, tokens_BL: torch.Tensor, cache: dict, cfg: ModelCo
         x_BLD = x_BLD + _cached_attention(attn, rms_norm(x_BLD, attn["norm_D"], cfg.norm_eps),
                                           cos_LP, sin_LP, layer, start, cfg)
         if "moe" in p:
-            y_BLD, _ = _moe_region(dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, use_grouped(cfg, dtype))
+            y_BLD, _ = _moe_region(dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg,
+                                  expert_gemm(cfg, dtype, x_BLD.device))
         else:
             y_BLD = _mlp_region(dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg)
         x_BLD = x_BLD + y_BLD

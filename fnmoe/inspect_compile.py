@@ -5,8 +5,10 @@ Legend: B batch, L sequence, D model.
 For every region (attention, dense MLP, MoE) of a config this reports the graph count, graph
 breaks with reasons and source lines, recompiles when routing changes, FX node and generated
 kernel counts, and host syncs (data-dependent scalar reads such as `.item()` / `.tolist()` /
-`_local_scalar_dense`). Regions trace in bfloat16: float32 MoE cannot trace (torch._grouped_mm's
-fake-tensor rule is bf16 only), so a float32 config is inspected as its bf16 twin, said once.
+`_local_scalar_dense`). Regions trace in bfloat16 (a float32 config's MoE region runs the eager
+loop, which reads counts on the host), so a float32 config is inspected as its bf16 twin, said
+once; the MoE region traces the expert GEMM path CPU uses (padded under impl='auto': one host read
+of its slab size, named in the report).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from fnmoe import compile as fcompile
 from fnmoe.config import ModelConfig
 from fnmoe.attention import rope
 from fnmoe.model import DTYPE, _attention_region, _mlp_region, _moe_region, init_params, layer_params
-from fnmoe.moe import use_grouped
+from fnmoe.moe import expert_gemm
 
 try:  # private torch APIs, imported here only
     import torch._dynamo as _dynamo
@@ -75,8 +77,8 @@ def region_cases(cfg: ModelConfig, B: int = 2, L: int = 64, seed: int = 0) -> li
         if kind not in seen:
             mp = dict(p[kind], norm_D=p["mlp_norm"]["w_D"])
             if kind == "moe":
-                grouped = use_grouped(cfg, dtype)
-                cases.append(("moe", _moe_region, [(mp, x, cfg, grouped) for x in xs]))
+                gemm = expert_gemm(cfg, dtype)
+                cases.append(("moe", _moe_region, [(mp, x, cfg, gemm) for x in xs]))
             else:
                 cases.append(("mlp", _mlp_region, [(mp, x, cfg) for x in xs]))
         seen |= {"attention", kind}
@@ -122,8 +124,20 @@ def inspect_region(name: str, fn: Callable, args_list: list[tuple], dump: Path |
     return rep
 
 
+def gemm_note(cfg: ModelConfig) -> str:
+    """Which expert GEMM path the MoE region traces with here (CPU), and what its host sync is."""
+    if cfg.moe.n_experts == 0:
+        return ""
+    gemm = expert_gemm(cfg, DTYPE[cfg.compute_dtype])
+    why = {"padded": ": it reads the largest expert count on the host, once per MoE layer (its slab "
+                     "size; free on CPU, and on CUDA impl='auto' picks grouped, which reads nothing)",
+           "grouped": ": torch._grouped_mm, no host reads"}.get(gemm, "")
+    return f"note: MoE expert GEMMs {gemm!r} (model.moe.impl={cfg.moe.impl!r}, on CPU){why}"
+
+
 def inspect_model(cfg: ModelConfig, dump: Path | None = None) -> tuple[list[RegionReport], str]:
     cfg, note = traceable_config(cfg)
+    note = "\n".join(n for n in (note, gemm_note(cfg)) if n)
     return [inspect_region(name, fn, args, dump) for name, fn, args in region_cases(cfg)], note
 
 

@@ -33,7 +33,7 @@ from fnmoe import compile as fcompile
 from fnmoe import reshard
 from fnmoe.attention import attention, doc_mask, max_logits_H, rms_norm, rope, upcast
 from fnmoe.config import ModelConfig
-from fnmoe.moe import moe_block, swiglu, use_grouped
+from fnmoe.moe import expert_gemm, moe_block, swiglu
 from fnmoe.tree import Tree, flatten_dict, map_with_path, tree_map, unflatten_dict
 
 CHUNK_ROWS = 256
@@ -154,8 +154,8 @@ def _mlp_region(p, x_BLD, cfg):
     return swiglu(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps))
 
 
-def _moe_region(p, x_BLD, cfg, grouped):
-    return moe_block(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cfg, grouped)
+def _moe_region(p, x_BLD, cfg, gemm):
+    return moe_block(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cfg, gemm)
 
 
 def _plain_region(name: str, fn: Callable, compile: bool, *args):
@@ -170,12 +170,12 @@ def block(p: dict, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig, mask=N
     attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
     x_BLD = x_BLD + run("attention", _attention_region, cfg.compile, attn, x_BLD, cos_LA, sin_LA, cfg, mask)
     if "moe" in p:
-        grouped = use_grouped(cfg, x_BLD.dtype)
-        if cfg.compile and not grouped:
-            fcompile.say_once("compile: the MoE region runs eager (grouped GEMM needs bfloat16 "
-                              "and 16-byte-aligned dims to trace); attention and MLP are compiled")
-        y_BLD, stats = run("moe", _moe_region, cfg.compile and grouped,
-                           dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, grouped)
+        gemm = expert_gemm(cfg, x_BLD.dtype, x_BLD.device)
+        if cfg.compile and gemm == "loop":
+            fcompile.say_once("compile: the MoE region runs eager (its loop over experts reads counts on "
+                              "the host; bfloat16 with 16-byte-aligned dims traces); attention and MLP are compiled")
+        y_BLD, stats = run("moe", _moe_region, cfg.compile and gemm != "loop",
+                           dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm)
         return x_BLD + y_BLD, stats
     return x_BLD + run("mlp", _mlp_region, cfg.compile, dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg), None
 

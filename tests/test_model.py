@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from fnmoe.attention import gqa, rope_tables
 from fnmoe.config import ModelConfig, MoEConfig
 from fnmoe.model import LeafInit, draw_leaf, forward, init_params, leaf_inits
-from fnmoe.moe import moe_block, grouped_ok
+from fnmoe.moe import PAD_ROWS, expert_gemm, expert_mlp, grouped_ok, moe_block, padded_slots
 from fnmoe.tree import flatten_dict, map_with_path
 
 SMALL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
@@ -94,7 +94,7 @@ def test_moe_matches_per_token_loop(norm_topk, scale, shared):
     p = init_params(cfg, seed=2)["layers"]["1"]["moe"]
     p["router_DE"] = p["router_DE"] * 50  # decisive routing
     x = torch.randn(3, 7, cfg.dim)
-    out, stats = moe_block(p, x, cfg, grouped=False)
+    out, stats = moe_block(p, x, cfg, gemm="loop")
     counts = stats["counts_E"]
     ref, ref_counts = naive_moe(p, x.reshape(-1, cfg.dim), cfg)
     assert rel(out.reshape(-1, cfg.dim), ref) <= 1e-5
@@ -107,14 +107,15 @@ def test_moe_extreme_routing_all_to_one_expert_and_empty_experts():
     p["router_DE"] = torch.zeros_like(p["router_DE"])
     p["router_DE"][:, 2] = 100.0  # every token prefers expert 2
     x = torch.rand(2, 5, cfg.dim) + 0.1
-    out, stats = moe_block(p, x, cfg, grouped=False)
+    out, stats = moe_block(p, x, cfg, gemm="loop")
     counts = stats["counts_E"]
     ref, _ = naive_moe(p, x.reshape(-1, cfg.dim), cfg)
     assert counts[2] == 10 and (counts == 0).sum() >= 1
     assert rel(out.reshape(-1, cfg.dim), ref) <= 1e-5
 
 
-def test_grouped_mm_matches_loop_in_bf16():
+@pytest.mark.parametrize("gemm", ["grouped", "padded"])
+def test_batched_expert_gemms_match_loop_in_bf16(gemm):
     """bf16 tolerance: both paths round operands to bf16 but accumulate in different orders;
     2e-2 relative to the output's max is the bf16 noise floor for K=2 sums of D=64 products."""
     cfg = ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=4, ffn_hidden=64,
@@ -123,10 +124,52 @@ def test_grouped_mm_matches_loop_in_bf16():
     p = {k: v.bfloat16() for k, v in init_params(cfg, seed=4)["layers"]["0"]["moe"].items()}
     x = torch.randn(2, 16, cfg.dim).bfloat16()
     assert grouped_ok(x, cfg.dim, cfg.moe.expert_hidden)
-    out_g, s_g = moe_block(p, x, cfg, grouped=True)
-    out_l, s_l = moe_block(p, x, cfg, grouped=False)
+    out_g, s_g = moe_block(p, x, cfg, gemm=gemm)
+    out_l, s_l = moe_block(p, x, cfg, gemm="loop")
     assert torch.equal(s_g["counts_E"], s_l["counts_E"])
     assert rel(out_g.float(), out_l.float()) <= 2e-2
+
+
+def test_padded_expert_mlp_matches_loop_in_fp32():
+    """The padded path against the per-expert loop, outputs and every gradient, with an expert that
+    gets no rows and one that gets more than a slab's rounding."""
+    g = torch.Generator().manual_seed(3)
+    E, D, F_ = 5, 24, 40
+    counts = torch.tensor([7, 0, 19, 1, 13])
+    R = int(counts.sum())
+    leaves = [torch.randn(R, D, generator=g), torch.randn(E, D, F_, generator=g), torch.randn(E, D, F_, generator=g),
+              torch.randn(E, F_, D, generator=g)]
+    gy = torch.randn(R, D, generator=g)
+
+    def run(gemm):
+        ls = [t.clone().requires_grad_(True) for t in leaves]
+        y = expert_mlp(*ls, counts, gemm=gemm)
+        return [y, *torch.autograd.grad(y, ls, gy)]
+
+    for a, b in zip(run("padded"), run("loop")):
+        assert rel(a, b) <= 1e-6
+
+
+def test_padded_slots_are_distinct_and_per_expert():
+    counts = torch.tensor([3, 0, 17, 16])
+    slot_R, C = padded_slots(counts, int(counts.sum()))
+    assert C == 32  # the largest count rounded up to PAD_ROWS
+    assert slot_R.unique().numel() == slot_R.numel()
+    expected = [e * C + j for e, n in enumerate(counts.tolist()) for j in range(n)]
+    assert slot_R.tolist() == expected
+    assert padded_slots(torch.zeros(3, dtype=torch.int64), 0)[1] == PAD_ROWS
+
+
+def test_expert_gemm_choice():
+    cfg = ModelConfig(dim=64, moe=MoEConfig(expert_hidden=32))
+    assert expert_gemm(cfg, torch.bfloat16, "cpu") == "padded"
+    assert expert_gemm(cfg, torch.bfloat16, "cuda") == "grouped"
+    assert expert_gemm(cfg, torch.float32, "cuda") == "loop"
+    odd = dataclasses.replace(cfg, dim=60)
+    assert expert_gemm(odd, torch.bfloat16, "cpu") == "loop"
+    with pytest.raises(ValueError, match="impl='grouped'"):
+        expert_gemm(dataclasses.replace(odd, moe=dataclasses.replace(odd.moe, impl="grouped")), torch.bfloat16)
+    assert expert_gemm(dataclasses.replace(cfg, moe=MoEConfig(impl="padded")), torch.float32) == "padded"
 
 
 # ---------------------------------------------------------------- whole model
@@ -229,7 +272,7 @@ def test_balance_loss_from_its_definition():
     cfg = SMALL
     p = init_params(cfg, seed=6)["layers"]["1"]["moe"]
     x = torch.randn(2, 9, cfg.dim)
-    _, stats = moe_block(p, x, cfg, grouped=False)
+    _, stats = moe_block(p, x, cfg, gemm="loop")
     counts, bl = stats["counts_E"], stats["balance_loss"]
     x_TD = x.reshape(-1, cfg.dim)
     probs = torch.stack([torch.softmax(x_TD[t] @ p["router_DE"], -1) for t in range(18)])

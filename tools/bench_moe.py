@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a script from anywhere: the checkout's f
 
 from fnmoe import compile as fcompile  # noqa: E402
 from fnmoe.config import ModelConfig, MoEConfig  # noqa: E402
-from fnmoe.moe import moe_block, use_grouped  # noqa: E402
+from fnmoe.moe import expert_gemm, moe_block  # noqa: E402
 
 DEFAULT_SHAPES = ["4096,512,256,32,4", "2048,256,512,16,4"]
 CATEGORIES = ("gemm", "routing+permute", "elementwise", "other")
@@ -87,9 +87,9 @@ class Shape:
         return f"T={self.T} D={self.D} F={self.F} E={self.E} K={self.K}"
 
 
-def model_config(s: Shape) -> ModelConfig:
+def model_config(s: Shape, impl: str = "auto") -> ModelConfig:
     moe = MoEConfig(n_experts=s.E, top_k=s.K, expert_hidden=s.F, score_func="softmax", norm_topk_prob=True,
-                    routed_scaling_factor=1.0, n_shared_experts=0, first_k_dense=0, impl="grouped")
+                    routed_scaling_factor=1.0, n_shared_experts=0, first_k_dense=0, impl=impl)
     return ModelConfig(dim=s.D, n_heads=max(1, s.D // 64), n_kv_heads=max(1, s.D // 64), moe=moe,
                        compute_dtype="bfloat16", compile=True)
 
@@ -112,10 +112,11 @@ class Impl:
 
 
 def fnmoe_impl(w: dict, s: Shape, device: str, transposed_storage: bool = False, block=moe_block,
-               name: str = "") -> Impl:
-    """fnmoe's moe_block on bf16 leaves, compiled. transposed_storage keeps each expert weight as
-    a contiguous [E, out, in] tensor and passes its transposed view (TorchTitan's layout)."""
-    cfg = model_config(s)
+               name: str = "", impl: str = "auto") -> Impl:
+    """fnmoe's moe_block on bf16 leaves, compiled, with the expert GEMM path model.moe.impl=impl
+    picks on device. transposed_storage keeps each expert weight as a contiguous [E, out, in]
+    tensor and passes its transposed view (TorchTitan's layout)."""
+    cfg = model_config(s, impl)
 
     def leaf(t: torch.Tensor, transpose: bool) -> torch.Tensor:
         t = t.to(device, torch.bfloat16)
@@ -124,19 +125,19 @@ def fnmoe_impl(w: dict, s: Shape, device: str, transposed_storage: bool = False,
         return t.contiguous().requires_grad_(True)
 
     p = {k: leaf(v, transposed_storage and k != "router_DE") for k, v in w.items()}
-    grouped = use_grouped(cfg, torch.bfloat16)
+    gemm = expert_gemm(cfg, torch.bfloat16, device)
     fn = fcompile.compiled(block)
     leaves = [v for v in p.values()]
     last = {}
 
     def run(x_BLD: torch.Tensor, g_BLD: torch.Tensor):
         x = x_BLD.detach().requires_grad_(True)
-        out, stats = fn(p, x, cfg, grouped)
+        out, stats = fn(p, x, cfg, gemm)
         last["counts"] = stats["counts_E"]
         grads = torch.autograd.grad(out, [x, *leaves], g_BLD)
         return out, grads
 
-    name = name or ("fnmoe [E,out,in]^T" if transposed_storage else "fnmoe")
+    name = name or ("fnmoe" + (f" {gemm}" if impl != "auto" else "") + (" [E,out,in]^T" if transposed_storage else ""))
     return Impl(name, run, lambda: last["counts"])
 
 
@@ -316,6 +317,7 @@ def bench_shape(s: Shape, args) -> dict:
     impls = [fnmoe_impl(w, s, device)]
     if args.variants:
         impls.append(fnmoe_impl(w, s, device, transposed_storage=True))
+        impls.append(fnmoe_impl(w, s, device, impl="grouped" if device == "cpu" else "padded"))
     tt_note = ""
     if not args.no_torchtitan:
         m, why = torchtitan_module(w, s, device)
@@ -391,8 +393,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--variants", action="store_true",
-                    help="also time a candidate change of fnmoe: expert weights stored [E, out, in] (passed "
-                         "as transposed views)")
+                    help="also time candidate changes of fnmoe: expert weights stored [E, out, in] (passed "
+                         "as transposed views), and the expert GEMM path auto does not pick on this device")
     ap.add_argument("--no-torchtitan", action="store_true", help="time fnmoe alone")
     ap.add_argument("--ignore-parity", action="store_true")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the top ops by self time")

@@ -1,7 +1,7 @@
 """The steps of tools/gpu_check.sh, one per process: `python tools/gpu_check.py --step NAME --results DIR`.
 
 Steps (in the priority order gpu_check.sh runs them):
-  correctness   CUDA against the CPU reference: grouped vs loop expert GEMMs (forward and
+  correctness   CUDA against the CPU reference: grouped and padded vs loop expert GEMMs (forward and
                 gradients) and the compiled MoE block; 3 fp32 eager training steps of the tiny
                 preset on the device vs on CPU; every memory policy fnmoe.config.MemoryConfig offers
                 (recompute, offload, per-region) against none, or a skip row with the reason this
@@ -134,7 +134,8 @@ def status(ok: bool) -> str:
 # ---------------------------------------------------------------- 1 correctness
 
 def check_grouped_gemm(rec: Recorder, device: str, dry: bool) -> None:
-    """expert_mlp grouped (device, bf16) vs loop (device, bf16) vs loop (CPU, fp32): outputs and grads."""
+    """expert_mlp grouped and padded (device, bf16) vs loop (device, bf16) vs loop (CPU, fp32):
+    outputs and grads."""
     R, D, F, E = (256, 64, 32, 8) if dry else (8192, 1024, 512, 32)
     g = torch.Generator().manual_seed(0)
     counts = torch.randint(0, 2 * R // E, (E,), generator=g)
@@ -148,29 +149,29 @@ def check_grouped_gemm(rec: Recorder, device: str, dry: bool) -> None:
           torch.randn(E, F, D, generator=g) * F ** -0.5]
     gy = torch.randn(R, D, generator=g)
 
-    def run(dev, dtype, grouped):
+    def run(dev, dtype, gemm):
         leaves = [t.to(dev, dtype).requires_grad_(True) for t in [x, *ws]]
-        y = expert_mlp(*leaves, counts.to(dev), grouped=grouped)
+        y = expert_mlp(*leaves, counts.to(dev), gemm=gemm)
         grads = torch.autograd.grad(y, leaves, gy.to(dev, dtype))
         return y, grads
 
-    y_ref, g_ref = run("cpu", torch.float32, False)
-    y_grp, g_grp = run(device, torch.bfloat16, True)
-    y_loop, g_loop = run(device, torch.bfloat16, False)
+    y_ref, g_ref = run("cpu", torch.float32, "loop")
+    y_loop, g_loop = run(device, torch.bfloat16, "loop")
     names = ["x", "w_gate", "w_up", "w_down"]
-    e_out = rel_err(y_grp, y_loop)
-    e_ref = rel_err(y_grp, y_ref)
-    e_grads = max(rel_err(a, b) for a, b in zip(g_grp, g_loop))
-    e_grads_ref = max(rel_err(a, b) for a, b in zip(g_grp, g_ref))
-    worst = names[max(range(4), key=lambda i: rel_err(g_grp[i], g_ref[i]))]
-    rec.row(f"grouped GEMM R={R} D={D} F={F} E={E} fwd", f"grouped vs loop {e_out:.1e}, vs fp32 CPU {e_ref:.1e}",
-            status(e_out < 1e-2 and e_ref < 2e-2))
-    rec.row("grouped GEMM grads", f"grouped vs loop max {e_grads:.1e}, vs fp32 CPU max {e_grads_ref:.1e} ({worst})",
-            status(e_grads < 2e-2 and e_grads_ref < 3e-2))
+    for gemm in ("grouped", "padded"):
+        y_new, g_new = run(device, torch.bfloat16, gemm)
+        e_out, e_ref = rel_err(y_new, y_loop), rel_err(y_new, y_ref)
+        e_grads = max(rel_err(a, b) for a, b in zip(g_new, g_loop))
+        e_grads_ref = max(rel_err(a, b) for a, b in zip(g_new, g_ref))
+        worst = names[max(range(4), key=lambda i: rel_err(g_new[i], g_ref[i]))]
+        rec.row(f"{gemm} GEMM R={R} D={D} F={F} E={E} fwd", f"{gemm} vs loop {e_out:.1e}, vs fp32 CPU {e_ref:.1e}",
+                status(e_out < 1e-2 and e_ref < 2e-2))
+        rec.row(f"{gemm} GEMM grads", f"{gemm} vs loop max {e_grads:.1e}, vs fp32 CPU max {e_grads_ref:.1e} "
+                f"({worst})", status(e_grads < 2e-2 and e_grads_ref < 3e-2))
 
 
 def check_compiled_moe(rec: Recorder, device: str, dry: bool) -> None:
-    """The compiled MoE block (grouped) on the device vs the eager loop path on the device, bf16."""
+    """The compiled MoE block (auto's GEMM path) on the device vs the eager loop path on the device, bf16."""
     import bench_moe as bm
 
     s = bm.Shape.parse(DRY_SHAPES[0] if dry else GPU_SHAPES[0])
@@ -183,7 +184,7 @@ def check_compiled_moe(rec: Recorder, device: str, dry: bool) -> None:
     out_c, grads_c = comp.run(x, gy)
     p = {k: v.to(device, torch.bfloat16).requires_grad_(True) for k, v in w.items()}
     xe = x.detach().requires_grad_(True)
-    out_e, stats = moe_block(p, xe, cfg, grouped=False)
+    out_e, stats = moe_block(p, xe, cfg, gemm="loop")
     grads_e = torch.autograd.grad(out_e, [xe, *p.values()], gy)
     # compiled and eager fp32 router logits may differ in the last bit: allow a near-tie to flip a few rows
     moved = int((comp.counts().cpu() - stats["counts_E"].cpu()).abs().sum()) // 2
