@@ -83,6 +83,7 @@ def test_gpu_check_helpers():
     bm = load_tool("bench_moe")
     assert bm.classify("aten::mm") == "gemm"
     assert bm.classify("aten::_grouped_mm") == "gemm"
+    assert bm.classify("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == "gemm"
     assert bm.classify("graph_0_cpp_fused__softmax_topk_1") == "routing+permute"
     assert bm.classify("aten::scatter_add") == "routing+permute"
     assert bm.classify("graph_0_cpp_fused_mul_silu_6") == "elementwise"
@@ -126,6 +127,9 @@ def test_bench_model_tiny(capsys):
     assert res is not None, out
     assert res["ms"]["transformers fp32"] > 0 and res["ratio"]["fnmoe bf16 eager"] > 0
     assert "MISMATCH" not in out, out
+    for name in ("transformers fp32", "fnmoe bf16 eager"):
+        assert res["gflops"][name] > 0 and set(res["split"][name]) == set(bmod.bench_moe.CATEGORIES)
+        assert abs(sum(res["split"][name].values()) - res["ms"][name]) < 1e-6 * res["ms"][name]
 
 
 def test_bench_model_skips_without_fnmoe_hf(monkeypatch, capsys):

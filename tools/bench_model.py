@@ -11,8 +11,12 @@ cross-entropy + backward (gradients of every parameter) of:
   fnmoe eager     bf16 compute (fp32 master params), no compile
   fnmoe compiled  bf16 compute, every region compiled (the MoE region as one graph)
 
-and prints the median ms (the three alternate, so machine noise hits all alike), tokens/s and
-the ratio transformers / fnmoe.
+and prints the median ms (the three alternate, so machine noise hits all alike), tokens/s,
+achieved GFLOP/s (model: fnmoe.metrics.flops_per_token x tokens; experts: 18*T*K*D*F per MoE
+layer), a split of each median into GEMM / routing+permute / elementwise / other (torch.profiler
+self times, ops classified as tools/bench_moe.py does) and the ratio transformers / fnmoe.
+--blocks also times each implementation over consecutive runs (one after another, not
+alternating), the way a training loop runs it, and prints those medians beside.
 
     python tools/bench_model.py                       # 4 layers, dim 256, 16 experts top-4, 4 x 256 tokens
     python tools/bench_model.py --layers 2 --dim 64 --experts 4 --seq 32 --iters 2
@@ -39,6 +43,10 @@ if __package__ in (None, ""):  # run as a script from anywhere: the checkout's f
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fnmoe  # noqa: E402
+from fnmoe.metrics import flops_per_token  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_moe  # noqa: E402  (its op classification and profiler split)
 
 
 def hf_checkpoint(out_dir: str, args) -> None:
@@ -87,6 +95,24 @@ def time_interleaved(fns: dict, warmup: int, iters: int) -> dict[str, list[float
     return times
 
 
+def time_blocks(fns: dict, iters: int) -> dict[str, list[float]]:
+    """Each fn run iters times in a row (after one untimed run), one fn after another."""
+    times = {}
+    for k, fn in fns.items():
+        fn()
+        times[k] = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+class _Run:  # what bench_moe.profile_split calls
+    def __init__(self, fn):
+        self.run = lambda x, g: fn()
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -103,9 +129,17 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled fnmoe run")
+    ap.add_argument("--profile-iters", type=int, default=2, help="runs profiled for the time split (0: no split)")
+    ap.add_argument("--blocks", action="store_true", help="also time each implementation over consecutive runs")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # inductor's CPU kernels show up in the profiler by name (for the split); restored on return
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": bool(args.profile_iters)}):
+        return _run(args)
+
+
+def _run(args) -> dict | None:
     try:
         import fnmoe.hf as fhf
     except ImportError as e:
@@ -167,17 +201,33 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     times = time_interleaved(fns, args.warmup, args.iters)
     n_tok = args.batch * args.seq
-    res = {"ms": {}, "ratio": {}}
-    print(f"{'':22} {'median ms':>10} {'(min..max)':>14} {'tokens/s':>10}")
+    model_gflop = flops_per_token(mcfg, args.seq) * n_tok / 1e9
+    expert_gflop = 18.0 * n_tok * args.top_k * args.dim * args.ffn * args.layers / 1e9
+    print(f"FLOPs per forward+backward: model {model_gflop:.2f} GFLOP, of which expert GEMMs {expert_gflop:.2f}")
+    res = {"ms": {}, "ratio": {}, "split": {}, "gflops": {}}
+    print(f"{'':22} {'median ms':>10} {'(min..max)':>14} {'tokens/s':>10} {'GFLOP/s':>8}   split of the median")
     for k, ts in times.items():
         ms = statistics.median(ts)
-        res["ms"][k] = ms
-        print(f"{k:22} {ms:10.1f} {f'({min(ts):.0f}..{max(ts):.0f})':>14} {n_tok / ms * 1e3:10.0f}")
+        res["ms"][k], res["gflops"][k] = ms, model_gflop / ms * 1e3
+        split = {}
+        if args.profile_iters:
+            split = bench_moe.scale_split(bench_moe.profile_split(_Run(fns[k]), None, None, args.profile_iters,
+                                                                  "cpu")[0], ms)
+        res["split"][k] = split
+        print(f"{k:22} {ms:10.1f} {f'({min(ts):.0f}..{max(ts):.0f})':>14} {n_tok / ms * 1e3:10.0f} "
+              f"{res['gflops'][k]:8.1f}   {bench_moe.format_split(split) if split else ''}")
     base = res["ms"]["transformers fp32"]
     for k, ms in res["ms"].items():
         if k.startswith("fnmoe"):
             res["ratio"][k] = base / ms
             print(f"speedup {k} over transformers: {base / ms:.2f}x")
+    if args.blocks:
+        blocks = {k: statistics.median(ts) for k, ts in time_blocks(fns, args.iters).items()}
+        res["blocks_ms"] = blocks
+        print("consecutive runs (median ms): " + ", ".join(f"{k} {ms:.1f}" for k, ms in blocks.items()))
+        for k, ms in blocks.items():
+            if k.startswith("fnmoe"):
+                print(f"speedup {k} over transformers, consecutive runs: {blocks['transformers fp32'] / ms:.2f}x")
     return res
 
 

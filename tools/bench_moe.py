@@ -55,7 +55,8 @@ from fnmoe.moe import expert_gemm, moe_block  # noqa: E402
 DEFAULT_SHAPES = ["4096,512,256,32,4", "2048,256,512,16,4"]
 CATEGORIES = ("gemm", "routing+permute", "elementwise", "other")
 GEMM_WORDS = ("mm", "gemm", "matmul", "linear", "addmm", "bmm", "cutlass", "xmma", "nvjet", "mkldnn", "onednn",
-              "cublas", "sgemm", "grouped")
+              "cublas", "sgemm", "grouped",
+              "attention")  # fused attention kernels (SDPA, flash): their GEMMs plus an online softmax
 ROUTING_WORDS = ("topk", "sort", "gather", "scatter", "index", "cumsum", "softmax", "sigmoid", "bincount", "histc",
                  "nonzero", "masked", "take", "radix", "arange", "one_hot", "embedding", "unique")
 WRAPPER_WORDS = ("compiledfunction", "compiled region", "callcompiledfxgraph", "call compiledfxgraph",
