@@ -137,25 +137,71 @@ def grouped_ok(x: torch.Tensor, *dims: int) -> bool:
 PAD_ROWS = 16  # slab rows are a multiple of this (at least this): aligned GEMMs, and C > 1 for inductor
 
 
-def padded_slots(counts_E: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, int]:
-    """(slot_R, C): row r of rows sorted by expert goes to slot e·C + (its rank within expert e).
-    C is read on the host (under compile an unbacked size: one graph for every routing)."""
+def padded_slots(counts_E: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(slot_R, src_P, C) for rows sorted by expert and slabs of C rows per expert (P = E·C slots):
+    row r goes to slot e·C + (its rank within expert e); src_P is the row each slot holds, n_rows
+    for an empty slot. C is read on the host (under compile an unbacked size: one graph for every
+    routing)."""
     C = ((counts_E.max() + PAD_ROWS - 1) // PAD_ROWS * PAD_ROWS).clamp(min=PAD_ROWS).item()
     torch._check(C >= PAD_ROWS)
     end_E = torch.cumsum(counts_E, 0)
+    start_E = end_E - counts_E
     r_R = torch.arange(n_rows, device=counts_E.device)
     expert_R = torch.searchsorted(end_E, r_R, right=True)
-    return expert_R * C + r_R - (end_E - counts_E)[expert_R], C
+    p_P = torch.arange(counts_E.shape[0] * C, device=counts_E.device)
+    expert_P, rank_P = p_P // C, p_P % C
+    src_P = torch.where(rank_P < counts_E[expert_P], start_E[expert_P] + rank_P, n_rows)
+    return expert_R * C + r_R - start_E[expert_R], src_P, C
+
+
+def _gather_or_zero(x_RD: torch.Tensor, src_P: torch.Tensor) -> torch.Tensor:
+    """x_RD[src_P], a zero row where src_P == R."""
+    return torch.cat([x_RD, x_RD.new_zeros(1, x_RD.shape[1])]).index_select(0, src_P)
+
+
+class _IntoSlabs(torch.autograd.Function):
+    """x_PD = x_RD[src_P] with empty slots zero. Every row fills exactly one slot, so the backward
+    is the gather g_PD[slot_R]: no scatter-add, and no zero buffer kept for backward."""
+
+    @staticmethod
+    def forward(x_RD, src_P, slot_R):
+        return _gather_or_zero(x_RD, src_P)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+
+    @staticmethod
+    def backward(ctx, g_PD):
+        (slot_R,) = ctx.saved_tensors
+        return g_PD.index_select(0, slot_R), None, None
+
+
+class _OutOfSlabs(torch.autograd.Function):
+    """y_RD = y_PD[slot_R]; the backward puts each row's gradient back in its slot (zero elsewhere)."""
+
+    @staticmethod
+    def forward(y_PD, slot_R, src_P):
+        return y_PD.index_select(0, slot_R)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+
+    @staticmethod
+    def backward(ctx, g_RD):
+        (src_P,) = ctx.saved_tensors
+        return _gather_or_zero(g_RD, src_P), None, None
 
 
 def padded_expert_mlp(x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, counts_E) -> torch.Tensor:
     """expert_mlp as batched matmuls over [E, C] slabs of rows (empty slots are zero rows whose
     outputs are never read)."""
     (R, D), E = x_RD.shape, counts_E.shape[0]
-    slot_R, C = padded_slots(counts_E, R)
-    x_ECD = x_RD.new_zeros(E * C, D).index_copy(0, slot_R, x_RD).view(E, C, D)
+    slot_R, src_P, C = padded_slots(counts_E, R)
+    x_ECD = _IntoSlabs.apply(x_RD, src_P, slot_R).view(E, C, D)
     h_ECF = F.silu(torch.bmm(x_ECD, w_gate_EDF)) * torch.bmm(x_ECD, w_up_EDF)
-    return torch.bmm(h_ECF, w_down_EFD).view(E * C, D).index_select(0, slot_R)
+    return _OutOfSlabs.apply(torch.bmm(h_ECF, w_down_EFD).view(E * C, D), slot_R, src_P)
 
 
 def expert_mlp(x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, counts_E, gemm: str) -> torch.Tensor:

@@ -152,12 +152,14 @@ def test_padded_expert_mlp_matches_loop_in_fp32():
 
 def test_padded_slots_are_distinct_and_per_expert():
     counts = torch.tensor([3, 0, 17, 16])
-    slot_R, C = padded_slots(counts, int(counts.sum()))
+    R = int(counts.sum())
+    slot_R, src_P, C = padded_slots(counts, R)
     assert C == 32  # the largest count rounded up to PAD_ROWS
-    assert slot_R.unique().numel() == slot_R.numel()
     expected = [e * C + j for e, n in enumerate(counts.tolist()) for j in range(n)]
     assert slot_R.tolist() == expected
-    assert padded_slots(torch.zeros(3, dtype=torch.int64), 0)[1] == PAD_ROWS
+    assert src_P.shape == (4 * C,) and torch.equal(src_P[slot_R], torch.arange(R))  # inverse on the filled slots
+    assert int((src_P == R).sum()) == 4 * C - R  # every other slot is empty
+    assert padded_slots(torch.zeros(3, dtype=torch.int64), 0)[2] == PAD_ROWS
 
 
 def test_expert_gemm_choice():
