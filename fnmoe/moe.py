@@ -1,7 +1,8 @@
 """MoE block: route -> permute -> expert_mlp -> unpermute, plus shared experts; the router-bias rule.
 
 Legend: B batch, L sequence, T tokens (B·L), D model, F expert hidden, E experts, K top-k,
-R routed rows (T·K; per sequence L·K), G expert groups, S experts per group (E/G), N MoE layers.
+R routed rows (T·K; per sequence L·K), G expert groups, S experts per group (E/G), N MoE layers,
+C rows per expert slab (padded path), P slab slots (E·C).
 Expert weights are stacked [E, in, out]. Dropless by default: every token reaches its K experts, so R is
 fixed and no shape depends on routing (a compiled region never recompiles as counts change); with
 model.moe.capacity_factor rows over an expert's capacity are dropped (`over_capacity`).
