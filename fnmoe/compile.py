@@ -24,6 +24,9 @@ def compile_fn(fn: Callable, fullgraph: bool = True) -> Callable:
     """torch.compile(fn): the one call site. Inspection passes fullgraph=False to count breaks."""
     # The EP count exchange and routing counts read device scalars; capture them in-graph.
     torch._dynamo.config.capture_scalar_outputs = True
+    # The MoE region's gathers are autograd.Functions; dynamo traces their forward and backward
+    # into the graph the cache key hashes, so a warm start may reuse them (off by default in torch).
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
     return torch.compile(fn, fullgraph=fullgraph)
 
 
