@@ -96,6 +96,8 @@ def warm_start(cache_dir: str, key: str) -> Path:
 
 
 def cache_stats() -> dict[str, int]:
-    """Inductor FX-graph cache hits and misses in this process (a miss is a real compilation)."""
-    c = torch._dynamo.utils.counters["inductor"]
-    return {"fxgraph_cache_hit": c["fxgraph_cache_hit"], "fxgraph_cache_miss": c["fxgraph_cache_miss"]}
+    """Inductor FX-graph cache hits and misses in this process (a miss is a real compilation), and
+    AOT autograd cache hits and bypasses (a bypassed graph is traced through autograd again)."""
+    c, a = torch._dynamo.utils.counters["inductor"], torch._dynamo.utils.counters["aot_autograd"]
+    return {"fxgraph_cache_hit": c["fxgraph_cache_hit"], "fxgraph_cache_miss": c["fxgraph_cache_miss"],
+            "autograd_cache_hit": a["autograd_cache_hit"], "autograd_cache_bypass": a["autograd_cache_bypass"]}

@@ -94,3 +94,5 @@ def test_warm_start_from_artifacts_compiles_nothing(tmp_path):
     warm = run(warm_cache, tmp_path / "r2")
     assert "loaded cache artifacts" in warm
     assert re.search(r"'fxgraph_cache_hit': (\d+), 'fxgraph_cache_miss': 0", warm), warm
+    # every region's autograd graph comes from the cache too (the MoE region's autograd.Functions included)
+    assert re.search(r"'autograd_cache_hit': [1-9]\d*, 'autograd_cache_bypass': 0", warm), warm
