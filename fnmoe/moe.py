@@ -83,22 +83,32 @@ class _RepeatRows(torch.autograd.Function):
         return g_RD.index_select(0, inverse_R).view(T, ctx.K, -1).sum(1), None, None, None
 
 
-class _PermuteRows(torch.autograd.Function):
-    """y[index_R] for a permutation index_R whose inverse is inverse_R: the backward is the
-    inverse gather, deterministic and without the scatter-add indexing's backward would run."""
+class _GatherRows(torch.autograd.Function):
+    """x[index] for an index map that reads each row of x exactly once (a permutation, or rows into
+    padded slots and back), given `back`, the map of the other direction: the backward is the
+    gather g[back], deterministic and without the scatter-add indexing's backward would run.
+    With zero (back_zero), an index equal to the row count reads a zero row (an empty slot)."""
 
     @staticmethod
-    def forward(y_RD, index_R, inverse_R):
-        return y_RD.index_select(0, index_R)
+    def forward(x, index, back, zero: bool, back_zero: bool):
+        return _rows(x, index, zero)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(inputs[2])
+        ctx.back_zero = inputs[4]
 
     @staticmethod
-    def backward(ctx, g_RD):
-        (inverse_R,) = ctx.saved_tensors
-        return g_RD.index_select(0, inverse_R), None, None
+    def backward(ctx, g):
+        (back,) = ctx.saved_tensors
+        return _rows(g, back, ctx.back_zero), None, None, None, None
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor, zero: bool) -> torch.Tensor:
+    """x[index]; with zero, index == len(x) reads a zero row."""
+    if zero:
+        x = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    return x.index_select(0, index)
 
 
 def permute(x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int):
@@ -125,7 +135,7 @@ def over_capacity(counts_E: torch.Tensor, capacity: int) -> tuple[torch.Tensor, 
 def unpermute(y_RD: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
     """Combine each token's K expert outputs, weighted; gathers both ways (deterministic)."""
     T, K = w_TK.shape
-    y_TKD = _PermuteRows.apply(y_RD, inverse_R, order_R).view(T, K, -1)
+    y_TKD = _GatherRows.apply(y_RD, inverse_R, order_R, False, False).view(T, K, -1)
     return torch.bmm(w_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
 
 
@@ -155,54 +165,14 @@ def padded_slots(counts_E: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, tor
     return expert_R * C + r_R - start_E[expert_R], src_P, C
 
 
-def _gather_or_zero(x_RD: torch.Tensor, src_P: torch.Tensor) -> torch.Tensor:
-    """x_RD[src_P], a zero row where src_P == R."""
-    return torch.cat([x_RD, x_RD.new_zeros(1, x_RD.shape[1])]).index_select(0, src_P)
-
-
-class _IntoSlabs(torch.autograd.Function):
-    """x_PD = x_RD[src_P] with empty slots zero. Every row fills exactly one slot, so the backward
-    is the gather g_PD[slot_R]: no scatter-add, and no zero buffer kept for backward."""
-
-    @staticmethod
-    def forward(x_RD, src_P, slot_R):
-        return _gather_or_zero(x_RD, src_P)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[2])
-
-    @staticmethod
-    def backward(ctx, g_PD):
-        (slot_R,) = ctx.saved_tensors
-        return g_PD.index_select(0, slot_R), None, None
-
-
-class _OutOfSlabs(torch.autograd.Function):
-    """y_RD = y_PD[slot_R]; the backward puts each row's gradient back in its slot (zero elsewhere)."""
-
-    @staticmethod
-    def forward(y_PD, slot_R, src_P):
-        return y_PD.index_select(0, slot_R)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[2])
-
-    @staticmethod
-    def backward(ctx, g_RD):
-        (src_P,) = ctx.saved_tensors
-        return _gather_or_zero(g_RD, src_P), None, None
-
-
 def padded_expert_mlp(x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, counts_E) -> torch.Tensor:
     """expert_mlp as batched matmuls over [E, C] slabs of rows (empty slots are zero rows whose
     outputs are never read)."""
     (R, D), E = x_RD.shape, counts_E.shape[0]
     slot_R, src_P, C = padded_slots(counts_E, R)
-    x_ECD = _IntoSlabs.apply(x_RD, src_P, slot_R).view(E, C, D)
+    x_ECD = _GatherRows.apply(x_RD, src_P, slot_R, True, False).view(E, C, D)  # empty slots zero
     h_ECF = F.silu(torch.bmm(x_ECD, w_gate_EDF)) * torch.bmm(x_ECD, w_up_EDF)
-    return _OutOfSlabs.apply(torch.bmm(h_ECF, w_down_EFD).view(E * C, D), slot_R, src_P)
+    return _GatherRows.apply(torch.bmm(h_ECF, w_down_EFD).view(E * C, D), slot_R, src_P, False, True)
 
 
 def expert_mlp(x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, counts_E, gemm: str) -> torch.Tensor:
