@@ -111,6 +111,7 @@ def _pool_bytes(run: RunConfig) -> int:
 
 def measure(run: RunConfig, params: Tree, batch: tuple) -> list[dict[str, int]]:
     """Per block: saved / kept / offloaded / recomputed bytes (see the module docstring)."""
+    _measure(run, params, batch, MemoryConfig())  # warm-up: one-time caches of a first forward are not a block's
     base = _measure(run, params, batch, MemoryConfig())
     mine = _measure(run, params, batch, run.memory)
     return [{"saved": b["kept"], "kept": m["kept"], "offloaded": m["offloaded"],
