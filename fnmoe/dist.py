@@ -32,9 +32,7 @@ from fnmoe.config import DistConfig
 
 try:  # private torch APIs, imported here only
     from torch.distributed._local_tensor import LocalTensorMode, enabled_local_tensor_mode
-    from torch.distributed._local_tensor import rank_map as _rank_map
     from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
-    from torch.distributed._local_tensor import tensor_map as _tensor_map
     from torch.distributed.distributed_c10d import _get_default_store
     from torch.testing._internal.distributed.fake_pg import FakeStore
 except ImportError as e:  # pragma: no cover - a torch without them
@@ -161,12 +159,14 @@ def simulated() -> bool:
 
 def rank_map(fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
     """fn(rank) as this rank's tensor; in a simulation, one value per simulated rank."""
-    return _rank_map(fn)
+    mode = enabled_local_tensor_mode()  # its methods, not torch's module-level rank_map: torch 2.11 lacks that
+    return mode.rank_map(fn) if mode is not None else fn(rank())
 
 
 def tensor_map(t: torch.Tensor, fn: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """fn(rank, this rank's t): local work that differs by rank (in a simulation, run once per rank)."""
-    return _tensor_map(t, fn)
+    mode = enabled_local_tensor_mode()
+    return mode.tensor_map(t, fn) if mode is not None else fn(rank(), t)
 
 
 def rank_ints(fn: Callable[[int], list[int]]) -> list:
