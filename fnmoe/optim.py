@@ -246,7 +246,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             out.append((m / bc1).div_(_adam_denom(v, bc2, state.eps)))
             mus.append(m)
             nus.append(v)
-        return rebuild(out), state._replace(count=count, mu=rebuild(mus), nu=rebuild(nus))
+        # built field by field: torch 2.11's dynamo returns NamedTuple._replace's result empty
+        return rebuild(out), ScaleByAdamState(count, state.b1, state.b2, state.eps, rebuild(mus), rebuild(nus))
     return GradientTransformation(lambda params: ScaleByAdamState(*_adam_init(params, b1, b2, eps)), update)
 
 
@@ -334,7 +335,8 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
             out.append(torch.addcmul(step, p, neg_decay) if d else step)
             mus.append(m)
             nus.append(v)
-        return rebuild(out), state._replace(count=count, lr=lr_now, mu=rebuild(mus), nu=rebuild(nus))
+        return rebuild(out), AdamWState(count, lr_now, state.b1, state.b2, state.eps, state.weight_decay,
+                                        rebuild(mus), rebuild(nus))  # not _replace: see scale_by_adam
 
     def init(params: Tree) -> AdamWState:
         count, b1_, b2_, eps_, mu, nu = _adam_init(params, b1, b2, eps)
