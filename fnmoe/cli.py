@@ -11,12 +11,14 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from pathlib import Path
-from typing import Annotated, Callable
+from typing import Annotated, Callable, NoReturn
 
 import tyro
 
+from fnmoe import dist as fdist
 from fnmoe.config import RunConfig, load_config, to_toml, validate
 
 TOP_HELP = """usage: fnmoe SUBCOMMAND [--config FILE] [OVERRIDES]
@@ -249,6 +251,26 @@ def main(argv: list[str] | None = None) -> int:
     if sub not in COMMANDS:
         print(f"fnmoe: unknown subcommand {sub!r}\n\n{TOP_HELP}", file=sys.stderr)
         return 2
+    code = _run(sub, rest)
+    if fdist.launched():
+        _exit_launched(code)
+    return code
+
+
+def _exit_launched(code: int) -> NoReturn:
+    """End a torchrun worker now, without interpreter finalization. Gloo's worker threads can still
+    hold the last reference to a finished collective's tensors; freeing them takes the GIL, and a
+    thread that takes it while the interpreter finalizes is ended by a forced unwind that aborts
+    the process ('terminate called without an active exception', SIGABRT) after a run that
+    succeeded: 2 launches in ~30 of a compiled 2x2 run here. Files are closed by then (train joins the
+    checkpoint writer and closes the metrics); the logs are flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run(sub: str, rest: list[str]) -> int:
     try:
         return COMMANDS[sub](rest)
     except (ValueError, FileNotFoundError) as e:
