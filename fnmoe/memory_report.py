@@ -20,6 +20,7 @@ Legend: B batch, L sequence, D model.
 from __future__ import annotations
 
 import gc
+import time
 from typing import Callable
 
 import torch
@@ -60,6 +61,22 @@ class NewStorages(TorchDispatchMode):
         return sum(n for ref, n in self.refs.values() if not ref.expired())
 
 
+def settled(read: Callable[[], int], pause_s: float = 0.01, max_reads: int = 100) -> int:
+    """read() once two reads pause_s apart agree. A collective's backend thread (gloo's workers,
+    NCCL's watchdog) drops its reference to the collective's tensors a moment after the caller's
+    wait returns, so a block's last all-gather can still look alive right after the block: on a
+    2x2 gloo mesh, one read in ~15 counted a 257,536-byte gathered weight that a read 50 ms later
+    did not."""
+    last = read()
+    for _ in range(max_reads):
+        time.sleep(pause_s)  # yields the CPU (and the GIL) to that thread
+        now = read()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def plain_tensors(tree) -> list[torch.Tensor]:
     """The plain tensors of tree's leaves, wrapper subclasses (DTensor, AsyncCollectiveTensor) unwrapped."""
     out = []
@@ -95,7 +112,7 @@ def _measure(run: RunConfig, params: Tree, batch: tuple, mem: MemoryConfig) -> l
         with mode:
             x_BLD, _ = runner(fn, *args)
         out = x_BLD.untyped_storage().nbytes()
-        kept = (torch.cuda.memory_allocated() - before if cuda else mode.live_bytes()) - out
+        kept = settled(lambda: torch.cuda.memory_allocated() - before if cuda else mode.live_bytes()) - out
         rows.append({"kept": max(kept, 0), "offloaded": pool.offset - offset})
         return x_BLD.detach(), None  # the block's graph, and what it saved, die here
 
