@@ -69,6 +69,7 @@ def _worker(out: Path) -> None:
         torch.save(inits, out / "init.pt")
     dist.barrier()
     dist.destroy_process_group()
+    fdist.exit_worker(0)
 
 
 # ---------------------------------------------------------------- tests (read what the ranks wrote)

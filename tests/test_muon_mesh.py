@@ -236,6 +236,7 @@ def _worker(out: Path) -> None:
     if rank == 0:
         (out / "worker.json").write_text(json.dumps(report))
     loop.train(_cli_run(2, 2, out / "four"))  # ends the process group
+    fdist.exit_worker(0)
 
 
 def _cli_run(f: int, e: int, run_dir: Path) -> RunConfig:
