@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from fnmoe import dist as fdist
+from fnmoe.compile import size_hint
 
 try:  # private torch API, imported here only
     import torch.distributed._functional_collectives as funcol
@@ -55,15 +56,20 @@ def ep_expert_mlp(expert_mlp, x_RD: torch.Tensor, counts_E: torch.Tensor, w_gate
     recv_SX = exchange_counts(counts_E, group)
     send = counts_E.view(S, X).sum(1).tolist()  # host sync: uneven splits must be known on the host
     recv = recv_SX.sum(1).tolist()
+    for n in send + recv:
+        size_hint(n, x_RD.shape[0] // S)  # balanced routing's splits
     fdist.entering("MoE dispatch all-to-all over ep")
     x_recv = funcol.wait_tensor(funcol.all_to_all_single_autograd(x_RD, recv, send, group))
     x_recv = fdist.entering_in_backward(x_recv, "MoE dispatch all-to-all over ep (backward)")
+    size_hint(x_recv.shape[0], x_RD.shape[0])
     # arrival order is (source rank, local expert); the GEMM wants rows grouped by local expert
-    expert_of_row = torch.repeat_interleave(torch.arange(X, device=x_RD.device).repeat(S), recv_SX.reshape(-1))
+    expert_of_row = torch.repeat_interleave(torch.arange(X, device=x_RD.device).repeat(S), recv_SX.reshape(-1),
+                                            output_size=x_recv.shape[0])
     order = torch.argsort(expert_of_row, stable=True)
     inverse = torch.argsort(order)  # a permutation's inverse
     y_sorted = expert_mlp(x_recv[order], w_gate_XDF, w_up_XDF, w_down_XFD, recv_SX.sum(0), gemm)
     y_recv = y_sorted[inverse]
     fdist.entering("MoE combine all-to-all over ep")
     y_RD = funcol.wait_tensor(funcol.all_to_all_single_autograd(y_recv, send, recv, group))
+    torch._check(y_RD.shape[0] == x_RD.shape[0])  # every row sent comes back
     return fdist.entering_in_backward(y_RD, "MoE combine all-to-all over ep (backward)")

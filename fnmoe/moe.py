@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from fnmoe.attention import upcast
+from fnmoe.compile import size_hint
 from fnmoe.config import ModelConfig
 from fnmoe.dispatch import ep_expert_mlp
 
@@ -139,10 +140,13 @@ def permute(x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int):
 def over_capacity(counts_E: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows each expert keeps, indices of the kept rows) when each expert takes at most capacity
     rows; rows are sorted by expert, and within an expert in token order, so the first ones stay."""
+    E = counts_E.shape[0]
     start_E = torch.cumsum(counts_E, 0) - counts_E
-    expert_R = torch.repeat_interleave(torch.arange(counts_E.shape[0], device=counts_E.device), counts_E)
+    expert_R = torch.repeat_interleave(torch.arange(E, device=counts_E.device), counts_E)
     rank_R = torch.arange(expert_R.shape[0], device=counts_E.device) - start_E[expert_R]
-    return counts_E.clamp(max=capacity), (rank_R < capacity).nonzero().squeeze(1)
+    kept_R = (rank_R < capacity).nonzero().squeeze(1)
+    size_hint(kept_R.shape[0], capacity * E)  # every expert full
+    return counts_E.clamp(max=capacity), kept_R
 
 
 def unpermute(y_RD: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
@@ -168,6 +172,8 @@ def padded_slots(counts_E: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, tor
     routing)."""
     C = ((counts_E.max() + PAD_ROWS - 1) // PAD_ROWS * PAD_ROWS).clamp(min=PAD_ROWS).item()
     torch._check(C >= PAD_ROWS)
+    E = counts_E.shape[0]
+    size_hint(C, (n_rows + E * PAD_ROWS - 1) // (E * PAD_ROWS) * PAD_ROWS + PAD_ROWS)  # balanced: mean + a block
     end_E = torch.cumsum(counts_E, 0)
     start_E = end_E - counts_E
     r_R = torch.arange(n_rows, device=counts_E.device)
