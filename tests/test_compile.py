@@ -10,14 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
+from torch._inductor import metrics
 
 from fnmoe import optim
 from fnmoe.cli import main
+from fnmoe.compile import compile_fn
 from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig
 from fnmoe.inspect_compile import inspect_region
-from fnmoe.model import init_params
+from fnmoe.model import forward, init_params
+from fnmoe.moe import padded_expert_mlp
 from fnmoe.train import init_state, make_train_step
+from fnmoe.tree import flatten_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--model.dim", "64", "--model.ffn-hidden", "128", "--model.moe.expert-hidden", "64",
@@ -102,11 +107,6 @@ def test_warm_start_from_artifacts_compiles_nothing(tmp_path):
 def test_compiled_gradients_match_eager():
     """bf16 forward+backward with every region compiled against the same in eager, and both
     against fp32 eager (top-4, so the MoE backward's per-token sum over K is exercised)."""
-    import torch.nn.functional as F
-
-    from fnmoe.model import forward
-    from fnmoe.tree import flatten_dict
-
     base = ModelConfig(dim=64, ffn_hidden=128, n_layers=2, moe=MoEConfig(n_experts=8, top_k=4, expert_hidden=64))
     params = init_params(base, 0)
     leaves = [leaf.requires_grad_(True) for leaf in flatten_dict(params).values()]
@@ -130,17 +130,11 @@ def test_compiled_gradients_match_eager():
 
 def _padded_mlp_kernels() -> int:
     """Kernels inductor generates for the padded expert MLP's forward and backward, compiled cold."""
-    from torch._inductor import metrics
-
-    from fnmoe.compile import compile_fn
-    from fnmoe.moe import padded_expert_mlp
-
     torch._dynamo.reset()
     metrics.reset()
     gen = torch.Generator().manual_seed(0)
-    E, D, F, R = 4, 32, 64, 256
-    x = torch.randn(R, D, generator=gen).bfloat16().requires_grad_()
-    ws = [(torch.randn(E, *s, generator=gen) / 8).bfloat16().requires_grad_() for s in ((D, F), (D, F), (F, D))]
+    x = torch.randn(256, 32, generator=gen).bfloat16().requires_grad_()  # R rows of D=32, E=4 experts of F=64
+    ws = [(torch.randn(4, *s, generator=gen) / 8).bfloat16().requires_grad_() for s in ((32, 64), (32, 64), (64, 32))]
     counts = torch.tensor([100, 60, 60, 36])
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         compile_fn(padded_expert_mlp)(x, *ws, counts).float().square().sum().backward()
