@@ -5,7 +5,8 @@ Legend: B batch, L sequence, D model.
 For every region (attention, dense MLP, MoE) of a config this reports the graph count, graph
 breaks with reasons and source lines, recompiles when routing changes, FX node and generated
 kernel counts, and host syncs (data-dependent scalar reads such as `.item()` / `.tolist()` /
-`_local_scalar_dense`). Regions trace in bfloat16 (a float32 config's MoE region runs the eager
+`_local_scalar_dense`, each size read named with its hint for inductor, fnmoe.compile.size_hint).
+Regions trace in bfloat16 (a float32 config's MoE region runs the eager
 loop, which reads counts on the host), so a float32 config is inspected as its bf16 twin, said
 once; the MoE region traces the expert GEMM path CPU uses (padded under impl='auto': one host read
 of its slab size, named in the report).
@@ -90,6 +91,18 @@ def _is_sync(node: torch.fx.Node) -> bool:
     return node.op in ("call_method", "call_function") and target in SYNC_TARGETS
 
 
+def _sync_line(node: torch.fx.Node) -> str:
+    """The sync and, for each size it reads, the hint inductor sizes its kernels by (fnmoe.compile.size_hint)."""
+    got = node.meta.get("example_value")
+    sizes = [v for v in (got if isinstance(got, (list, tuple)) else [got]) if isinstance(v, torch.SymInt)]
+    hints = []
+    for v in sizes:
+        hint = getattr(v.node.shape_env, "var_to_hint_override", {}).get(v.node.expr)
+        hints.append(f"{v.node.expr} hinted {hint}" if hint is not None else
+                     f"{v.node.expr} not hinted (inductor takes it as 0 bytes and fuses no kernels over it)")
+    return f"{node.op} {node.target}" + (f": {', '.join(hints)}" if hints else "")
+
+
 def inspect_region(name: str, fn: Callable, args_list: list[tuple], dump: Path | None = None) -> RegionReport:
     rep = RegionReport(name)
     _dynamo.reset()
@@ -101,7 +114,7 @@ def inspect_region(name: str, fn: Callable, args_list: list[tuple], dump: Path |
         rep.breaks.append(f"{r.reason.splitlines()[0]}{loc}")
     for g in explained.graphs:
         rep.fx_nodes += len(g.graph.nodes)
-        rep.host_syncs += [f"{n.op} {n.target}" for n in g.graph.nodes if _is_sync(n)]
+        rep.host_syncs += [_sync_line(n) for n in g.graph.nodes if _is_sync(n)]
     _dynamo.reset()
     _guard_failures.clear()
     compiled = fcompile.compile_fn(fn, fullgraph=False)
