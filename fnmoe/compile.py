@@ -58,9 +58,18 @@ def _hint_at_trace(ctx) -> None:
         value = est.as_python_constant()
     else:  # a dynamic batch's size has a value now; an unbacked one may have hints for its parts
         node = est.as_fake().node
-        value = node.hint if node.has_hint() else node.expr.xreplace(node.shape_env.var_to_hint_override)
+        value = node.hint if node.has_hint() else node.expr.xreplace(_hints(node))
     if getattr(value, "is_number", True):
         torch._dynamo.override_optimization_hint(n, int(value))
+
+
+def hint_of(n: torch.SymInt) -> int | None:
+    """The hint size_hint gave n, if any."""
+    return _hints(n.node).get(n.node.expr)
+
+
+def _hints(node) -> dict:
+    return getattr(node.shape_env, "var_to_hint_override", {})  # torch 2.11's ShapeEnv has it too
 
 
 def say_once(msg: str) -> None:

@@ -95,11 +95,8 @@ def _sync_line(node: torch.fx.Node) -> str:
     """The sync and, for each size it reads, the hint inductor sizes its kernels by (fnmoe.compile.size_hint)."""
     got = node.meta.get("example_value")
     sizes = [v for v in (got if isinstance(got, (list, tuple)) else [got]) if isinstance(v, torch.SymInt)]
-    hints = []
-    for v in sizes:
-        hint = getattr(v.node.shape_env, "var_to_hint_override", {}).get(v.node.expr)
-        hints.append(f"{v.node.expr} hinted {hint}" if hint is not None else
-                     f"{v.node.expr} not hinted (inductor takes it as 0 bytes and fuses no kernels over it)")
+    hints = [f"{v.node.expr} hinted {fcompile.hint_of(v)}" if fcompile.hint_of(v) is not None else
+             f"{v.node.expr} not hinted (inductor takes it as 0 bytes and fuses no kernels over it)" for v in sizes]
     return f"{node.op} {node.target}" + (f": {', '.join(hints)}" if hints else "")
 
 
