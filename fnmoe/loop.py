@@ -191,7 +191,7 @@ def _memory_report(run: RunConfig, params, batch: tuple, rank: int) -> None:
 
     rows = memory_report.measure(run, params, batch)
     if rank == 0:
-        log.info(memory_report.table(rows, run.memory))
+        log.info(memory_report.table(rows, run.memory, memory_report.eager_note(run)))
 
 
 def _initial_params(run: RunConfig, device: torch.device, mesh):

@@ -227,6 +227,9 @@ class Runner:
         if offloads and (pool is None or n_layers < 1):
             raise ValueError("offload needs a HostPool and the model's n_layers")
         self.mem, self.n_layers, self.pool, self.reshard = mem, n_layers, pool, reshard
+        # offload knows a block's params by their storages, so its blocks take params already cast:
+        # a compiled region casting inside would save the casts, and offload would copy weights
+        self.offloads = offloads
         # a block recomputed in backward gathers its weights again there by itself: nothing to
         # reshard, and a gather issued one block early would not be among the ops recompute replays
         self.prefetch = mem.recompute != "full"

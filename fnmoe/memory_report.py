@@ -19,6 +19,7 @@ Legend: B batch, L sequence, D model.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from typing import Callable
@@ -127,7 +128,11 @@ def _pool_bytes(run: RunConfig) -> int:
 
 
 def measure(run: RunConfig, params: Tree, batch: tuple) -> list[dict[str, int]]:
-    """Per block: saved / kept / offloaded / recomputed bytes (see the module docstring)."""
+    """Per block: saved / kept / offloaded / recomputed bytes (see the module docstring). Off CUDA
+    compiled regions are measured eager (see eager_note): dynamo cannot trace under the dispatch
+    mode that counts storages there."""
+    if run.model.compile and not torch.cuda.is_available():
+        run = dataclasses.replace(run, model=dataclasses.replace(run.model, compile=False))
     _measure(run, params, batch, MemoryConfig())  # warm-up: one-time caches of a first forward are not a block's
     base = _measure(run, params, batch, MemoryConfig())
     mine = _measure(run, params, batch, run.memory)
@@ -135,10 +140,18 @@ def measure(run: RunConfig, params: Tree, batch: tuple) -> list[dict[str, int]]:
              "recomputed": max(b["kept"] - m["kept"] - m["offloaded"], 0)} for b, m in zip(base, mine)]
 
 
-def table(rows: list[dict[str, int]], mem: MemoryConfig) -> str:
+def eager_note(run: RunConfig) -> str:
+    """What the report says when it measured compiled regions eager (off CUDA)."""
+    if run.model.compile and not torch.cuda.is_available():
+        return ("; regions measured eager (compiled ones save what inductor's partitioner picks, "
+                "which can differ)")
+    return ""
+
+
+def table(rows: list[dict[str, int]], mem: MemoryConfig, note: str = "") -> str:
     policy = f"recompute={mem.recompute} offload={mem.offload} " + \
         " ".join(f"{r}={getattr(mem, r)}" for r in ("attention", "moe", "mlp"))
-    lines = [f"memory report ({policy}), MB per block of one micro-batch, measured:",
+    lines = [f"memory report ({policy}), MB per block of one micro-batch, measured{note}:",
              f"{'block':>6} " + " ".join(f"{c:>11}" for c in COLUMNS)]
     for i, row in enumerate(rows):
         lines.append(f"{i:>6} " + " ".join(f"{row[c] / 2**20:>11.2f}" for c in COLUMNS))

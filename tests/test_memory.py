@@ -217,7 +217,13 @@ def test_compiled_bf16_policies_match_none_with_routing_pinned(monkeypatch):
     _, ref, _, _ = _grads(run, MemoryConfig(), tokens)
     _, eager, _, _ = _grads(dataclasses.replace(run, model=dataclasses.replace(cfg, compile=False)), MemoryConfig(), tokens)
     mem = MemoryConfig(attention="full", moe="selective", mlp="offload")
-    _, got, _, _ = _grads(run, mem, tokens, memory.HostPool(64 << 20))
+    pool, stored = memory.HostPool(64 << 20), []
+    monkeypatch.setattr(pool, "store", lambda t, store=pool.store: stored.append(tuple(t.shape)) or store(t))
+    _, got, _, _ = _grads(run, mem, tokens, pool)
+    # offload copies activations, never a weight: compiled regions under it take params already cast
+    # (cast inside, their graphs would save the bf16 weights and the pool would copy them)
+    weights = {tuple(w.shape) for w in flatten_dict(init_params(cfg, 0)["layers"]).values()}
+    assert stored and not weights & set(stored), (stored, weights)
 
     def gap(a, b):
         return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
@@ -237,6 +243,17 @@ def test_offloaded_blocks_keep_under_a_tenth_of_their_saved_bytes(mem):
     offloaded = rows[:-1]  # the last block stays
     assert sum(r["kept"] for r in offloaded) <= 0.1 * sum(r["saved"] for r in offloaded), rows
     assert all(r["offloaded"] > 0 for r in offloaded) and rows[-1]["offloaded"] == 0
+
+
+def test_memory_report_of_a_compiled_run_measures_eager_off_cuda():
+    """Its storage-counting dispatch mode cannot be traced by dynamo: compiled regions are measured
+    eager there, and the table says so (the report used to fail under --model.compile on CPU)."""
+    params, batch = init_params(RUN.model, 0), (_tokens(2, 32)[:, :-1], None)
+    mem = MemoryConfig(attention="offload", moe="full")
+    compiled = dataclasses.replace(RUN, memory=mem, model=dataclasses.replace(RUN.model, compile=True))
+    assert memory_report.measure(compiled, params, batch) == memory_report.measure(
+        dataclasses.replace(RUN, memory=mem), params, batch)
+    assert "measured eager" in memory_report.table([], mem, memory_report.eager_note(compiled))
 
 
 def test_memory_report_prints_a_row_per_block(capsys, tmp_path):
