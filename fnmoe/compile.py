@@ -26,6 +26,9 @@ def compile_fn(fn: Callable, fullgraph: bool = True) -> Callable:
     """torch.compile(fn): the one call site. Inspection passes fullgraph=False to count breaks."""
     # The EP count exchange and routing counts read device scalars; capture them in-graph.
     torch._dynamo.config.capture_scalar_outputs = True
+    # Rows kept under a capacity factor come from nonzero: a size read from data. fullgraph traces
+    # it in-graph anyway; set here, inspection (fullgraph=False) sees the graphs training compiles.
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
     # The MoE region's gathers are autograd.Functions; dynamo traces their forward and backward
     # into the graph the cache key hashes, so a warm start may reuse them (off by default in torch).
     torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
@@ -50,6 +53,8 @@ def size_hint(n, estimate) -> None:
 
 
 def _hint_at_trace(ctx) -> None:
+    if ctx.get_local("n").is_python_constant():  # e.g. a size read after a graph break (fnmoe inspect)
+        return
     n = ctx.get_local("n").as_fake()
     if not (isinstance(n, torch.SymInt) and n.node.expr.is_Symbol and free_unbacked_symbols(n.node.expr)):
         return  # known, or a sum of hinted sizes

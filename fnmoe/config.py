@@ -539,6 +539,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(e, o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     _check(e, 0 < o.decay_fraction <= 1, f"optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
     _check(e, o.clip_norm >= 0, f"optim.clip_norm must be >= 0, got {o.clip_norm}")
+    _check(e, o.ns_steps >= 1, f"optim.ns_steps must be >= 1 (Newton-Schulz iterations of Muon), got {o.ns_steps}")
     if o.qk_clip:
         _check(e, o.qk_clip_tau > 0, f"optim.qk_clip_tau must be > 0, got {o.qk_clip_tau}")
         # q/k RMSNorm undoes any rescaling of the query/key weights, so the clip could not act
@@ -547,10 +548,17 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(e, cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
     _validate_memory(e, cfg.memory)
     _check(e, cfg.plan.imbalance >= 1, f"plan.imbalance must be >= 1 (max/mean expert load), got {cfg.plan.imbalance}")
+    for name in ("hbm_gb", "host_gb"):
+        _check(e, getattr(cfg.plan, name) >= 0, f"plan.{name} must be >= 0, got {getattr(cfg.plan, name)}")
+    for name in ("matmul_tflops", "attention_tflops", "nvlink_gbps", "network_gbps", "host_link_gbps"):
+        _check(e, getattr(cfg.plan, name) > 0, f"plan.{name} must be > 0 (a rate the step-time model divides by), "
+                                               f"got {getattr(cfg.plan, name)}")
+    _check(e, cfg.plan.gpus_per_node >= 1, f"plan.gpus_per_node must be >= 1, got {cfg.plan.gpus_per_node}")
     if cfg.profile.steps:
         a, _, b = cfg.profile.steps.partition(":")
         ok = a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)
         _check(e, ok, f"profile.steps must be A:B with 1 <= A <= B, got {cfg.profile.steps!r}")
+        _check(e, not ok or int(b) <= t.steps, f"profile.steps={cfg.profile.steps} ends after train.steps={t.steps}")
     if e:
         raise ValueError("invalid config:\n  " + "\n  ".join(e))
     return cfg

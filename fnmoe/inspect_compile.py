@@ -94,7 +94,8 @@ def _is_sync(node: torch.fx.Node) -> bool:
 def _sync_line(node: torch.fx.Node) -> str:
     """The sync and, for each size it reads, the hint inductor sizes its kernels by (fnmoe.compile.size_hint)."""
     got = node.meta.get("example_value")
-    sizes = [v for v in (got if isinstance(got, (list, tuple)) else [got]) if isinstance(v, torch.SymInt)]
+    got = got.shape if isinstance(got, torch.Tensor) else got  # nonzero: its row count
+    sizes = [v for v in (got if isinstance(got, (list, tuple, torch.Size)) else [got]) if isinstance(v, torch.SymInt)]
     hints = [f"{v.node.expr} hinted {fcompile.hint_of(v)}" if fcompile.hint_of(v) is not None else
              f"{v.node.expr} not hinted (inductor takes it as 0 bytes and fuses no kernels over it)" for v in sizes]
     return f"{node.op} {node.target}" + (f": {', '.join(hints)}" if hints else "")

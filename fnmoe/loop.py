@@ -130,13 +130,19 @@ def _bar(done: int, total: int, width: int = 20) -> str:
     return "[" + "#" * n + "." * (width - n) + "]"
 
 
-def _profile_window(run: RunConfig, run_dir: Path):
-    """(first, last, profiler) for --profile.steps A:B, or None."""
+def _profile_window(run: RunConfig, run_dir: Path, first: int, rank: int):
+    """(first, last, profiler, trace path) for --profile.steps A:B, or None. A resumed run profiles
+    the part of the window it runs; each rank of a mesh writes its own trace."""
     if not run.profile.steps:
         return None
     a, b = (int(x) for x in run.profile.steps.split(":"))
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
-    return a, b, prof, run_dir / "profile" / f"trace_steps_{a}_{b}.json"
+    if first > b:
+        log.info("profile.steps %s: this run starts at step %d, after the window; no trace", run.profile.steps, first)
+        return None
+    a = max(a, first)
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    name = f"trace_steps_{a}_{b}" + (f"_rank{rank}" if fdist.world() > 1 else "") + ".json"
+    return a, b, torch.profiler.profile(activities=acts, record_shapes=True), run_dir / "profile" / name
 
 
 def train(run: RunConfig) -> dict:
@@ -240,7 +246,7 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
     # every rank evaluates the same global micro-batches: val_loss is the same on any mesh
     device = _device()
     val = [_to(b, device) for b in val_batches(data, L, t.batch_size // t.grad_accum, t.eval_batches, run.data.doc_mask)]
-    tx, schedule = optim.from_config(run.optim, t.steps)
+    tx, _ = optim.from_config(run.optim, t.steps)
     if found:
         state = checkpoint.load_state(*found, run, tx, loader, mesh)
         state = TrainState(_to(state.params, device), _to(state.opt_state, device), state.step)
@@ -261,7 +267,7 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
         _metrics_writer(run_dir / "metrics.jsonl", state.step if found else None),
         TensorBoardWriter(run_dir / "tensorboard") if t.tensorboard else None)
     saver = checkpoint.Saver(ckpt_root, run.checkpoint, last_step=state.step)  # on every rank: a save is collective
-    prof = _profile_window(run, run_dir)
+    prof = _profile_window(run, run_dir, state.step + 1, rank)
     log.info("run %s: steps %d..%d x %d sequences x %d tokens -> %s", run.name, state.step + 1, t.steps,
              t.batch_size, L, run_dir)
 
@@ -279,7 +285,7 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
             dt = time.perf_counter() - t_step
             tokens += t.batch_size * L
             tps = t.batch_size * L / dt
-            row = {"step": step, "loss": m["loss"], "lr": schedule(torch.tensor(step - 1)).item(),
+            row = {"step": step, "loss": m["loss"], "lr": optim.last_lr(new_state.opt_state),
                    "grad_norm": m["grad_norm"], "tokens": tokens, "tokens_per_s": tps,
                    "mfu": mfu(fpt, tps, t.peak_tflops),
                    "expert_load_max_over_mean": load_max_over_mean(m["expert_counts_LE"]),

@@ -137,12 +137,12 @@ def permute(x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int):
     return _RepeatRows.apply(x_TD, order_R, inverse_R, K), counts_E, order_R, inverse_R
 
 
-def over_capacity(counts_E: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows each expert keeps, indices of the kept rows) when each expert takes at most capacity
-    rows; rows are sorted by expert, and within an expert in token order, so the first ones stay."""
+def over_capacity(counts_E: torch.Tensor, capacity: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows each expert keeps, indices of the kept rows) when each expert takes at most capacity of
+    the n_rows rows; rows are sorted by expert, and within an expert in token order, so the first ones stay."""
     E = counts_E.shape[0]
     start_E = torch.cumsum(counts_E, 0) - counts_E
-    expert_R = torch.repeat_interleave(torch.arange(E, device=counts_E.device), counts_E)
+    expert_R = torch.repeat_interleave(torch.arange(E, device=counts_E.device), counts_E, output_size=n_rows)
     rank_R = torch.arange(expert_R.shape[0], device=counts_E.device) - start_E[expert_R]
     kept_R = (rank_R < capacity).nonzero().squeeze(1)
     size_hint(kept_R.shape[0], capacity * E)  # every expert full
@@ -283,7 +283,8 @@ def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str):
     x_RD, counts_E, order_R, inverse_R = permute(x_TD, idx_TK, m.n_experts)
     kept_E, keep_R = counts_E, None
     if m.capacity_factor:
-        kept_E, keep_R = over_capacity(counts_E, math.ceil(m.capacity_factor * x_RD.shape[0] / m.n_experts))
+        kept_E, keep_R = over_capacity(counts_E, math.ceil(m.capacity_factor * x_RD.shape[0] / m.n_experts),
+                                       x_RD.shape[0])
         x_RD = x_RD[keep_R]
     if "ep_group" in p:  # expert parallel: the stacks hold this ep rank's experts only
         y_RD = ep_expert_mlp(expert_mlp, x_RD, kept_E, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"],

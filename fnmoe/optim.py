@@ -180,6 +180,14 @@ def set_hyperparams(state: Tree, **values: float) -> Tree:
     return state
 
 
+def last_lr(state: Tree) -> float:
+    """The lr of the optimizer's latest update: its first `lr` state field (Muon's matrix group,
+    AdamW's only one). It follows the optimizer's own step count, which a fresh optimizer state
+    (another optimizer on resume) restarts."""
+    paths, leaves, _ = tree_flatten_with_paths(state)
+    return next(float(x) for p, x in zip(paths, leaves) if p.rsplit(".", 1)[-1] == "lr")
+
+
 # ------------------------------------------------------------------ building blocks
 
 def global_norm(tree: Tree) -> Tensor:

@@ -180,6 +180,10 @@ def test_resume_refuses_model_changes_and_warns_about_others(tmp_path, warnings_
     muon_run = parse_run(args(tmp_path, 6, "--optim.name", "muon"), "fnmoe train")
     fresh = checkpoint.load_state(ckpt, verify(ckpt), muon_run, optim.from_config(muon_run.optim, 6)[0], loader)
     assert fresh.opt_state[1]["adamw"].count.item() == 0 and "does not fit the configured optimizer" in warnings_text()
+    # resumed with that fresh state, the logged lr is the one the optimizer used: its schedule restarts
+    train_here(*args(tmp_path, 6, "--optim.name", "muon", "--resume", "auto"))
+    schedule = optim.from_config(muon_run.optim, 6)[1]
+    assert [r["lr"] for r in rows(tmp_path) if "loss" in r][4:] == [schedule(torch.tensor(i)).item() for i in (0, 1)]
 
 
 def test_drop_rows_after_keeps_earlier_rows_and_drops_a_torn_line(tmp_path):

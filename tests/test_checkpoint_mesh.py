@@ -5,6 +5,7 @@ Meshes other than the torchrun one are simulated in this process (fnmoe.dist.sim
 writes and reads every simulated rank's files as the real ranks would.
 """
 import errno
+import json
 import shutil
 import subprocess
 import sys
@@ -171,8 +172,10 @@ def test_2x2_run_resumed_from_step_2_repeats_the_uninterrupted_losses_bitwise(tm
     _torchrun(a)
     shutil.copytree(a, b)
     shutil.rmtree(b / "checkpoints" / "step_4")  # as if killed after step 4's metrics row, before its save
-    _torchrun(b, "--resume", "auto")
+    _torchrun(b, "--resume", "auto", "--profile.steps", "4:4")
     assert losses(b) == losses(a) and sorted(losses(a)) == [1, 2, 3, 4]
+    for rank in range(4):  # each rank its own trace (they used to overwrite one file)
+        assert json.loads((b / "profile" / f"trace_steps_4_4_rank{rank}.json").read_text())["traceEvents"]
     assert [r.get("step", r.get("event")) for r in rows(b)] == [1, 2, "resume", 3, 4, 4]
     ia, ib = (verify(d / "checkpoints" / "step_4") for d in (a, b))
     assert set(ia["files"]) == set(ib["files"]) and len(ia["files"]) == 9

@@ -75,6 +75,10 @@ def test_train_writes_the_run_files_in_a_fresh_process(tmp_path):
     (["--config", "nope.toml"], "config file not found: nope.toml"),
     (["--mesh.fsdp", "2"], "mesh.fsdp=2 x mesh.ep=1 = 2 ranks, but the job has 1"),
     (["--profile.steps", "5"], "profile.steps must be A:B"),
+    (["--train.steps", "2", "--profile.steps", "1:3"], "profile.steps=1:3 ends after train.steps=2"),
+    (["--plan.matmul-tflops", "0"], "plan.matmul_tflops must be > 0"),
+    (["--plan.network-gbps", "-1"], "plan.network_gbps must be > 0"),
+    (["--optim.ns-steps", "0"], "optim.ns_steps must be >= 1"),
 ])
 def test_bad_configs_are_named(args, message, capsys, tmp_path):
     assert main(["train", "--train.run-dir", str(tmp_path), *args]) == 2
@@ -98,6 +102,11 @@ def test_profile_steps_writes_a_trace(tmp_path):
                  *SMALL]) == 0
     trace = tmp_path / "profile" / "trace_steps_2_3.json"
     assert json.loads(trace.read_text())["traceEvents"]
+    # resumed inside the window: the run profiles what is left of it (stopping a profiler it never
+    # started used to raise)
+    assert main(["train", "--train.steps", "5", "--profile.steps", "3:4", "--train.run-dir", str(tmp_path),
+                 "--resume", "auto", *SMALL]) == 0
+    assert json.loads((tmp_path / "profile" / "trace_steps_4_4.json").read_text())["traceEvents"]
 
 
 def test_ctrl_c_stops_cleanly_and_says_what_was_done(tmp_path):

@@ -71,6 +71,17 @@ def test_inspect_reports_clean_regions_and_dumps(tmp_path, capsys):
         assert (tmp_path / region / "inductor_output_0.py").read_text().count("async_compile") > 0
 
 
+def test_inspect_of_a_capacity_factor_sees_the_graph_training_compiles(capsys):
+    """Kept rows come from nonzero: fullgraph training traces it in-graph, and so does inspect (it
+    used to report breaks training does not have, and crashed hinting a size read after one)."""
+    code = main(["inspect", "--config", str(ROOT / "configs/tiny.toml"), "--model.moe.capacity-factor", "1.0", *SMALL])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert re.search(r"^moe\s+1\s+0\s+0\s+\d+\s+[1-9]\d*\s+2\s+ok$", out, re.M), out  # nonzero and the slab size
+    if HINTS:
+        assert re.search(r"^  host sync: call_method nonzero: u\d+ hinted \d+$", out, re.M), out
+
+
 def test_inspect_flags_breaks_and_host_syncs():
     def leaky(x):
         y = x * 2
