@@ -88,6 +88,7 @@ def cmd_inspect(argv: list[str]) -> int:
     known, run = _parse_run_and(argv, "fnmoe inspect", "--dump", dict(default=""),
                                 "fnmoe inspect [--config FILE] [overrides] [--dump DIR]: graphs, breaks, "
                                 "recompiles, FX nodes, kernels and host syncs per compiled region")
+    _dir_arg(known.dump, "--dump")
     setup_cache(run.compile_cache)
     reports, note = inspect_model(run.model, Path(known.dump) if known.dump else None)
     if note:
@@ -134,6 +135,19 @@ def load_model(src: Path):
     return load_tree(src)
 
 
+def _corpus_tokenizer(src: Path) -> str:
+    """The tokenizer of the prepared corpus the run or checkpoint at src trained on ('byte' when it
+    trained on text, or src holds no run config)."""
+    from fnmoe import checkpoint
+
+    if (src / "checkpoints").is_dir():
+        src = checkpoint.find_latest(src / "checkpoints")[0]
+    if not (src / "config.toml").is_file():
+        return "byte"
+    index = Path(load_config(src / "config.toml").data.corpus) / "index.json"
+    return json.loads(index.read_text()).get("tokenizer", "byte") if index.is_file() else "byte"
+
+
 def cmd_generate(argv: list[str]) -> int:
     import torch
 
@@ -151,6 +165,10 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     cfg, params = load_model(Path(args.src))
+    corpus_tok = _corpus_tokenizer(Path(args.src))
+    if corpus_tok != "byte":
+        raise ValueError(f"{args.src} was trained on a corpus tokenized with {corpus_tok}; fnmoe generate "
+                         "encodes prompts and decodes tokens as bytes only")
     tok = ByteTokenizer()
     ids = tok.encode(args.prompt) or [EOS_ID]  # an empty prompt starts a new document
     out = generate(params, torch.tensor([ids]), cfg, args.max_new_tokens, args.temperature, args.top_p,
@@ -171,6 +189,7 @@ def cmd_convert(argv: list[str]) -> int:
                      "or a training checkpoint (<run-dir>/checkpoints/step_N)")
     parser.add_argument("--out", metavar="DST", required=True, help="the output directory (new or empty)")
     args = parser.parse_args(argv)
+    _dir_arg(args.out, "--out")
     if args.from_hf:
         cfg, params = hf.load(args.from_hf)
         save_tree(args.out, params, cfg)
@@ -183,6 +202,12 @@ def cmd_convert(argv: list[str]) -> int:
         hf.save(args.out, params, cfg)
     print(f"wrote {args.out} ({'native tree' if args.from_hf else hf.hf_architecture(cfg)})")
     return 0
+
+
+def _dir_arg(path: str, flag: str) -> None:
+    """Stop before any work when an output directory argument names a file."""
+    if path and Path(path).exists() and not Path(path).is_dir():
+        raise ValueError(f"{flag} {path} is a file; it must name a directory (new, or one to write into)")
 
 
 def cmd_prepare(argv: list[str]) -> int:
@@ -200,6 +225,7 @@ def cmd_prepare(argv: list[str]) -> int:
     parser.add_argument("--val-fraction", type=float, default=0.05, help="held-out fraction of documents")
     parser.add_argument("--workers", type=int, default=2, help="tokeniser processes")
     args = parser.parse_args(argv)
+    _dir_arg(args.out, "--out")
     index = prepare(args.input, args.tokenizer, args.out, args.text_field, args.val_fraction, args.workers,
                     args.prompt_field)
     sp = index["splits"]
@@ -217,6 +243,7 @@ def cmd_plot(argv: list[str]) -> int:
     parser.add_argument("run_dir", metavar="RUN_DIR")
     parser.add_argument("--out", default="", help="output directory (default RUN_DIR/plots)")
     args = parser.parse_args(argv)
+    _dir_arg(args.out, "--out")
     drawn = plot_run(args.run_dir, args.out or None)
     print(f"wrote {', '.join(drawn)} to {args.out or Path(args.run_dir) / 'plots'}")
     return 0

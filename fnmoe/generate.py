@@ -9,6 +9,8 @@ are. A prompt is one call over all its positions; each new token is one call of 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fnmoe.attention import gqa_qk, mla_qkv, mla_softmax_scale, rms_norm, rope
@@ -84,12 +86,18 @@ def step_logits(params: Tree, tokens_BL: torch.Tensor, cache: dict, cfg: ModelCo
 def sample(logits_BV: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
     """Next tokens [B]: argmax at temperature 0, else from the smallest set of tokens whose
     probability reaches top_p (nucleus sampling)."""
-    if temperature <= 0:
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+    if not 0 < top_p:  # nan fails too
+        raise ValueError(f"top_p must be > 0 (1: no nucleus cut), got {top_p}")
+    if temperature == 0:
         return logits_BV.argmax(-1)
-    probs_BV = torch.softmax(logits_BV / temperature, dim=-1)
+    # the top logit shifted to 0 first: a tiny temperature sends the others to -inf, never the top to inf
+    probs_BV = torch.softmax((logits_BV - logits_BV.amax(-1, keepdim=True)).double() / temperature, dim=-1)
     sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
-    # keep a token while the mass before it is below top_p (the top token always stays)
+    # keep a token while the mass before it is below top_p; the top token always stays
     keep_BV = (sorted_BV.cumsum(-1) - sorted_BV) < top_p
+    keep_BV[:, 0] = True
     sorted_BV = sorted_BV * keep_BV
     choice_B1 = torch.multinomial(sorted_BV / sorted_BV.sum(-1, keepdim=True), 1, generator=gen)
     return order_BV.gather(-1, choice_B1).squeeze(-1)
@@ -101,6 +109,8 @@ def generate(params: Tree, prompt_BL: torch.Tensor, cfg: ModelConfig, max_new_to
     every row has produced stop_id)."""
     check_tokens(prompt_BL, cfg.vocab_size)
     B, L = prompt_BL.shape
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if L + max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"prompt ({L}) + max_new_tokens ({max_new_tokens}) exceeds model.max_seq_len={cfg.max_seq_len}")
     gen = torch.Generator(device=prompt_BL.device).manual_seed(seed)

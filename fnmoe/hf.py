@@ -194,8 +194,13 @@ CONFIG_READERS = {"Qwen3MoeForCausalLM": _qwen3_config, "DeepseekV3ForCausalLM":
 
 def config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
     """(ModelConfig, architecture) of a config.json dict; compute_dtype float32, compile off."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"config.json: expected an object of fields, got {type(hf).__name__}")
     arch = architecture(hf)
-    cfg = CONFIG_READERS[arch](hf)
+    try:
+        cfg = CONFIG_READERS[arch](hf)
+    except (TypeError, AttributeError) as e:  # e.g. "hidden_size": "128"
+        raise ValueError(f"config.json: a field has the wrong type ({e})") from None
     errors = validate_model(cfg)
     if errors:
         raise ValueError("config.json gives an invalid model:\n  " + "\n  ".join(errors))
@@ -263,13 +268,35 @@ def _hf_shape(how: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 def _open(hf_dir: Path, stack: contextlib.ExitStack) -> dict[str, Any]:
     """HF key -> the open (memory-mapped) safetensors file holding it."""
     if (hf_dir / INDEX).is_file():
-        weight_map = json.loads((hf_dir / INDEX).read_text())["weight_map"]
-        files = {name: stack.enter_context(safe_open(hf_dir / name, framework="pt")) for name in sorted(set(weight_map.values()))}
+        weight_map = read_json(hf_dir / INDEX).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{hf_dir / INDEX}: no 'weight_map' of tensor names to files")
+        files = {name: _safe_open(hf_dir / name, stack) for name in sorted(set(weight_map.values()))}
         return {key: files[name] for key, name in weight_map.items()}
     if (hf_dir / SINGLE).is_file():
-        f = stack.enter_context(safe_open(hf_dir / SINGLE, framework="pt"))
+        f = _safe_open(hf_dir / SINGLE, stack)
         return {key: f for key in f.keys()}
     raise FileNotFoundError(f"{hf_dir}: neither {SINGLE} nor {INDEX} found")
+
+
+def _safe_open(path: Path, stack: contextlib.ExitStack):
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found (listed in {INDEX})")
+    try:
+        return stack.enter_context(safe_open(path, framework="pt"))
+    except Exception as e:  # a truncated or foreign file: safetensors' error names no file
+        raise ValueError(f"{path}: unreadable safetensors file ({e})") from None
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from path, or a ValueError naming the file."""
+    try:
+        out = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(out).__name__}")
+    return out
 
 
 def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -344,7 +371,7 @@ def load(hf_dir: str | Path, mesh=None) -> tuple[ModelConfig, Tree]:
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir}: no config.json (not a Hugging Face checkpoint directory)")
-    hf = json.loads((hf_dir / "config.json").read_text())
+    hf = read_json(hf_dir / "config.json")
     cfg, arch = config_from_hf(hf)
     inits = flatten_dict(leaf_inits(cfg))
     with contextlib.ExitStack() as stack:

@@ -25,7 +25,7 @@ from fnmoe.metrics import (JsonlWriter, MetricsWriter, TensorBoardWriter, drop_r
                            load_by_layer, load_max_over_mean, mfu)
 from fnmoe.model import init_params
 from fnmoe.train import TrainState, eval_loss, init_state, make_train_step
-from fnmoe.tree import flatten_dict, tree_map
+from fnmoe.tree import tree_map
 
 log = logging.getLogger("fnmoe")
 # test hook (tests/test_checkpoint.py): SIGKILL the process after this step on torchrun's first attempt
@@ -205,16 +205,14 @@ def _initial_params(run: RunConfig, device: torch.device, mesh):
     if not run.train.init_from_hf:
         return init_params(run.model, run.train.seed, device=device, mesh=mesh)
     from fnmoe import hf
-    from fnmoe.model import leaf_inits
+    from fnmoe.model import shape_mismatches
 
     cfg, params = hf.load(run.train.init_from_hf, mesh=mesh)
-    want = {p: tuple(i.shape) for p, i in flatten_dict(leaf_inits(run.model)).items()}
-    have = {p: tuple(t.shape) for p, t in flatten_dict(params).items()}
-    if want != have:
-        diff = sorted(set(want.items()) ^ set(have.items()))[:4]
+    diff = shape_mismatches(params, run.model)
+    if diff:
         raise ValueError(f"train.init_from_hf={run.train.init_from_hf}: its model ({cfg.n_layers} layers, dim "
-                         f"{cfg.dim}, {cfg.moe.n_experts} experts) does not match the config's; first differences "
-                         f"(path, shape): {diff}; `fnmoe convert --from-hf SRC --out DST` writes DST/config.toml with its model")
+                         f"{cfg.dim}, {cfg.moe.n_experts} experts) does not match the config's; first differences: "
+                         f"{'; '.join(diff)}; `fnmoe convert --from-hf SRC --out DST` writes DST/config.toml with its model")
     return _to(params, device)
 
 

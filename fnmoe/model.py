@@ -92,6 +92,15 @@ def leaf_inits(cfg: ModelConfig) -> Tree:
     return tree
 
 
+def shape_mismatches(params: Tree, cfg: ModelConfig, limit: int = 4) -> list[str]:
+    """The first few ways params differ from the leaves of cfg's model: missing, extra, other shapes."""
+    want = {p: tuple(i.shape) for p, i in flatten_dict(leaf_inits(cfg)).items()}
+    have = {p: tuple(t.shape) for p, t in flatten_dict(params).items()}
+    out = [f"{p}: missing (expected {list(s)})" for p, s in want.items() if p not in have]
+    out += [f"{p}: shape {list(have[p])}, expected {list(s)}" for p, s in want.items() if p in have and have[p] != s]
+    return (out + [f"{p}: not a leaf of this model" for p in have if p not in want])[:limit]
+
+
 def _mla_inits(cfg: ModelConfig, normal: Callable, ones: Callable, out_std: float) -> dict:
     D, H, C, P = cfg.dim, cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     N, X, Y = H * cfg.qk_head_dim_, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), H * cfg.v_head_dim

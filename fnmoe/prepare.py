@@ -14,7 +14,7 @@ Layout of a prepared directory (read by fnmoe.data when `--data.corpus DIR`):
 
 Documents are tokenised in parallel in parts of PART_DOCS documents; each finished part is
 renamed into `parts/` with its token count, so an interrupted run resumes at the first missing
-part. The final files are written to temporary names and renamed, so a crash never leaves a
+part (only a run of the same documents and tokenizer: `parts/key.txt` holds their digest). The final files are written to temporary names and renamed, so a crash never leaves a
 half-written `train.bin` behind an index that claims it.
 """
 from __future__ import annotations
@@ -79,8 +79,24 @@ def _progress(done: int, total: int) -> None:
     sys.stderr.flush()
 
 
-def _tokenise_parts(docs: list[str], spec: str, dtype: str, parts_dir: Path, workers: int) -> None:
+def parts_key(docs: list, name: str, dtype: str) -> str:
+    """What the parts of a run depend on: the documents (text, or prompt and text), the tokenizer
+    and the part size. An interrupted run resumes only from parts of the same key."""
+    h = hashlib.sha256(json.dumps([name, dtype, PART_DOCS]).encode())
+    for doc in docs:
+        h.update(json.dumps(doc).encode() + b"\0")
+    return h.hexdigest()
+
+
+def _tokenise_parts(docs: list, spec: str, name: str, dtype: str, parts_dir: Path, workers: int) -> list[Path]:
+    """The part files of docs, tokenised where an earlier run of the same key left none."""
+    key, key_file = parts_key(docs, name, dtype), parts_dir / "key.txt"
+    if parts_dir.is_dir() and (not key_file.is_file() or key_file.read_text() != key):
+        print(f"prepare: {parts_dir} holds parts of other inputs or another tokenizer; starting over", file=sys.stderr)
+        for p in parts_dir.glob("*"):
+            p.unlink()
     parts_dir.mkdir(parents=True, exist_ok=True)
+    key_file.write_text(key)
     chunks = [docs[i:i + PART_DOCS] for i in range(0, len(docs), PART_DOCS)]
     todo = [k for k in range(len(chunks)) if not (parts_dir / f"{k:06d}.npy").exists()]
     done = len(chunks) - len(todo)
@@ -93,6 +109,7 @@ def _tokenise_parts(docs: list[str], spec: str, dtype: str, parts_dir: Path, wor
             done += 1
             _progress(done, len(chunks))
     sys.stderr.write("\n")
+    return [parts_dir / f"{k:06d}.npy" for k in range(len(chunks))]
 
 
 def _concat(parts: list[Path], out: Path, dtype: str, row: int = 0) -> dict:
@@ -116,16 +133,17 @@ def prepare(inputs: list[str], tokenizer: str, out_dir: str | Path, text_field: 
     prompt_field: JSONL SFT pairs, whose prompt tokens are written with loss mask 0."""
     out = Path(out_dir)
     name, _, vocab, eos = load_tokenizer(tokenizer)
+    if not 0 < val_fraction < 1:  # nan too
+        raise ValueError(f"--val-fraction must be in (0, 1), got {val_fraction}")
     docs = read_inputs(inputs, text_field, prompt_field)
     n_val = max(1, round(len(docs) * val_fraction))
-    if not 0 < val_fraction < 1 or n_val >= len(docs):
+    if n_val >= len(docs):
         raise ValueError(f"{len(docs)} documents cannot hold out val_fraction={val_fraction} and still train")
     dtype = "uint16" if vocab <= 2**16 else "uint32"
     parts_dir = out / "parts"
-    _tokenise_parts(docs, tokenizer, dtype, parts_dir, workers)
+    parts = _tokenise_parts(docs, tokenizer, name, dtype, parts_dir, workers)
     # parts hold PART_DOCS documents each; split exactly at the first held-out document
     split = len(docs) - n_val
-    parts = sorted(p for p in parts_dir.glob("*.npy") if ".tmp" not in p.name)
     boundary, cut = divmod(split, PART_DOCS)
     if cut:  # the boundary part holds both splits: split it by document
         head = _encode_part((tokenizer, dtype, docs[boundary * PART_DOCS:split]))

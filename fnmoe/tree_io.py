@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fnmoe.config import ModelConfig, from_dict, to_dict, validate_model
+from fnmoe.model import shape_mismatches
 from fnmoe.tree import Tree, flatten_dict, unflatten_dict
 
 FORMAT, VERSION = "fnmoe-tree", 1
@@ -50,6 +51,8 @@ def load_tree(tree_dir: str | Path) -> tuple[ModelConfig, Tree]:
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise ValueError(f"{tree_dir / INDEX}: format {index.get('format')!r} version {index.get('version')!r}, "
                          f"expected {FORMAT!r} version {VERSION}")
+    if not isinstance(index.get("model"), dict) or not isinstance(index.get("tensors"), dict):
+        raise ValueError(f"{tree_dir / INDEX}: needs a 'model' config and a 'tensors' table")
     cfg = from_dict(ModelConfig, index["model"], "model.")
     errors = validate_model(cfg)
     if errors:
@@ -58,10 +61,24 @@ def load_tree(tree_dir: str | Path) -> tuple[ModelConfig, Tree]:
     files: dict[str, object] = {}
     for path, meta in index["tensors"].items():
         if meta["file"] not in files:
-            with safe_open(tree_dir / meta["file"], framework="pt") as f:
-                files[meta["file"]] = {k: f.get_tensor(k) for k in f.keys()}
+            files[meta["file"]] = read_safetensors(tree_dir / meta["file"])
         stored = files[meta["file"]]
         if path not in stored:
             raise ValueError(f"{tree_dir / meta['file']}: missing tensor '{path}' listed in {INDEX}")
         flat[path] = stored[path]
-    return cfg, unflatten_dict(flat)
+    params = unflatten_dict(flat)
+    diff = shape_mismatches(params, cfg)
+    if diff:  # a tree that does not hold the model its index describes would run, wrongly
+        raise ValueError(f"{tree_dir}: its tensors do not fit the model in {INDEX}: {'; '.join(diff)}")
+    return cfg, params
+
+
+def read_safetensors(path: Path) -> dict:
+    """Every tensor of a safetensors file, or a ValueError naming the file (truncated, not one)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # safetensors' own error type is not importable the same way in every version
+        raise ValueError(f"{path}: unreadable safetensors file ({e})") from None

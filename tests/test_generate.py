@@ -45,6 +45,17 @@ def test_top_p_keeps_the_nucleus_and_temperature_zero_is_argmax():
     assert {sample(logits, 1.0, 1.0, gen).item() for _ in range(500)} == {0, 1, 2, 3}
 
 
+def test_sampling_settings_are_checked_and_extremes_stay_finite():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    for temperature, top_p, message in ((float("nan"), 1.0, "temperature"), (-1.0, 1.0, "temperature"),
+                                        (1.0, 0.0, "top_p"), (1.0, float("nan"), "top_p")):
+        with pytest.raises(ValueError, match=message):
+            sample(logits, temperature, top_p, gen)
+    assert sample(logits, 1e-45, 1.0, gen).item() == 0  # logits / T overflowed to inf and nan before
+    assert {sample(logits, 1.0, 1e-9, gen).item() for _ in range(50)} == {0}  # the top token always stays
+
+
 def test_generation_limits_are_named():
     cfg = dataclasses.replace(load_config(ROOT / "configs" / "tiny.toml").model, max_seq_len=16)
     params = init_params(cfg, seed=0)
@@ -52,6 +63,8 @@ def test_generation_limits_are_named():
         generate(params, torch.zeros(1, 10, dtype=torch.long), cfg, max_new_tokens=10)
     with pytest.raises(ValueError, match="token id 999"):
         generate(params, torch.tensor([[999]]), cfg, max_new_tokens=1)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        generate(params, torch.zeros(1, 2, dtype=torch.long), cfg, max_new_tokens=-1)
 
 
 def test_generate_command_from_a_run_directory(tmp_path, capsys):

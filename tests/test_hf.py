@@ -295,6 +295,30 @@ def test_errors_name_the_key(qwen3_dir, tmp_path, config, tensors, message):
         hf.load(edited(qwen3_dir, tmp_path / "bad", config, tensors))
 
 
+def test_damaged_files_are_named(qwen3_dir, tmp_path, capsys):
+    """A truncated weights file, a config.json that is no object, a tree whose tensors do not fit
+    its config, an output path that is a file: one error naming the file, no traceback."""
+    from fnmoe.cli import main
+
+    bad = edited(qwen3_dir, tmp_path / "trunc")
+    (bad / "model.safetensors").write_bytes((bad / "model.safetensors").read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"model.safetensors: unreadable safetensors file"):
+        hf.load(bad)
+    (bad / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config.json: expected a JSON object"):
+        hf.load(bad)
+    assert main(["convert", "--from-hf", str(qwen3_dir), "--out", str(tmp_path / "tree")]) == 0
+    index = json.loads((tmp_path / "tree" / "index.json").read_text())
+    index["model"]["n_layers"] = 1  # the tree holds 2: it would have run on half of them
+    (tmp_path / "tree" / "index.json").write_text(json.dumps(index))
+    assert main(["generate", "--from", str(tmp_path / "tree"), "--prompt", "a"]) == 2
+    err = capsys.readouterr().err
+    assert "its tensors do not fit the model in index.json: layers.1." in err and "not a leaf of this model" in err
+    (tmp_path / "file").write_text("x")
+    assert main(["convert", "--from-hf", str(qwen3_dir), "--out", str(tmp_path / "file")]) == 2
+    assert "--out " + str(tmp_path / "file") + " is a file" in capsys.readouterr().err
+
+
 def test_convert_command_round_trip(qwen3_dir, tmp_path, capsys):
     from fnmoe.cli import main
     from fnmoe.tree_io import load_tree

@@ -1,5 +1,6 @@
 """`fnmoe prepare`: shards round-trip, the held-out split, resume after interruption, tokenizers."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import torch
 from fnmoe.cli import main
 from fnmoe.config import DataConfig
 from fnmoe.data import EOS_ID, load_data, read_documents
-from fnmoe.prepare import PART_DOCS, open_prepared, prepare
+from fnmoe.prepare import PART_DOCS, parts_key, open_prepared, prepare, read_inputs
 
 
 def write_jsonl(path, docs, field="text"):
@@ -53,11 +54,33 @@ def test_an_interrupted_run_resumes_from_finished_parts(tmp_path):
     marked[0] = ord("X")
     np.save(parts / "000000.npy", marked)
     (parts / "000001.tmp.npy").write_bytes(b"torn")  # an unfinished write is ignored
+    np.save(parts / "split_val.npy", marked)  # the interrupted run's split of the boundary part: redone
+    (parts / "key.txt").write_text(parts_key(read_inputs([str(src)], "text"), "byte", "uint16"))
     prepare([str(src)], "byte", tmp_path / "out")
     _, arrays = open_prepared(tmp_path / "out")
-    expected = byte_stream(docs[:-round(len(docs) * 0.05)])
+    n_val = round(len(docs) * 0.05)
+    expected = byte_stream(docs[:-n_val])
     expected[0] = ord("X")
-    assert arrays["train"].tolist() == expected
+    assert arrays["train"].tolist() == expected and arrays["val"].tolist() == byte_stream(docs[-n_val:])
+
+
+def test_parts_of_other_inputs_are_not_resumed(tmp_path):
+    """An interrupted run on corpus A, then corpus B into the same directory: B's tokens only (A's
+    parts used to be taken as B's)."""
+    a = write_jsonl(tmp_path / "a.jsonl", [f"alpha {i} " * 3 for i in range(2 * PART_DOCS)])
+    b_docs = [f"beta {i} " * 4 for i in range(2 * PART_DOCS)]
+    b = write_jsonl(tmp_path / "b.jsonl", b_docs)
+    prepare([str(a)], "byte", tmp_path / "out")
+    index_a = json.loads((tmp_path / "out" / "index.json").read_text())
+    (tmp_path / "out" / "index.json").unlink()  # as if A's run stopped before its end; its parts stay
+    parts = tmp_path / "out" / "parts"
+    parts.mkdir()
+    np.save(parts / "000000.npy", np.asarray(byte_stream(read_inputs([str(a)], "text")[:PART_DOCS]), dtype="uint16"))
+    (parts / "key.txt").write_text(parts_key(read_inputs([str(a)], "text"), "byte", "uint16"))
+    index = prepare([str(b)], "byte", tmp_path / "out")
+    _, arrays = open_prepared(tmp_path / "out")
+    n_val = round(len(b_docs) * 0.05)
+    assert arrays["train"].tolist() == byte_stream(b_docs[:-n_val]) and index["fingerprint"] != index_a["fingerprint"]
 
 
 def test_truncated_shard_is_named(tmp_path):
@@ -69,7 +92,7 @@ def test_truncated_shard_is_named(tmp_path):
         open_prepared(tmp_path / "out")
 
 
-def test_tokenizers_tokenizer_json(tmp_path):
+def test_tokenizers_tokenizer_json(tmp_path, capsys):
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers, trainers
 
@@ -87,3 +110,11 @@ def test_tokenizers_tokenizer_json(tmp_path):
     assert arrays["train"].tolist() == expected
     with pytest.raises(ValueError, match="model.vocab_size=10"):
         load_data(DataConfig(corpus=str(tmp_path / "out")), 10)
+    # a model trained on it: generate speaks bytes only, and says so rather than print garbage
+    run_dir = str(tmp_path / "run")
+    assert main(["train", "--data.corpus", str(tmp_path / "out"), "--train.steps", "1", "--train.run-dir", run_dir,
+                 "--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
+                 "--train.batch-size", "2", "--data.seq-len", "16", "--train.eval-batches", "1"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--from", run_dir, "--prompt", "the quick"]) == 2
+    assert re.search("tokenized with tokenizers:.*bytes only", capsys.readouterr().err)
