@@ -84,7 +84,7 @@ from fnmoe import dist as fdist
 from fnmoe import optim, sharding
 from fnmoe.config import CheckpointConfig, RunConfig, load_config, to_dict, to_toml
 from fnmoe.data import Loader
-from fnmoe.model import init_params
+from fnmoe.model import init_params, shape_mismatches
 from fnmoe.train import TrainState
 from fnmoe.tree import Tree, flatten_dict, tree_flatten_with_paths, unflatten_dict
 
@@ -661,7 +661,11 @@ def load_params(ckpt: str | Path) -> tuple[RunConfig, Tree]:
     """(the saved RunConfig, the params tree) of a checkpoint, verified first (for export, eval)."""
     ckpt = Path(ckpt)
     index = verify(ckpt)
-    return saved_config(ckpt), unflatten_dict(_read_section(ckpt, index, "tensors"))
+    run, params = saved_config(ckpt), unflatten_dict(_read_section(ckpt, index, "tensors"))
+    diff = shape_mismatches(params, run.model)
+    if diff:
+        raise CheckpointError(f"{ckpt}: its tensors do not fit the model of its {CONFIG}: {'; '.join(diff)}")
+    return run, params
 
 
 # ---------------------------------------------------------------- resume

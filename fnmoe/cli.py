@@ -226,8 +226,13 @@ def cmd_prepare(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=2, help="tokeniser processes")
     args = parser.parse_args(argv)
     _dir_arg(args.out, "--out")
-    index = prepare(args.input, args.tokenizer, args.out, args.text_field, args.val_fraction, args.workers,
-                    args.prompt_field)
+    try:
+        index = prepare(args.input, args.tokenizer, args.out, args.text_field, args.val_fraction, args.workers,
+                        args.prompt_field)
+    except KeyboardInterrupt:
+        print(f"\nfnmoe prepare: interrupted; finished parts stay in {Path(args.out) / 'parts'}: "
+              "the same command resumes from them", file=sys.stderr)
+        return 130
     sp = index["splits"]
     print(f"wrote {args.out}: {sp['train']['tokens']:,} train tokens ({sp['train']['docs']} documents), "
           f"{sp['val']['tokens']:,} held-out tokens ({sp['val']['docs']}), {index['dtype']}, "

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fnmoe.config import ModelConfig, MoEConfig, validate_model
@@ -284,7 +284,7 @@ def _safe_open(path: Path, stack: contextlib.ExitStack):
         raise FileNotFoundError(f"{path}: not found (listed in {INDEX})")
     try:
         return stack.enter_context(safe_open(path, framework="pt"))
-    except Exception as e:  # a truncated or foreign file: safetensors' error names no file
+    except SafetensorError as e:  # a truncated or foreign file: its message names no file
         raise ValueError(f"{path}: unreadable safetensors file ({e})") from None
 
 

@@ -18,13 +18,18 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
     steps: dict[int, dict] = {}
     vals: dict[int, dict] = {}
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    lines = path.read_text().splitlines()
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
+            if lineno == len(lines):  # a run killed mid-write leaves a torn last line: the rest stands
+                continue
             raise ValueError(f"{path}, line {lineno}: invalid JSON") from None
+        if ("loss" in row or "val_loss" in row) and not isinstance(row.get("step"), int):
+            raise ValueError(f"{path}, line {lineno}: a metrics row without an integer 'step'")
         if "loss" in row:
             steps[row["step"]] = row
         elif "val_loss" in row:
@@ -67,8 +72,10 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str
     drawn: dict[str, dict] = {
         "loss.png": {"train": (x, [r["loss"] for r in rows]),
                      **({"held-out": ([v["step"] for v in vals], [v["val_loss"] for v in vals])} if vals else {})},
-        "tokens_per_s.png": {"tokens/s": (x, [r["tokens_per_s"] for r in rows])},
     }
+    if any("tokens_per_s" in r for r in rows):
+        tps_rows = [r for r in rows if "tokens_per_s" in r]
+        drawn["tokens_per_s.png"] = {"tokens/s": ([r["step"] for r in tps_rows], [r["tokens_per_s"] for r in tps_rows])}
     if any(r.get("mfu") is not None for r in rows):
         mfu_rows = [r for r in rows if r.get("mfu") is not None]
         drawn["mfu.png"] = {"MFU %": ([r["step"] for r in mfu_rows], [100 * r["mfu"] for r in mfu_rows])}

@@ -46,7 +46,10 @@ def load_tokenizer(spec: str):
         from tokenizers import Tokenizer
     except ImportError:
         raise ValueError("a tokenizer.json needs the `tokenizers` package: pip install tokenizers") from None
-    tok = Tokenizer.from_file(str(path))
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ValueError(f"{spec}: not a Hugging Face tokenizer.json ({e})") from None
     eos = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
                 if tok.token_to_id(t) is not None), None)
     if eos is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fnmoe.config import ModelConfig, from_dict, to_dict, validate_model
@@ -78,7 +78,5 @@ def read_safetensors(path: Path) -> dict:
     try:
         with safe_open(path, framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
-    except FileNotFoundError:
-        raise
-    except Exception as e:  # safetensors' own error type is not importable the same way in every version
+    except SafetensorError as e:
         raise ValueError(f"{path}: unreadable safetensors file ({e})") from None

@@ -39,6 +39,13 @@ def test_plots_match_the_metrics_file(tmp_path):
 def test_plot_errors_name_the_problem(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5, "tokens_per_s": 9}\n{"step": 3, "lo')
+    drawn = plot_run(tmp_path)  # a killed run's torn last line is skipped; a row without tokens/s is not drawn there
+    assert drawn["loss.png"]["train"] == ([1, 2], [2.0, 1.5]) and drawn["tokens_per_s.png"]["tokens/s"] == ([2], [9])
+    metrics.write_text('{"loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "line 1: a metrics row without an integer 'step'" in capsys.readouterr().err
 
 
 def test_tensorboard_scalars_and_expert_histograms(tmp_path):
