@@ -49,6 +49,7 @@ from fnmoe.config import ModelConfig, MoEConfig, validate_model
 from fnmoe.model import leaf_inits
 from fnmoe.sharding import distribute
 from fnmoe.tree import Tree, flatten_dict, unflatten_dict
+from fnmoe.tree_io import new_dir
 
 log = logging.getLogger("fnmoe")
 
@@ -500,28 +501,25 @@ def save(hf_dir: str | Path, params: Tree, cfg: ModelConfig, max_shard_bytes: in
     the params' dtype."""
     arch = hf_architecture(cfg)
     tensors = _hf_tensors(params, cfg, arch)
-    hf_dir = Path(hf_dir)
-    if hf_dir.exists() and any(hf_dir.iterdir()):  # stale shards or an index would mix with ours
-        raise ValueError(f"hf.save: {hf_dir} is not empty")
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = t
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], hf_dir / SINGLE, metadata={"format": "pt"})
-    else:
-        names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
-        for name, shard in zip(names, shards):
-            save_file(shard, hf_dir / name, metadata={"format": "pt"})
-        weight_map = {key: name for name, shard in zip(names, shards) for key in shard}
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (hf_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    dtype = flatten_dict(params)["embed.w_VD"].dtype
-    (hf_dir / "config.json").write_text(json.dumps(config_to_hf(cfg, arch, dtype), indent=1) + "\n")
-    return hf_dir
+    with new_dir(hf_dir) as tmp:  # stale shards or an index in hf_dir would mix with ours: new or empty
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for key, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][key] = t
+            size += nbytes
+        if len(shards) == 1:
+            save_file(shards[0], tmp / SINGLE, metadata={"format": "pt"})
+        else:
+            names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+            for name, shard in zip(names, shards):
+                save_file(shard, tmp / name, metadata={"format": "pt"})
+            weight_map = {key: name for name, shard in zip(names, shards) for key in shard}
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        dtype = flatten_dict(params)["embed.w_VD"].dtype
+        (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, arch, dtype), indent=1) + "\n")
+    return Path(hf_dir)

@@ -13,7 +13,11 @@ Legend: no shape-suffixed tensors here; leaves are handled by dotted path.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -27,19 +31,36 @@ FORMAT, VERSION = "fnmoe-tree", 1
 PARAMS, INDEX = "params.safetensors", "index.json"
 
 
-def save_tree(out_dir: str | Path, params: Tree, cfg: ModelConfig) -> Path:
-    """Write params and their model config to out_dir (created; must be new or empty)."""
+@contextlib.contextmanager
+def new_dir(out_dir: str | Path):
+    """A temporary sibling of out_dir (new or empty) to write into, renamed to out_dir when the
+    block ends without an error and removed when it raises: a full disk or a crash never leaves
+    half a model that a rerun would refuse as "not empty"."""
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"{out_dir} is not empty")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    flat = {path: t.detach().cpu().contiguous() for path, t in flatten_dict(params).items()}
-    save_file(flat, out_dir / PARAMS, metadata={"format": "pt"})
-    tensors = {path: {"file": PARAMS, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-               for path, t in flat.items()}
-    index = {"format": FORMAT, "version": VERSION, "model": to_dict(cfg), "tensors": tensors}
-    (out_dir / INDEX).write_text(json.dumps(index, indent=1) + "\n")  # last: its presence marks a complete tree
-    return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out_dir.exists():
+        out_dir.rmdir()
+    os.replace(tmp, out_dir)
+
+
+def save_tree(out_dir: str | Path, params: Tree, cfg: ModelConfig) -> Path:
+    """Write params and their model config to out_dir (created; must be new or empty)."""
+    with new_dir(out_dir) as tmp:
+        flat = {path: t.detach().cpu().contiguous() for path, t in flatten_dict(params).items()}
+        save_file(flat, tmp / PARAMS, metadata={"format": "pt"})
+        tensors = {path: {"file": PARAMS, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                   for path, t in flat.items()}
+        index = {"format": FORMAT, "version": VERSION, "model": to_dict(cfg), "tensors": tensors}
+        (tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    return Path(out_dir)
 
 
 def load_tree(tree_dir: str | Path) -> tuple[ModelConfig, Tree]:

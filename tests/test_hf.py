@@ -319,6 +319,21 @@ def test_damaged_files_are_named(qwen3_dir, tmp_path, capsys):
     assert "--out " + str(tmp_path / "file") + " is a file" in capsys.readouterr().err
 
 
+def test_a_failed_save_leaves_nothing_behind(qwen3_dir, tmp_path, monkeypatch):
+    """A full disk mid-save: no half-written model in --out (a rerun refused it as "not empty")."""
+    cfg, params = hf.load(qwen3_dir)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(hf, "save_file", full)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(OSError, match="No space left"):
+        hf.save(tmp_path / "out", params, cfg)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and not any((tmp_path / "out").iterdir())
+    monkeypatch.undo()
+    assert (hf.save(tmp_path / "out", params, cfg) / "config.json").is_file()
+
+
 def test_convert_command_round_trip(qwen3_dir, tmp_path, capsys):
     from fnmoe.cli import main
     from fnmoe.tree_io import load_tree
