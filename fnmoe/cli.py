@@ -170,7 +170,10 @@ def cmd_generate(argv: list[str]) -> int:
         raise ValueError(f"{args.src} was trained on a corpus tokenized with {corpus_tok}; fnmoe generate "
                          "encodes prompts and decodes tokens as bytes only")
     tok = ByteTokenizer()
-    ids = tok.encode(args.prompt) or [EOS_ID]  # an empty prompt starts a new document
+    try:
+        ids = tok.encode(args.prompt) or [EOS_ID]  # an empty prompt starts a new document
+    except UnicodeEncodeError as e:  # bytes the shell could not decode arrive as surrogates
+        raise ValueError(f"--prompt is not valid text in UTF-8 ({e.reason} at characters {e.start}..{e.end})") from None
     out = generate(params, torch.tensor([ids]), cfg, args.max_new_tokens, args.temperature, args.top_p,
                    args.seed, stop_id=EOS_ID)
     print(args.prompt + tok.decode(out[0, len(ids):].tolist()))
