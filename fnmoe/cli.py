@@ -135,17 +135,17 @@ def load_model(src: Path):
     return load_tree(src)
 
 
-def _corpus_tokenizer(src: Path) -> str:
-    """The tokenizer of the prepared corpus the run or checkpoint at src trained on ('byte' when it
-    trained on text, or src holds no run config)."""
+def _prepared_corpus(src: Path) -> Path | None:
+    """The prepared corpus directory the run or checkpoint at src trained on; None when it trained
+    on text (byte tokens) or src holds no run config (a tree or HF directory)."""
     from fnmoe import checkpoint
 
     if (src / "checkpoints").is_dir():
         src = checkpoint.find_latest(src / "checkpoints")[0]
     if not (src / "config.toml").is_file():
-        return "byte"
-    index = Path(load_config(src / "config.toml").data.corpus) / "index.json"
-    return json.loads(index.read_text()).get("tokenizer", "byte") if index.is_file() else "byte"
+        return None
+    corpus = Path(load_config(src / "config.toml").data.corpus)
+    return corpus if (corpus / "index.json").is_file() else None
 
 
 def cmd_generate(argv: list[str]) -> int:
@@ -153,9 +153,10 @@ def cmd_generate(argv: list[str]) -> int:
 
     from fnmoe.data import EOS_ID, ByteTokenizer
     from fnmoe.generate import generate
+    from fnmoe.prepare import corpus_codec
 
     parser = argparse.ArgumentParser(prog="fnmoe generate", description="sample text from a trained model "
-                                     "(byte tokenizer) with a KV cache")
+                                     "with a KV cache (bytes, or the tokenizer of the prepared corpus it trained on)")
     parser.add_argument("--from", dest="src", required=True, metavar="DIR",
                         help="a run directory (newest checkpoint), a checkpoint, a native tree or a HF directory")
     parser.add_argument("--prompt", default="", help="the text to continue")
@@ -165,18 +166,16 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     cfg, params = load_model(Path(args.src))
-    corpus_tok = _corpus_tokenizer(Path(args.src))
-    if corpus_tok != "byte":
-        raise ValueError(f"{args.src} was trained on a corpus tokenized with {corpus_tok}; fnmoe generate "
-                         "encodes prompts and decodes tokens as bytes only")
+    corpus = _prepared_corpus(Path(args.src))
     tok = ByteTokenizer()
+    encode, decode, eos = corpus_codec(corpus) if corpus else (tok.encode, tok.decode, EOS_ID)
     try:
-        ids = tok.encode(args.prompt) or [EOS_ID]  # an empty prompt starts a new document
+        ids = encode(args.prompt) or [eos]  # an empty prompt starts a new document
     except UnicodeEncodeError as e:  # bytes the shell could not decode arrive as surrogates
         raise ValueError(f"--prompt is not valid text in UTF-8 ({e.reason} at characters {e.start}..{e.end})") from None
     out = generate(params, torch.tensor([ids]), cfg, args.max_new_tokens, args.temperature, args.top_p,
-                   args.seed, stop_id=EOS_ID)
-    print(args.prompt + tok.decode(out[0, len(ids):].tolist()))
+                   args.seed, stop_id=eos)
+    print(args.prompt + decode(out[0, len(ids):].tolist()))
     return 0
 
 

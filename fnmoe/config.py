@@ -531,7 +531,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(e, d.seq_len <= cfg.model.max_seq_len,
            f"data.seq_len={d.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     _check(e, 0 < d.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
-    if d.tokenizer == "byte":
+    if d.tokenizer == "byte" and not (Path(d.corpus) / "index.json").is_file():  # a prepared corpus has its own
         _check(e, cfg.model.vocab_size >= 257,
                f"model.vocab_size={cfg.model.vocab_size} is too small for the byte tokenizer (needs >= 257)")
     _check(e, o.lr > 0, f"optim.lr must be > 0, got {o.lr}")

@@ -11,6 +11,7 @@ Layout of a prepared directory (read by fnmoe.data when `--data.corpus DIR`):
     val.bin      the held-out documents (the last val_fraction of all documents, in input order)
     train.loss_mask.bin, val.loss_mask.bin   SFT sets only (--prompt-field): uint8 per token, 0 on
                  prompt tokens (never labels), 1 elsewhere; in the index as splits.<s>.loss_mask
+    tokenizer.json   a copy of the tokenizers tokenizer (not for 'byte'), for what decodes the tokens
 
 Documents are tokenised in parallel in parts of PART_DOCS documents; each finished part is
 renamed into `parts/` with its token count, so an interrupted run resumes at the first missing
@@ -22,7 +23,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -31,6 +34,7 @@ import numpy as np
 from fnmoe.data import EOS_ID, ByteTokenizer, encode_documents, read_documents
 
 FORMAT, VERSION = "fnmoe-tokens", 1
+TOKENIZER = "tokenizer.json"  # the copy of a tokenizers tokenizer a prepared directory keeps
 PART_DOCS = 64
 
 
@@ -168,6 +172,10 @@ def prepare(inputs: list[str], tokenizer: str, out_dir: str | Path, text_field: 
     index = {"format": FORMAT, "version": VERSION, "tokenizer": name, "tokenizer_spec": tokenizer,
              "vocab_size": vocab, "eos_id": eos, "dtype": dtype, "splits": splits,
              "fingerprint": fingerprint.hexdigest()[:16]}
+    if tokenizer != "byte":  # a copy beside the tokens: what reads them (fnmoe generate) needs no other path
+        shutil.copyfile(tokenizer, out / (TOKENIZER + ".tmp"))
+        os.replace(out / (TOKENIZER + ".tmp"), out / TOKENIZER)
+        index["tokenizer_file"] = TOKENIZER
     tmp = out / "index.json.tmp"
     tmp.write_text(json.dumps(index, indent=1))
     os.replace(tmp, out / "index.json")
@@ -175,6 +183,24 @@ def prepare(inputs: list[str], tokenizer: str, out_dir: str | Path, text_field: 
         p.unlink()
     parts_dir.rmdir()
     return index
+
+
+def corpus_codec(dir_: str | Path) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str], int]:
+    """(encode, decode, eos_id) of the tokenizer a prepared directory's tokens were made with."""
+    d = Path(dir_)
+    index = json.loads((d / "index.json").read_text())
+    if index["tokenizer"] == "byte":
+        tok = ByteTokenizer()
+        return tok.encode, tok.decode, index["eos_id"]
+    path = d / index.get("tokenizer_file", TOKENIZER)
+    if not path.is_file():
+        raise ValueError(f"{d} keeps no copy of its tokenizer ({index['tokenizer']}; prepared before copies were "
+                         "kept): run fnmoe prepare again")
+    name, encode, _, eos = load_tokenizer(str(path))
+    if name != index["tokenizer"]:
+        raise ValueError(f"{path} is not the tokenizer {d} was prepared with ({index['tokenizer']})")
+    from tokenizers import Tokenizer
+    return encode, Tokenizer.from_file(str(path)).decode, eos
 
 
 def open_prepared(dir_: str | Path) -> tuple[dict, dict[str, np.ndarray]]:

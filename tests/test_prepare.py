@@ -1,6 +1,5 @@
 """`fnmoe prepare`: shards round-trip, the held-out split, resume after interruption, tokenizers."""
 import json
-import re
 
 import numpy as np
 import pytest
@@ -110,11 +109,21 @@ def test_tokenizers_tokenizer_json(tmp_path, capsys):
     assert arrays["train"].tolist() == expected
     with pytest.raises(ValueError, match="model.vocab_size=10"):
         load_data(DataConfig(corpus=str(tmp_path / "out")), 10)
-    # a model trained on it: generate speaks bytes only, and says so rather than print garbage
+    # a model trained on it generates in its tokens: the prompt encoded and the output decoded by the
+    # tokenizer the corpus keeps a copy of (bytes before, printing garbage)
     run_dir = str(tmp_path / "run")
     assert main(["train", "--data.corpus", str(tmp_path / "out"), "--train.steps", "1", "--train.run-dir", run_dir,
-                 "--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
-                 "--train.batch-size", "2", "--data.seq-len", "16", "--train.eval-batches", "1"]) == 0
+                 "--model.vocab-size", "80", "--model.dim", "32", "--model.ffn-hidden", "64",
+                 "--model.moe.expert-hidden", "32", "--train.batch-size", "2", "--data.seq-len", "16",
+                 "--train.eval-batches", "1"]) == 0
+    from fnmoe.cli import load_model
+    from fnmoe.generate import generate
+    cfg, params = load_model(tmp_path / "run")
+    prompt = tok.encode("the quick brown", add_special_tokens=False).ids
+    new_ids = generate(params, torch.tensor([prompt]), cfg, 6, stop_id=eos)[0, len(prompt):].tolist()
     capsys.readouterr()
-    assert main(["generate", "--from", run_dir, "--prompt", "the quick"]) == 2
-    assert re.search("tokenized with tokenizers:.*bytes only", capsys.readouterr().err)
+    assert main(["generate", "--from", run_dir, "--prompt", "the quick brown", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == "the quick brown" + tok.decode(new_ids) + "\n"
+    (tmp_path / "out" / "tokenizer.json").write_text((tmp_path / "tokenizer.json").read_text() + " ")  # another file
+    assert main(["generate", "--from", run_dir, "--prompt", "the"]) == 2
+    assert "is not the tokenizer" in capsys.readouterr().err
