@@ -91,6 +91,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fnmoe" / "compile"
 
 
+def cache_root() -> Path:
+    """The compile cache in use: TORCHINDUCTOR_CACHE_DIR (setup_cache sets it), else the default."""
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+
+
 def setup_cache(cache_dir: str = "") -> Path:
     """Point inductor's caches at cache_dir (TORCHINDUCTOR_CACHE_DIR, when set, wins)."""
     if "TORCHINDUCTOR_CACHE_DIR" in os.environ:

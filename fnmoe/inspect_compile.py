@@ -8,8 +8,8 @@ kernel counts, and host syncs (data-dependent scalar reads such as `.item()` / `
 `_local_scalar_dense`, each size read named with its hint for inductor, fnmoe.compile.size_hint).
 Regions trace in bfloat16 (a float32 config's MoE region runs the eager
 loop, which reads counts on the host), so a float32 config is inspected as its bf16 twin, said
-once; the MoE region traces the expert GEMM path CPU uses (padded under impl='auto': one host read
-of its slab size, named in the report).
+once; the MoE region traces the expert GEMM path CPU uses (under impl='auto' fnmoe.cpu_gemm's grouped
+op, which reads nothing on the host; the padded path reads its slab size once, named in the report).
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def traceable_config(cfg: ModelConfig) -> tuple[ModelConfig, str]:
         return cfg, ""
     return (dataclasses.replace(cfg, compute_dtype="bfloat16"),
             f"note: model.compute_dtype={cfg.compute_dtype!r}: regions are traced in bfloat16 "
-            "(the float32 MoE path runs eager)")
+            "(on CUDA, or without fnmoe.cpu_gemm, the float32 MoE path runs eager)")
 
 
 def region_cases(cfg: ModelConfig, B: int = 2, L: int = 64, seed: int = 0) -> list[tuple[str, Callable, list[tuple]]]:
@@ -141,8 +141,9 @@ def gemm_note(cfg: ModelConfig) -> str:
         return ""
     gemm = expert_gemm(cfg, DTYPE[cfg.compute_dtype])
     why = {"padded": ": it reads the largest expert count on the host, once per MoE layer (its slab "
-                     "size; free on CPU, and on CUDA impl='auto' picks grouped, which reads nothing)",
-           "grouped": ": torch._grouped_mm, no host reads"}.get(gemm, "")
+                     "size; free on CPU; impl='auto' picks grouped, which reads nothing)",
+           "grouped": ": one ragged grouped GEMM (fnmoe.cpu_gemm here, torch._grouped_mm on CUDA), "
+                      "no host reads"}.get(gemm, "")
     return f"note: MoE expert GEMMs {gemm!r} (model.moe.impl={cfg.moe.impl!r}, on CPU){why}"
 
 

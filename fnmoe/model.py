@@ -33,7 +33,7 @@ from fnmoe import compile as fcompile
 from fnmoe import reshard
 from fnmoe.attention import attention, doc_mask, max_logits_H, rms_norm, rope, upcast
 from fnmoe.config import ModelConfig
-from fnmoe.moe import expert_gemm, moe_block, swiglu
+from fnmoe.moe import EXPERT_STACKS, expert_gemm, moe_block, swiglu
 from fnmoe.tree import Tree, flatten_dict, map_with_path, tree_map, unflatten_dict
 
 CHUNK_ROWS = 256
@@ -155,14 +155,15 @@ def init_params(cfg: ModelConfig, seed: int = 0, *, device: str | torch.device =
 
 # ---------------------------------------------------------------- forward
 
-def in_compute_dtype(p: dict, dtype: torch.dtype) -> dict:
+def in_compute_dtype(p: dict, dtype: torch.dtype, keep: tuple[str, ...] = ("router_bias_E",)) -> dict:
     """A region's params in the compute dtype. Compiled regions of one process take the stored
     (fp32) params and cast them here, where inductor fuses the casts into a few kernels and the
     gradients' casts back into the backward graph (one eager op per leaf each way otherwise, ~10%
     of a small CPU step); sharded gathers and blocks under offload (memory.Runner.offloads) arrive
-    cast. The router bias stays fp32 (it only ranks fp32 router scores)."""
-    return {k: v if k == "router_bias_E" or not isinstance(v, (dict, torch.Tensor))
-            else in_compute_dtype(v, dtype) if isinstance(v, dict) else v.to(dtype) if v.is_floating_point() else v
+    cast. Leaves named in keep stay as stored: the router bias (it only ranks fp32 router scores)
+    and, for fnmoe.cpu_gemm, the expert stacks (it casts slices inside its threads)."""
+    return {k: v if k in keep or not isinstance(v, (dict, torch.Tensor))
+            else in_compute_dtype(v, dtype, keep) if isinstance(v, dict) else v.to(dtype) if v.is_floating_point() else v
             for k, v in p.items()}
 
 
@@ -177,7 +178,8 @@ def _mlp_region(p, x_BLD, cfg):
 
 
 def _moe_region(p, x_BLD, cfg, gemm):
-    p = in_compute_dtype(p, x_BLD.dtype)
+    cpu_grouped = gemm == "grouped" and x_BLD.device.type == "cpu"
+    p = in_compute_dtype(p, x_BLD.dtype, ("router_bias_E", *(EXPERT_STACKS if cpu_grouped else ())))
     return moe_block(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cfg, gemm)
 
 

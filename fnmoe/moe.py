@@ -7,13 +7,12 @@ Expert weights are stacked [E, in, out]. Dropless by default: every token reache
 fixed and no shape depends on routing (a compiled region never recompiles as counts change); with
 model.moe.capacity_factor rows over an expert's capacity are dropped (`over_capacity`).
 
-Expert GEMM paths (`expert_gemm` picks one): grouped runs all experts as one `torch._grouped_mm`
-(bf16, dims aligned to 16 bytes; CUDA's default); padded puts each expert's rows in a slab of C rows,
-C the step's largest count rounded up to 16 (P = E·C slots), and runs batched matmuls (CPU's
-default in bf16: torch's CPU `_grouped_mm` runs one small matmul per expert; measured here, the
-expert GEMMs alone ~2.3x faster at R=4096, D=F=256, E=16, the whole MoE block ~1.4x at
-tools/bench_moe.py's shapes with --variants); the loop path (fp32, or unaligned dims) runs one
-matmul per expert and is the reference.
+Expert GEMM paths (`expert_gemm` picks one): grouped runs all experts as one ragged grouped GEMM:
+`torch._grouped_mm` on CUDA (bf16, dims aligned to 16 bytes), fnmoe.cpu_gemm's op on CPU (any float
+dtype; one parallel region, no padding). Padded puts each expert's rows in a slab of C rows, C the
+step's largest count rounded up to 16 (P = E·C slots), and runs batched matmuls: CPU's path when
+fnmoe.cpu_gemm cannot build (torch's CPU `_grouped_mm` wakes the threads once per expert: slower
+than either). The loop path runs one matmul per expert and is the reference.
 """
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fnmoe import cpu_gemm
 from fnmoe.attention import upcast
 from fnmoe.compile import size_hint
 from fnmoe.config import ModelConfig
@@ -162,6 +162,8 @@ def grouped_ok(x: torch.Tensor, *dims: int) -> bool:
             and all(d * x.element_size() % 16 == 0 for d in dims))
 
 
+EXPERT_STACKS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
+
 PAD_ROWS = 16  # slab rows are a multiple of this (at least this): aligned GEMMs, and C > 1 for inductor
 
 
@@ -198,6 +200,10 @@ def expert_mlp(x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, counts_E, gemm: str) -> t
     """SwiGLU of each row with its expert's weights; rows are sorted by expert. gemm: "grouped",
     "padded" or "loop" (see expert_gemm)."""
     if gemm == "grouped":
+        if x_RD.device.type == "cpu":
+            end_E = torch.cumsum(counts_E, 0)
+            h_RF = F.silu(cpu_gemm.grouped_mm(x_RD, w_gate_EDF, end_E)) * cpu_gemm.grouped_mm(x_RD, w_up_EDF, end_E)
+            return cpu_gemm.grouped_mm(h_RF, w_down_EFD, end_E)
         offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
         h_RF = F.silu(_grouped_mm(x_RD, w_gate_EDF, offs=offs_E)) * _grouped_mm(x_RD, w_up_EDF, offs=offs_E)
         return _grouped_mm(h_RF, w_down_EFD, offs=offs_E)
@@ -218,18 +224,21 @@ def swiglu(p: dict, x_TD: torch.Tensor) -> torch.Tensor:
 
 def expert_gemm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
     """The expert GEMM path for compute in dtype on device: model.moe.impl, and for "auto" grouped
-    on CUDA and padded elsewhere when grouped_ok holds (bf16, aligned dims), else the loop."""
+    where it runs (CPU: fnmoe.cpu_gemm built; CUDA: grouped_ok), else padded where grouped_ok holds
+    (bf16, aligned dims), else the loop."""
     impl = cfg.moe.impl
     if impl in ("loop", "padded"):
         return impl
-    ok = grouped_ok(torch.empty(0, dtype=dtype), cfg.dim, cfg.moe.expert_hidden)
+    aligned = grouped_ok(torch.empty(0, dtype=dtype), cfg.dim, cfg.moe.expert_hidden)
+    ok = cpu_gemm.available() if torch.device(device).type == "cpu" else aligned
     if impl == "grouped" and not ok:
         raise ValueError(
-            f"model.moe.impl='grouped' needs bfloat16 compute and model.dim={cfg.dim}, "
-            f"model.moe.expert_hidden={cfg.moe.expert_hidden} multiples of 8 (16-byte rows)")
-    if impl == "grouped" or (ok and torch.device(device).type == "cuda"):
+            "model.moe.impl='grouped' needs, on CPU, fnmoe's grouped GEMM extension (it did not build: see "
+            "the warning), elsewhere bfloat16 compute and model.dim="
+            f"{cfg.dim}, model.moe.expert_hidden={cfg.moe.expert_hidden} multiples of 8 (16-byte rows)")
+    if ok:
         return "grouped"
-    return "padded" if ok else "loop"
+    return "padded" if aligned else "loop"
 
 
 def balance_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:

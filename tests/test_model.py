@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from fnmoe.attention import gqa, rope_tables
 from fnmoe.config import ModelConfig, MoEConfig
 from fnmoe.model import LeafInit, draw_leaf, forward, init_params, leaf_inits
+from fnmoe import cpu_gemm
 from fnmoe.moe import PAD_ROWS, expert_gemm, expert_mlp, grouped_ok, moe_block, padded_slots
 from fnmoe.tree import flatten_dict, map_with_path
 
@@ -130,9 +131,11 @@ def test_batched_expert_gemms_match_loop_in_bf16(gemm):
     assert rel(out_g.float(), out_l.float()) <= 2e-2
 
 
-def test_padded_expert_mlp_matches_loop_in_fp32():
-    """The padded path against the per-expert loop, outputs and every gradient, with an expert that
-    gets no rows and one that gets more than a slab's rounding."""
+@pytest.mark.parametrize("gemm", ["padded", "grouped"])
+def test_batched_expert_mlp_matches_loop_in_fp32(gemm):
+    """The padded path and the CPU grouped op against the per-expert loop, outputs and every
+    gradient, with an expert that gets no rows and one that gets more than a slab's rounding; two
+    threads, so the grouped op's row shares cut expert 2 and its weight gradient sums two parts."""
     g = torch.Generator().manual_seed(3)
     E, D, F_ = 5, 24, 40
     counts = torch.tensor([7, 0, 19, 1, 13])
@@ -146,8 +149,21 @@ def test_padded_expert_mlp_matches_loop_in_fp32():
         y = expert_mlp(*ls, counts, gemm=gemm)
         return [y, *torch.autograd.grad(y, ls, gy)]
 
-    for a, b in zip(run("padded"), run("loop")):
-        assert rel(a, b) <= 1e-6
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for a, b in zip(run(gemm), run("loop")):
+            assert rel(a, b) <= 1e-6
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_cpu_grouped_op_checks_its_rows():
+    x, w = torch.randn(10, 8), torch.randn(3, 8, 4)
+    with pytest.raises(RuntimeError, match="add up to the 10 rows"):
+        cpu_gemm.grouped_mm(x, w, torch.tensor([2, 5, 9]))
+    with pytest.raises(RuntimeError, match="one int64 row end per expert"):
+        cpu_gemm.grouped_mm(x, w, torch.tensor([2, 10]))
 
 
 def test_padded_slots_are_distinct_and_per_expert():
@@ -162,16 +178,23 @@ def test_padded_slots_are_distinct_and_per_expert():
     assert padded_slots(torch.zeros(3, dtype=torch.int64), 0)[2] == PAD_ROWS
 
 
-def test_expert_gemm_choice():
+def test_expert_gemm_choice(monkeypatch, caplog):
     cfg = ModelConfig(dim=64, moe=MoEConfig(expert_hidden=32))
-    assert expert_gemm(cfg, torch.bfloat16, "cpu") == "padded"
+    odd = dataclasses.replace(cfg, dim=60)
+    grouped = dataclasses.replace(odd, moe=dataclasses.replace(odd.moe, impl="grouped"))
+    for dtype, dims in ((torch.bfloat16, cfg), (torch.float32, cfg), (torch.bfloat16, odd)):
+        assert expert_gemm(dims, dtype, "cpu") == "grouped"  # fnmoe.cpu_gemm: any dtype, any dims
     assert expert_gemm(cfg, torch.bfloat16, "cuda") == "grouped"
     assert expert_gemm(cfg, torch.float32, "cuda") == "loop"
-    odd = dataclasses.replace(cfg, dim=60)
-    assert expert_gemm(odd, torch.bfloat16, "cpu") == "loop"
-    with pytest.raises(ValueError, match="impl='grouped'"):
-        expert_gemm(dataclasses.replace(odd, moe=dataclasses.replace(odd.moe, impl="grouped")), torch.bfloat16)
     assert expert_gemm(dataclasses.replace(cfg, moe=MoEConfig(impl="padded")), torch.float32) == "padded"
+    monkeypatch.setattr(cpu_gemm, "_build_error", lambda: "RuntimeError: no C++ compiler")
+    assert expert_gemm(cfg, torch.bfloat16, "cpu") == "padded"
+    assert "did not build (RuntimeError: no C++ compiler)" in caplog.text
+    assert expert_gemm(odd, torch.bfloat16, "cpu") == "loop"
+    with pytest.raises(ValueError, match="impl='grouped' needs, on CPU, fnmoe's grouped GEMM extension"):
+        expert_gemm(grouped, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler.*impl='padded'"):
+        cpu_gemm.grouped_mm(torch.randn(2, 8), torch.randn(1, 8, 4), torch.tensor([2]))
 
 
 # ---------------------------------------------------------------- whole model

@@ -148,7 +148,10 @@ def _train(mesh_shape, steps: int):
     f, e = mesh_shape
     n = f * e
     run = RunConfig(model=CFG, mesh=MeshConfig(fsdp=f, ep=e), train=TrainConfig(batch_size=B, steps=steps),
-                    optim=OptimConfig(name="muon", lr=0.02, adamw_lr=3e-3, warmup_steps=2))
+                    # fp32 Newton-Schulz: the meshes' gradients differ from one process's in the
+                    # reduction order (~1e-8), which in bf16 can flip a rounding (2^-8) of a leaf
+                    # whose iteration sits on a tie (seen on an AVX512-BF16 CPU: w_down_FD, 3.5e-3)
+                    optim=OptimConfig(name="muon", lr=0.02, adamw_lr=3e-3, warmup_steps=2, ns_dtype="float32"))
     tx, _ = optim.from_config(run.optim, steps)
     state = init_state(init_params(CFG, 0, mesh=sharding.make_mesh(run.mesh) if n > 1 else None), tx)
     train_step = make_train_step(run, tx)
