@@ -24,9 +24,14 @@ from fnmoe.compile import cache_root, say_once
 SOURCE = Path(__file__).resolve().parent / "csrc" / "grouped_gemm.cpp"
 
 
+_loaded = False  # a plain global: compiled code reads it (a guard), never traces the build
+
+
 @functools.cache
 def _build_error() -> str | None:
-    """None once the extension is loaded, else why it could not be."""
+    """None once the extension is loaded (and its ops have fake kernels for compile), else why it
+    could not be."""
+    global _loaded
     try:
         from torch.utils import cpp_extension
 
@@ -35,9 +40,14 @@ def _build_error() -> str | None:
         cpp_extension.load(name="fnmoe_cpu_gemm", sources=[str(SOURCE)], build_directory=str(build),
                            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
-        return None
     except Exception as e:  # no compiler, no ninja, a read-only cache: the padded path serves
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    torch.library.register_fake("fnmoe_cpu::grouped_mm")(
+        lambda x_RD, w_EDF, end_E: x_RD.new_empty(x_RD.shape[0], w_EDF.shape[2]))
+    torch.library.register_fake("fnmoe_cpu::grouped_mm_wgrad")(
+        lambda x_RD, g_RF, end_E, dtype: x_RD.new_empty(end_E.shape[0], x_RD.shape[1], g_RF.shape[1], dtype=dtype))
+    _loaded = True
+    return None
 
 
 def available() -> bool:
@@ -49,48 +59,31 @@ def available() -> bool:
     return why is None
 
 
-def _ops():
-    why = _build_error()
-    if why:
-        raise RuntimeError(f"fnmoe's CPU grouped GEMM did not build ({why}); use model.moe.impl='padded'")
-    return torch.ops.fnmoe_cpu
+class _GroupedMM(torch.autograd.Function):
+    """An autograd.Function, not a torch.library custom op: torch.func's transforms take it (the
+    train step's value_and_grad is tested against torch.func.grad_and_value)."""
+
+    @staticmethod
+    def forward(x_RD, w_EDF, end_E):
+        return torch.ops.fnmoe_cpu.grouped_mm(x_RD, w_EDF, end_E)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g_RF):
+        x_RD, w_EDF, end_E = ctx.saved_tensors
+        ops = torch.ops.fnmoe_cpu
+        g_x = ops.grouped_mm(g_RF, w_EDF.transpose(1, 2), end_E) if ctx.needs_input_grad[0] else None
+        g_w = ops.grouped_mm_wgrad(x_RD, g_RF, end_E, w_EDF.dtype) if ctx.needs_input_grad[1] else None
+        return g_x, g_w, None
 
 
-@torch.library.custom_op("fnmoe::grouped_mm", mutates_args=())
 def grouped_mm(x_RD: torch.Tensor, w_EDF: torch.Tensor, end_E: torch.Tensor) -> torch.Tensor:
     """y_RF[r] = x_RD[r] @ w_EDF[expert of r]; end_E: int64 cumulative row counts per expert. w may
     be stored in another float dtype (fp32 master weights): slices are cast to x's dtype as they
     are multiplied, and w's gradient comes back in w's dtype."""
-    return _ops().grouped_mm(x_RD, w_EDF, end_E)
-
-
-@torch.library.custom_op("fnmoe::grouped_mm_wgrad", mutates_args=())
-def grouped_mm_wgrad(x_RD: torch.Tensor, g_RF: torch.Tensor, end_E: torch.Tensor,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """g_EDF[e] = x_RD[rows of e]^T @ g_RF[rows of e], in dtype."""
-    return _ops().grouped_mm_wgrad(x_RD, g_RF, end_E, dtype)
-
-
-@grouped_mm.register_fake
-def _(x_RD, w_EDF, end_E):
-    return x_RD.new_empty(x_RD.shape[0], w_EDF.shape[2])
-
-
-@grouped_mm_wgrad.register_fake
-def _(x_RD, g_RF, end_E, dtype):
-    return x_RD.new_empty(end_E.shape[0], x_RD.shape[1], g_RF.shape[1], dtype=dtype)
-
-
-def _setup_context(ctx, inputs, output):
-    x_RD, w_EDF, end_E = inputs
-    ctx.save_for_backward(x_RD, w_EDF, end_E)
-
-
-def _backward(ctx, g_RF):
-    x_RD, w_EDF, end_E = ctx.saved_tensors
-    g_x = grouped_mm(g_RF, w_EDF.transpose(1, 2), end_E) if ctx.needs_input_grad[0] else None
-    g_w = grouped_mm_wgrad(x_RD, g_RF, end_E, w_EDF.dtype) if ctx.needs_input_grad[1] else None
-    return g_x, g_w, None
-
-
-grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+    if not _loaded and not available():
+        raise RuntimeError(f"fnmoe's CPU grouped GEMM did not build ({_build_error()}); use model.moe.impl='padded'")
+    return _GroupedMM.apply(x_RD, w_EDF, end_E)

@@ -67,7 +67,7 @@ def test_inspect_reports_clean_regions_and_dumps(tmp_path, capsys):
         assert re.search(rf"^{region}\s+1\s+0\s+0\s+\d+\s+[1-9]\d*\s+0\s+ok$", out, re.M), out
         assert (tmp_path / region / "fx_graph_0.py").exists()
         assert (tmp_path / region / "inductor_output_0.py").read_text().count("async_compile") > 0
-    assert "fnmoe.grouped_mm" in (tmp_path / "moe" / "fx_graph_0.py").read_text()
+    assert "fnmoe_cpu.grouped_mm" in (tmp_path / "moe" / "fx_graph_0.py").read_text()
 
 
 def test_inspect_names_the_padded_paths_host_read(capsys):

@@ -117,7 +117,13 @@ at::Tensor grouped_mm_wgrad(const at::Tensor& x_RD, const at::Tensor& g_RF, cons
 
 }  // namespace
 
+// CPU kernels (fnmoe/cpu_gemm.py registers fake kernels for compile and the autograd formula)
 TORCH_LIBRARY(fnmoe_cpu, m) {
-  m.def("grouped_mm(Tensor x_RD, Tensor w_EDF, Tensor end_E) -> Tensor", &grouped_mm);
-  m.def("grouped_mm_wgrad(Tensor x_RD, Tensor g_RF, Tensor end_E, ScalarType dtype) -> Tensor", &grouped_mm_wgrad);
+  m.def("grouped_mm(Tensor x_RD, Tensor w_EDF, Tensor end_E) -> Tensor");
+  m.def("grouped_mm_wgrad(Tensor x_RD, Tensor g_RF, Tensor end_E, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fnmoe_cpu, CPU, m) {
+  m.impl("grouped_mm", &grouped_mm);
+  m.impl("grouped_mm_wgrad", &grouped_mm_wgrad);
 }
