@@ -91,14 +91,24 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fnmoe" / "compile"
 
 
+def user_cache_dir() -> str | None:
+    """TORCHINDUCTOR_CACHE_DIR when someone chose it: importing torch._dynamo sets it to
+    inductor's own default (a temp directory), which must not hide compile_cache/."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default  # private API
+
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return None if env is None or os.path.abspath(env) == os.path.abspath(inductor_default()) else env
+
+
 def cache_root() -> Path:
-    """The compile cache in use: TORCHINDUCTOR_CACHE_DIR (setup_cache sets it), else the default."""
-    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+    """The compile cache in use: the chosen TORCHINDUCTOR_CACHE_DIR (setup_cache's, or a user's),
+    else the default."""
+    return Path(user_cache_dir() or default_cache_dir())
 
 
 def setup_cache(cache_dir: str = "") -> Path:
-    """Point inductor's caches at cache_dir (TORCHINDUCTOR_CACHE_DIR, when set, wins)."""
-    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+    """Point inductor's caches at cache_dir (a chosen TORCHINDUCTOR_CACHE_DIR wins)."""
+    if user_cache_dir():
         return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     path = Path(cache_dir) if cache_dir else default_cache_dir()
     path.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ threads once per expert, and a bmm over [E, C] slabs multiplies padding (C is th
 E=16, one skewed layer): this 0.73 ms, padded bmm 1.20 ms, torch._grouped_mm 1.66 ms, one dense
 matmul of the same rows 0.61 ms.
 
-The extension builds with torch's cpp_extension (a C++ compiler and ninja; ~20 s once) into the
+The extension builds with torch's cpp_extension (a C++ compiler and ninja; ~7-20 s once) into the
 compile cache (fnmoe.compile.cache_root()/cpu_gemm). When it cannot build, `available()` is False
 and says why once; model.moe.impl='auto' then runs the padded path.
 """

@@ -6,9 +6,9 @@ For every region (attention, dense MLP, MoE) of a config this reports the graph 
 breaks with reasons and source lines, recompiles when routing changes, FX node and generated
 kernel counts, and host syncs (data-dependent scalar reads such as `.item()` / `.tolist()` /
 `_local_scalar_dense`, each size read named with its hint for inductor, fnmoe.compile.size_hint).
-Regions trace in bfloat16 (a float32 config's MoE region runs the eager
-loop, which reads counts on the host), so a float32 config is inspected as its bf16 twin, said
-once; the MoE region traces the expert GEMM path CPU uses (under impl='auto' fnmoe.cpu_gemm's grouped
+Regions trace in bfloat16 (the dtype training compiles in; on CUDA a float32 config's MoE region
+runs the eager loop, which reads counts on the host), so a float32 config is inspected as its bf16
+twin, said once; the MoE region traces the expert GEMM path CPU uses (under impl='auto' fnmoe.cpu_gemm's grouped
 op, which reads nothing on the host; the padded path reads its slab size once, named in the report).
 """
 from __future__ import annotations

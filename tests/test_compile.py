@@ -127,6 +127,23 @@ def test_warm_start_from_artifacts_compiles_nothing(tmp_path):
     assert re.search(r"'autograd_cache_hit': [1-9]\d*, 'autograd_cache_bypass': 0", warm), warm
 
 
+def test_default_cache_is_compile_cache_unless_a_dir_is_chosen(tmp_path):
+    """Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to inductor's temp default; that must
+    not count as a choice (it hid compile_cache/), while a user's choice wins."""
+    code = ("import torch._dynamo, fnmoe.compile as c; "
+            "print(c.cache_root()); print(c.setup_cache()); print(c.cache_root())")
+
+    def roots(**env):
+        base = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+        out = subprocess.run([sys.executable, "-c", code], env=dict(base, **env), cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert roots() == [str(ROOT / "compile_cache")] * 3
+    assert roots(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "mine")) == [str(tmp_path / "mine")] * 3
+
+
 def test_compiled_gradients_match_eager():
     """bf16 forward+backward with every region compiled against the same in eager, and both
     against fp32 eager (top-4, so the MoE backward's per-token sum over K is exercised)."""
