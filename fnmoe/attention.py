@@ -1,6 +1,7 @@
 """Attention: RoPE (half-split or interleaved, optionally YaRN-scaled), GQA (optional per-head
-q/k RMSNorm) and MLA (DeepSeek's multi-head latent attention), all through SDPA; packed rows of
-several documents attend only within a document (see doc_mask).
+q/k RMSNorm) and MLA (DeepSeek's multi-head latent attention), all through SDPA or, for short bf16
+rows on CPU, fnmoe.cpu_attention's kernel; packed rows of several documents attend only within a
+document (see doc_mask).
 
 Legend: B batch, L sequence (K key positions), D model, H heads, G kv heads, A head dim, N = H·A, M = G·A,
 R = H/G query heads per kv head, S query positions of one chunk.
@@ -16,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fnmoe import cpu_attention
 from fnmoe.config import ModelConfig
 
 # DeepSeek's reference and transformers build the q/kv latent RMSNorms with their default eps,
@@ -135,6 +137,18 @@ def sdpa(q_BHLA, k_BGKA, v_BGKU, mask=None, scale: float | None = None) -> torch
     return flex_attention(q_BHLA, k_BGKA, v_BGKU, block_mask=mask, scale=scale, enable_gqa=gqa)
 
 
+def causal_attention(q_BLHA, k_BLGA, v_BLGU, cfg: ModelConfig, mask=None, scale: float | None = None
+                     ) -> torch.Tensor:
+    """Causal attention [B, L, H, U] through cfg.attention_impl: fnmoe's CPU kernel
+    (fnmoe.cpu_attention) or SDPA (see sdpa). model.block resolves "auto" before a compiled region."""
+    impl = cfg.attention_impl
+    if impl == "auto":
+        impl = cpu_attention.choice(cfg, *q_BLHA.shape[:2], q_BLHA.dtype, q_BLHA.device, mask)
+    if impl == "cpu":
+        return cpu_attention.attention(q_BLHA, k_BLGA, v_BLGU, q_BLHA.shape[-1] ** -0.5 if scale is None else scale)
+    return sdpa(q_BLHA.transpose(1, 2), k_BLGA.transpose(1, 2), v_BLGU.transpose(1, 2), mask, scale).transpose(1, 2)
+
+
 def gqa_qk(p: dict, x_BLD: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Tensor,
            cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """GQA's queries [B, L, H, A] and keys [B, L, G, A] as attention sees them (normed, rotated)."""
@@ -156,8 +170,7 @@ def gqa(p: dict, x_BLD: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Tensor
     H, G, A = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim_
     q_BLHA, k_BLGA = gqa_qk(p, x_BLD, cos_LA, sin_LA, cfg)
     v_BLGA = (x_BLD @ p["w_v_DM"]).view(B, L, G, A)
-    o_BHLA = sdpa(q_BLHA.transpose(1, 2), k_BLGA.transpose(1, 2), v_BLGA.transpose(1, 2), mask)
-    return o_BHLA.transpose(1, 2).reshape(B, L, H * A) @ p["w_o_ND"]
+    return causal_attention(q_BLHA, k_BLGA, v_BLGA, cfg, mask).reshape(B, L, H * A) @ p["w_o_ND"]
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
@@ -194,9 +207,8 @@ def mla(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor
     w_kv_a_DW, kv_a_norm_C, w_kv_b_CX, w_o_YD."""
     B, L, _ = x_BLD.shape
     q_BLHI, k_BLHI, v_BLHU = mla_qkv(p, x_BLD, cos_LP, sin_LP, cfg)
-    o_BHLU = sdpa(q_BLHI.transpose(1, 2), k_BLHI.transpose(1, 2), v_BLHU.transpose(1, 2), mask,
-                  mla_softmax_scale(cfg))
-    return o_BHLU.transpose(1, 2).reshape(B, L, -1) @ p["w_o_YD"]
+    o_BLHU = causal_attention(q_BLHI, k_BLHI, v_BLHU, cfg, mask, mla_softmax_scale(cfg))
+    return o_BLHU.reshape(B, L, -1) @ p["w_o_YD"]
 
 
 def attention(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor,

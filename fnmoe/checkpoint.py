@@ -101,7 +101,7 @@ ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", t
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
              torch.uint8: "U8", torch.bool: "BOOL"}
 # model fields that pick kernels, not the params: they may change on resume like optimizer settings
-RUNTIME_MODEL_FIELDS = ("model.compute_dtype", "model.compile", "model.moe.impl")
+RUNTIME_MODEL_FIELDS = ("model.compute_dtype", "model.compile", "model.moe.impl", "model.attention_impl")
 # test hook (tests/test_checkpoint.py): seconds a save waits between its data files and its
 # index.json, so a test can kill the process while the save is half written
 SAVE_DELAY_ENV = "FNMOE_TEST_SAVE_DELAY_S"

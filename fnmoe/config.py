@@ -55,9 +55,10 @@ class MoEConfig:
     z_loss_coeff: float = 0.0
     """weight of the router z-loss, mean over tokens of logsumexp(router logits)^2 (ST-MoE)"""
     impl: Literal["auto", "grouped", "padded", "loop"] = "auto"
-    """expert GEMMs: grouped (torch._grouped_mm, bf16, 16-byte aligned dims), padded (batched
-    matmuls over per-expert slabs padded to the largest count; one host read of that count per
-    layer) or a loop; auto: in bf16 with aligned dims grouped on CUDA and padded on CPU, else the loop"""
+    """expert GEMMs: grouped (CUDA: torch._grouped_mm, bf16, 16-byte aligned dims; CPU: fnmoe's C++
+    grouped GEMM, any float dtype), padded (batched matmuls over per-expert slabs padded to the
+    largest count; one host read of that count per layer) or a loop; auto: grouped where it runs,
+    else padded in bf16 with aligned dims, else the loop"""
     capacity_factor: float = 0.0
     """0: dropless. c > 0: an expert takes at most ceil(c*T*K/E) of the T*K rows a rank routes in a
     micro-batch (first come, in token order); the rest are dropped (zero expert output) and
@@ -78,6 +79,10 @@ class ModelConfig:
     """per-head RMSNorm on queries and keys (Qwen3)"""
     attention: Literal["gqa", "mla"] = "gqa"
     """grouped-query attention, or DeepSeek's multi-head latent attention"""
+    attention_impl: Literal["auto", "sdpa", "cpu"] = "auto"
+    """sdpa: torch's scaled_dot_product_attention (flex attention for block-sparse document masks);
+    cpu: fnmoe's C++ kernel (bf16 on CPU, causal rows without document masks); auto: cpu where it
+    applies, rows are <= 512 long and every thread gets a (batch, kv head), else sdpa"""
     q_lora_rank: int = 0
     """MLA: rank of the low-rank query projection; 0 projects queries directly"""
     kv_lora_rank: int = 0

@@ -1,4 +1,5 @@
 """The experts' grouped GEMMs on CPU: fnmoe/csrc/grouped_gemm.cpp, built on first use, as torch ops.
+The same extension carries fnmoe/csrc/attention.cpp (see fnmoe.cpu_attention).
 
 Legend: R rows (sorted by expert), D in, F out, E experts.
 One ragged grouped GEMM runs as one OpenMP parallel region: each thread takes an equal share of
@@ -8,9 +9,10 @@ threads once per expert, and a bmm over [E, C] slabs multiplies padding (C is th
 E=16, one skewed layer): this 0.73 ms, padded bmm 1.20 ms, torch._grouped_mm 1.66 ms, one dense
 matmul of the same rows 0.61 ms.
 
-The extension builds with torch's cpp_extension (a C++ compiler and ninja; ~7-20 s once) into the
-compile cache (fnmoe.compile.cache_root()/cpu_gemm). When it cannot build, `available()` is False
-and says why once; model.moe.impl='auto' then runs the padded path.
+The extension builds with torch's cpp_extension (a C++ compiler and ninja; ~15-30 s once) into the
+compile cache (fnmoe.compile.cache_root()/cpu_gemm/torch-<version>-<SIMD level>). When it cannot
+build, `available()` is False and says why once; model.moe.impl='auto' then runs the padded path
+and model.attention_impl='auto' SDPA.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 
 from fnmoe.compile import cache_root, say_once
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "grouped_gemm.cpp"
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("grouped_gemm.cpp", "attention.cpp")]
 
 
 _loaded = False  # a plain global: compiled code reads it (a guard), never traces the build
@@ -35,10 +37,11 @@ def _build_error() -> str | None:
     try:
         from torch.utils import cpp_extension
 
-        build = cache_root() / "cpu_gemm" / f"torch-{torch.__version__.replace('+', '_')}"
+        isa, isa_flags = vector_isa()
+        build = cache_root() / "cpu_gemm" / f"torch-{torch.__version__.replace('+', '_')}-{isa}"
         build.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name="fnmoe_cpu_gemm", sources=[str(SOURCE)], build_directory=str(build),
-                           extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        cpp_extension.load(name="fnmoe_cpu_gemm", sources=[str(s) for s in SOURCES], build_directory=str(build),
+                           extra_cflags=["-O3", "-fopenmp", *isa_flags], extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: the padded path serves
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -46,8 +49,28 @@ def _build_error() -> str | None:
         lambda x_RD, w_EDF, end_E: x_RD.new_empty(x_RD.shape[0], w_EDF.shape[2]))
     torch.library.register_fake("fnmoe_cpu::grouped_mm_wgrad")(
         lambda x_RD, g_RF, end_E, dtype: x_RD.new_empty(end_E.shape[0], x_RD.shape[1], g_RF.shape[1], dtype=dtype))
+    torch.library.register_fake("fnmoe_cpu::attention")(
+        lambda q, k, v, scale: (q.new_empty(*q.shape[:3], v.shape[3]),
+                                q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)))
+    torch.library.register_fake("fnmoe_cpu::attention_bwd")(
+        lambda dy, q, k, v, y, lse, scale: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
     _loaded = True
     return None
+
+
+def vector_isa() -> tuple[str, list[str]]:
+    """The SIMD level inductor compiles its CPU kernels for here, and the flags that select it
+    (ATen's Vectorized then uses AVX2/AVX512 code): ("default", []) where it finds none."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        isa = pick_vec_isa()
+    except Exception:  # an inductor without the helper: portable code, slower loops
+        return "default", []
+    if not isa:
+        return "default", []
+    flags = isa.build_arch_flags().split() + [f"-D{m}" for m in isa.build_macro()]
+    return str(isa).split()[0], flags
 
 
 def available() -> bool:

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from fnmoe import compile as fcompile
+from fnmoe import cpu_attention
 from fnmoe.config import ModelConfig
 from fnmoe.attention import rope
 from fnmoe.model import DTYPE, _attention_region, _mlp_region, _moe_region, init_params, layer_params
@@ -73,7 +74,8 @@ def region_cases(cfg: ModelConfig, B: int = 2, L: int = 64, seed: int = 0) -> li
         p = layer_params(params, i, dtype)
         attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
         if "attention" not in seen:
-            cases.append(("attention", _attention_region, [(attn, x, cos, sin, cfg) for x in xs]))
+            attn_cfg = cpu_attention.resolved(cfg, B, L, dtype, xs[0].device)
+            cases.append(("attention", _attention_region, [(attn, x, cos, sin, attn_cfg) for x in xs]))
         kind = "moe" if "moe" in p else "mlp"
         if kind not in seen:
             mp = dict(p[kind], norm_D=p["mlp_norm"]["w_D"])
@@ -147,9 +149,16 @@ def gemm_note(cfg: ModelConfig) -> str:
     return f"note: MoE expert GEMMs {gemm!r} (model.moe.impl={cfg.moe.impl!r}, on CPU){why}"
 
 
+def attention_note(cfg: ModelConfig, B: int = 2, L: int = 64) -> str:
+    """Which attention the attention region traces with here (CPU, [B, L] rows)."""
+    impl = cpu_attention.resolved(cfg, B, L, DTYPE[cfg.compute_dtype], torch.device("cpu")).attention_impl
+    what = {"cpu": "fnmoe's CPU kernel (fnmoe.cpu_attention)", "sdpa": "SDPA"}[impl]
+    return f"note: attention {impl!r} (model.attention_impl={cfg.attention_impl!r}, [{B}, {L}] rows on CPU): {what}"
+
+
 def inspect_model(cfg: ModelConfig, dump: Path | None = None) -> tuple[list[RegionReport], str]:
     cfg, note = traceable_config(cfg)
-    note = "\n".join(n for n in (note, gemm_note(cfg)) if n)
+    note = "\n".join(n for n in (note, attention_note(cfg), gemm_note(cfg)) if n)
     return [inspect_region(name, fn, args, dump) for name, fn, args in region_cases(cfg)], note
 
 

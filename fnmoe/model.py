@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from fnmoe import compile as fcompile
+from fnmoe import cpu_attention
 from fnmoe import reshard
 from fnmoe.attention import attention, doc_mask, max_logits_H, rms_norm, rope, upcast
 from fnmoe.config import ModelConfig
@@ -193,7 +194,8 @@ def block(p: dict, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig, mask=N
     region_fn(name, fn, compile, *args) runs each region (memory policies per region)."""
     run = region_fn or _plain_region
     attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
-    x_BLD = x_BLD + run("attention", _attention_region, cfg.compile, attn, x_BLD, cos_LA, sin_LA, cfg, mask)
+    attn_cfg = cpu_attention.resolved(cfg, *x_BLD.shape[:2], x_BLD.dtype, x_BLD.device, mask)
+    x_BLD = x_BLD + run("attention", _attention_region, cfg.compile, attn, x_BLD, cos_LA, sin_LA, attn_cfg, mask)
     if "moe" in p:
         gemm = expert_gemm(cfg, x_BLD.dtype, x_BLD.device)
         if cfg.compile and gemm == "loop":

@@ -1,0 +1,84 @@
+"""Causal GQA/MHA attention on CPU for short rows: fnmoe/csrc/attention.cpp (built with
+fnmoe.cpu_gemm's extension), as an autograd.Function.
+
+Legend: B batch, L positions, H query heads, G kv heads, A q/k head dim, U value head dim.
+At L <= 512 with bf16 compute its forward+backward runs in ~60% of SDPA's CPU flash kernel
+(2 cores, B=4, H=4, G=2, A=64, L=256: 3.5 against 5.6 ms; at L=1024 they are even); numerics
+match flash's (fp32 scores and dP; P and dS rounded to bf16 for the GEMMs that take them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from fnmoe import cpu_gemm
+from fnmoe.config import ModelConfig
+
+AUTO_MAX_LEN = 512
+"""impl='auto' takes the kernel up to this many positions (its [r L, L] score blocks stay in cache)"""
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(q_BLHA, k_BLGA, v_BLGU, scale):
+        return torch.ops.fnmoe_cpu.attention(q_BLHA, k_BLGA, v_BLGU, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q_BLHA, k_BLGA, v_BLGU, scale = inputs
+        y_BLHU, lse_BHL = output
+        ctx.save_for_backward(q_BLHA, k_BLGA, v_BLGU, y_BLHU, lse_BHL)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(lse_BHL)
+
+    @staticmethod
+    def backward(ctx, dy_BLHU, _dlse):
+        dq, dk, dv = torch.ops.fnmoe_cpu.attention_bwd(dy_BLHU, *ctx.saved_tensors, ctx.scale)
+        return dq, dk, dv, None
+
+
+def unsupported(dtype: torch.dtype, device: torch.device, n_heads: int, n_kv_heads: int, mask) -> str | None:
+    """Why the kernel cannot take this attention, or None."""
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        return f"it takes bfloat16 on CPU (got {dtype} on {torch.device(device).type})"
+    if mask is not None:
+        return "it is plain causal: packed documents (a document mask) need SDPA or flex attention"
+    if n_heads % n_kv_heads:
+        return f"{n_heads} query heads do not split over {n_kv_heads} kv heads"
+    if not cpu_gemm.available():
+        return f"fnmoe's C++ CPU kernels did not build ({cpu_gemm._build_error()})"
+    return None
+
+
+def choice(cfg: ModelConfig, B: int, L: int, dtype: torch.dtype, device: torch.device, mask=None) -> str:
+    """"cpu" or "sdpa" for cfg.attention_impl on [B, L] rows: auto takes the kernel where it applies,
+    rows are short and every thread gets a (batch, kv head) task. Runs outside compiled code."""
+    if cfg.attention_impl == "sdpa":
+        return "sdpa"
+    kv_heads = cfg.n_heads if cfg.attention == "mla" else cfg.n_kv_heads
+    why = unsupported(dtype, device, cfg.n_heads, kv_heads, mask)
+    if cfg.attention_impl == "cpu":
+        if why:
+            raise ValueError(f"model.attention_impl='cpu' cannot run here: {why}; use 'auto' or 'sdpa'")
+        return "cpu"
+    return "cpu" if why is None and L <= AUTO_MAX_LEN and B * kv_heads >= torch.get_num_threads() else "sdpa"
+
+
+def resolved(cfg: ModelConfig, B: int, L: int, dtype: torch.dtype, device: torch.device, mask=None) -> ModelConfig:
+    """cfg with attention_impl set to choice(...): what a compiled attention region is given."""
+    return _with_impl(cfg, choice(cfg, B, L, dtype, device, mask))
+
+
+@functools.cache
+def _with_impl(cfg: ModelConfig, impl: str) -> ModelConfig:  # one object per pair: a stable config for compile
+    return dataclasses.replace(cfg, attention_impl=impl)
+
+
+def attention(q_BLHA: torch.Tensor, k_BLGA: torch.Tensor, v_BLGU: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T scale, causal) v as [B, L, H, U]; head h reads kv head h // (H / G)."""
+    if not cpu_gemm._loaded and not cpu_gemm.available():
+        raise RuntimeError(f"fnmoe's C++ CPU kernels did not build ({cpu_gemm._build_error()}); "
+                           "use model.attention_impl='sdpa'")
+    return _Attention.apply(q_BLHA, k_BLGA, v_BLGU, float(scale))[0]

@@ -1,0 +1,125 @@
+"""fnmoe's CPU attention kernel against fp64 SDPA, next to SDPA's own bf16 error, and its choice."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fnmoe import compile as fcompile
+from fnmoe import cpu_attention, cpu_gemm
+from fnmoe.attention import causal_attention
+from fnmoe.config import ModelConfig
+from fnmoe.model import forward, init_params
+from fnmoe.tree import flatten_dict, unflatten_dict
+
+
+def sdpa_BLHU(q, k, v, dy, scale):
+    """y and dq, dk, dv of causal SDPA (GQA) in q's dtype, all [B, L, heads, dim]."""
+    qq, kk, vv = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+    y = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=qq.shape[1] != kk.shape[1])
+    y.backward(dy.transpose(1, 2))
+    return [t.transpose(1, 2) for t in (y, qq.grad, kk.grad, vv.grad)]
+
+
+@pytest.mark.parametrize("B,L,H,G,A,U", [(2, 80, 4, 2, 16, 16), (3, 70, 2, 2, 24, 16), (1, 130, 6, 1, 8, 8)])
+def test_kernel_matches_fp64_sdpa_as_closely_as_bf16_sdpa(B, L, H, G, A, U):
+    """L past one 64-row causal block and not a multiple of it; GQA, MHA with U != A (MLA's
+    shape), MQA. Ours must be within 3x of bf16 SDPA's own error against fp64 (or 2 bf16 ulps), on every output."""
+    gen = torch.Generator().manual_seed(0)
+    q, dy = torch.randn(B, L, H, A, generator=gen), torch.randn(B, L, H, U, generator=gen)
+    k, v = torch.randn(B, L, G, A, generator=gen), torch.randn(B, L, G, U, generator=gen)
+    q, k, v, dy = (t.bfloat16() for t in (q, k, v, dy))
+    scale = 0.7 * A ** -0.5
+    ref = sdpa_BLHU(*(t.double() for t in (q, k, v, dy)), scale)
+    flash = sdpa_BLHU(q, k, v, dy, scale)
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    y = cpu_attention.attention(qq, kk, vv, scale)
+    y.backward(dy)
+    ours = [y, qq.grad, kk.grad, vv.grad]
+    for name, o, f, r in zip(("y", "dq", "dk", "dv"), ours, flash, ref):
+        assert o.shape == r.shape and o.dtype == torch.bfloat16, name
+        err, flash_err = ((t.double() - r).abs().max().item() / r.abs().max().item() for t in (o, f))
+        assert err <= max(3 * flash_err, 8e-3), (name, err, flash_err)
+
+
+def test_kernel_takes_strided_inputs_and_compiles():
+    """q, k, v as views of one fused projection (the model's layouts), eager and compiled alike."""
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(2, 64, 8, 16, generator=gen).bfloat16()
+
+    def fn(qkv):
+        q, k, v = qkv.split([4, 2, 2], dim=2)
+        return cpu_attention.attention(q, k, v, 0.25).float().square().sum()
+
+    x1, x2 = qkv.clone().requires_grad_(), qkv.clone().requires_grad_()
+    fn(x1).backward()
+    torch.compile(fn, fullgraph=True, backend="aot_eager")(x2).backward()
+    assert torch.equal(x1.grad, x2.grad)
+
+
+def test_choice_rules():
+    cfg = ModelConfig(n_heads=4, n_kv_heads=2, attention_impl="auto")
+    threads = torch.get_num_threads()
+    bf16, cpu = torch.bfloat16, torch.device("cpu")
+    rows = max(1, -(-threads // 2))  # enough (batch, kv head) tasks for every thread
+    assert cpu_attention.choice(cfg, rows, 256, bf16, cpu) == "cpu"
+    assert cpu_attention.choice(cfg, rows, 256, torch.float32, cpu) == "sdpa"  # fp32: SDPA, exact against HF
+    assert cpu_attention.choice(cfg, rows, 4096, bf16, cpu) == "sdpa"  # long rows: flash's blocks
+    assert cpu_attention.choice(cfg, rows, 256, bf16, cpu, mask=torch.ones(1, dtype=torch.bool)) == "sdpa"
+    assert cpu_attention.choice(dataclasses.replace(cfg, attention_impl="sdpa"), rows, 256, bf16, cpu) == "sdpa"
+    explicit = dataclasses.replace(cfg, attention_impl="cpu")
+    assert cpu_attention.choice(explicit, 1, 4096, bf16, cpu) == "cpu"
+    with pytest.raises(ValueError, match="attention_impl='cpu' cannot run here: it takes bfloat16 on CPU"):
+        cpu_attention.choice(explicit, 1, 256, torch.float32, cpu)
+    with pytest.raises(ValueError, match="document mask"):
+        cpu_attention.choice(explicit, 1, 256, bf16, cpu, mask=torch.ones(1, dtype=torch.bool))
+
+
+def test_choice_without_the_extension(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_gemm, "_build_error", lambda: "RuntimeError: no C++ compiler")
+    monkeypatch.setattr(cpu_gemm, "_loaded", False)
+    monkeypatch.setattr(fcompile, "_said", set())  # said here, and again where other tests expect it
+    cfg = ModelConfig(attention_impl="auto")
+    assert cpu_attention.choice(cfg, 64, 256, torch.bfloat16, torch.device("cpu")) == "sdpa"
+    assert "did not build (RuntimeError: no C++ compiler)" in caplog.text
+    with pytest.raises(ValueError, match="did not build"):
+        cpu_attention.choice(dataclasses.replace(cfg, attention_impl="cpu"), 64, 256, torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_model_with_the_kernel_tracks_sdpa(attention):
+    """bf16 loss and gradients of a small model, kernel against SDPA: as close as two bf16 runs."""
+    extra = dict(q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8) \
+        if attention == "mla" else {}
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, attention=attention,
+                      compute_dtype="bfloat16", attention_impl="cpu", **extra)
+    params = init_params(cfg, seed=0)
+    tokens = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(2))
+
+    def loss_and_grads(c):
+        leaves = {k: v.detach().requires_grad_() for k, v in flatten_dict(params).items()}
+        logits, _ = forward(unflatten_dict(leaves), tokens, c)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, 64).float(), tokens[:, 1:].reshape(-1))
+        return loss, torch.autograd.grad(loss, list(leaves.values()))
+
+    ours, ref = loss_and_grads(cfg), loss_and_grads(dataclasses.replace(cfg, attention_impl="sdpa"))
+    assert abs(ours[0].item() - ref[0].item()) < 1e-2
+    for a, b in zip(ours[1], ref[1]):
+        assert (a - b).norm() <= 0.05 * b.norm() + 1e-6
+
+
+def test_explicit_cpu_kernel_refuses_fp32_in_the_model():
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, attention_impl="cpu")
+    with pytest.raises(ValueError, match="attention_impl='cpu' cannot run here"):
+        forward(init_params(cfg, seed=0), torch.zeros(1, 8, dtype=torch.long), cfg)
+
+
+def test_causal_attention_resolves_auto_when_called_directly():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(4, 32, h, 16, generator=gen).bfloat16() for h in (4, 2, 2))
+    cfg = ModelConfig(n_heads=4, n_kv_heads=2)
+    auto = causal_attention(q, k, v, cfg)
+    sdpa = causal_attention(q, k, v, dataclasses.replace(cfg, attention_impl="sdpa"))
+    assert auto.shape == sdpa.shape == (4, 32, 4, 16)
+    assert (auto.float() - sdpa.float()).abs().max() < 3e-2
+
