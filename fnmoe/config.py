@@ -82,7 +82,7 @@ class ModelConfig:
     attention_impl: Literal["auto", "sdpa", "cpu"] = "auto"
     """sdpa: torch's scaled_dot_product_attention (flex attention for block-sparse document masks);
     cpu: fnmoe's C++ kernel (bf16 on CPU, causal rows without document masks); auto: cpu where it
-    applies, rows are <= 512 long and every thread gets a (batch, kv head), else sdpa"""
+    applies, rows are <= 1024 long and every thread gets a (batch, kv head), else sdpa"""
     q_lora_rank: int = 0
     """MLA: rank of the low-rank query projection; 0 projects queries directly"""
     kv_lora_rank: int = 0
