@@ -2,9 +2,10 @@
 fnmoe.cpu_gemm's extension), as an autograd.Function.
 
 Legend: B batch, L positions, H query heads, G kv heads, A q/k head dim, U value head dim.
-With bf16 compute its forward+backward against SDPA's CPU flash kernel (2 cores, B=4, H=4, G=2,
-A=64): L=256 3.4 vs 5.8 ms, L=512 10.4 vs 19.3 ms, L=1024 42.7 vs 48.0 ms. Numerics match
-flash's (fp32 scores and dP; P and dS rounded to bf16 for the GEMMs that take them).
+With bf16 compute its forward+backward against SDPA's CPU flash kernel (2 cores with AVX512-BF16,
+B=4, H=4, G=2, A=64): L=256 ~2.3-3.1 vs ~6 ms, L=512 7-8 vs 19-22 ms, L=1024 ~30 vs ~48 ms
+(without AVX512-BF16, scores as fp32 GEMMs: 3.4-4.3, 10.4-10.8, 43-49 ms). Numerics match flash's
+(fp32 scores and dP from exact products; P and dS rounded to bf16 for the GEMMs that take them).
 """
 from __future__ import annotations
 

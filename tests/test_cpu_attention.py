@@ -21,10 +21,23 @@ def sdpa_BLHU(q, k, v, dy, scale):
     return [t.transpose(1, 2) for t in (y, qq.grad, kk.grad, vv.grad)]
 
 
-@pytest.mark.parametrize("B,L,H,G,A,U", [(2, 150, 4, 2, 16, 16), (3, 140, 2, 2, 24, 16), (1, 260, 6, 1, 8, 8)])
-def test_kernel_matches_fp64_sdpa_as_closely_as_bf16_sdpa(B, L, H, G, A, U):
+@pytest.fixture(params=["bf16 dot products", "fp32 GEMMs"])
+def score_path(request):
+    """Both ways the kernel computes scores and dP (AVX512-BF16 where the CPU has it)."""
+    assert cpu_gemm.available()
+    on = torch.ops.fnmoe_cpu.use_bf16_dot(request.param == "bf16 dot products")
+    if request.param == "bf16 dot products" and not on:
+        pytest.skip("this CPU has no AVX512-BF16")
+    yield request.param
+    torch.ops.fnmoe_cpu.use_bf16_dot(True)
+
+
+@pytest.mark.parametrize("B,L,H,G,A,U", [(2, 150, 4, 2, 16, 16), (3, 140, 2, 2, 24, 16), (1, 260, 6, 1, 8, 8),
+                                         (2, 40, 2, 1, 70, 70), (1, 30, 2, 2, 7, 5)])
+def test_kernel_matches_fp64_sdpa_as_closely_as_bf16_sdpa(B, L, H, G, A, U, score_path):
     """L past one 128-row causal block and not a multiple of it; GQA, MHA with U != A (MLA's
-    shape), MQA. Ours must be within 3x of bf16 SDPA's own error against fp64 (or 2 bf16 ulps), on every output."""
+    shape), MQA, head dims of 35 pairs and an odd one (fp32 GEMMs either way). Ours must be within 3x of bf16 SDPA's
+    own error against fp64 (or 2 bf16 ulps), on every output."""
     gen = torch.Generator().manual_seed(0)
     q, dy = torch.randn(B, L, H, A, generator=gen), torch.randn(B, L, H, U, generator=gen)
     k, v = torch.randn(B, L, G, A, generator=gen), torch.randn(B, L, G, U, generator=gen)
