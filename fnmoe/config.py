@@ -445,6 +445,11 @@ def validate_model(m: ModelConfig) -> list[str]:
         _check(e, m.head_dim_ % 2 == 0, f"head dim {m.head_dim_} must be even for RoPE")
     _validate_rope(e, m)
     _check(e, m.compute_dtype in DTYPES, f"model.compute_dtype must be one of {DTYPES}, got {m.compute_dtype!r}")
+    _check(e, m.attention_impl in ("auto", "sdpa", "cpu"),
+           f"model.attention_impl must be 'auto', 'sdpa' or 'cpu', got {m.attention_impl!r}")
+    _check(e, m.attention_impl != "cpu" or m.compute_dtype == "bfloat16",
+           f"model.attention_impl='cpu' takes bfloat16 compute (model.compute_dtype={m.compute_dtype!r}); "
+           "use 'auto' or 'sdpa'")
     _validate_moe(e, m)
     return e
 
@@ -533,6 +538,8 @@ def validate(cfg: RunConfig) -> RunConfig:
                f"train.batch_size={t.batch_size} must be divisible by data-parallel degree "
                f"(mesh.fsdp*mesh.ep={cfg.dp_size}) x train.grad_accum={t.grad_accum}")
     _check(e, d.seq_len > 0, f"data.seq_len must be > 0, got {d.seq_len}")
+    _check(e, not (d.doc_mask and cfg.model.attention_impl == "cpu"),
+           "model.attention_impl='cpu' is plain causal; data.doc_mask=true needs 'auto' or 'sdpa'")
     _check(e, d.seq_len <= cfg.model.max_seq_len,
            f"data.seq_len={d.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     _check(e, 0 < d.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {d.val_fraction}")

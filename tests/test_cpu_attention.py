@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from fnmoe import compile as fcompile
 from fnmoe import cpu_attention, cpu_gemm
 from fnmoe.attention import causal_attention
-from fnmoe.config import ModelConfig
+from fnmoe.config import DataConfig, ModelConfig, RunConfig, validate
 from fnmoe.model import forward, init_params
 from fnmoe.tree import flatten_dict, unflatten_dict
 
@@ -119,6 +119,14 @@ def test_model_with_the_kernel_tracks_sdpa(attention):
     assert abs(ours[0].item() - ref[0].item()) < 1e-2
     for a, b in zip(ours[1], ref[1]):
         assert (a - b).norm() <= 0.05 * b.norm() + 1e-6
+
+
+def test_config_names_what_the_cpu_kernel_cannot_take():
+    with pytest.raises(ValueError) as got:
+        validate(RunConfig(model=ModelConfig(attention_impl="cpu"), data=DataConfig(doc_mask=True)))
+    assert "model.attention_impl='cpu' takes bfloat16 compute (model.compute_dtype='float32')" in str(got.value)
+    assert "data.doc_mask=true needs 'auto' or 'sdpa'" in str(got.value)
+    validate(RunConfig(model=ModelConfig(attention_impl="cpu", compute_dtype="bfloat16")))
 
 
 def test_explicit_cpu_kernel_refuses_fp32_in_the_model():
