@@ -212,13 +212,17 @@ def test_forward_shapes_aux_and_bf16_close():
 
 
 def test_forward_is_causal():
+    """Later tokens do not reach earlier logits. Not bitwise: changing them changes how many rows
+    each expert's GEMM takes, and a GEMM's blocking (so its fp32 rounding) depends on that."""
     params = init_params(SMALL, seed=0)
-    a = torch.randint(0, SMALL.vocab_size, (1, 12))
-    b = a.clone()
-    b[0, 8:] = (b[0, 8:] + 1) % SMALL.vocab_size
-    la, _ = forward(params, a, SMALL)
-    lb, _ = forward(params, b, SMALL)
-    assert torch.equal(la[0, :8], lb[0, :8]) and not torch.equal(la[0, 8:], lb[0, 8:])
+    for seed in range(4):
+        a = torch.randint(0, SMALL.vocab_size, (1, 12), generator=torch.Generator().manual_seed(seed))
+        b = a.clone()
+        b[0, 8:] = (b[0, 8:] + 1) % SMALL.vocab_size
+        la, _ = forward(params, a, SMALL)
+        lb, _ = forward(params, b, SMALL)
+        assert (la[0, :8] - lb[0, :8]).abs().max() < 1e-5
+        assert (la[0, 8:] - lb[0, 8:]).abs().max() > 1e-3
 
 
 def test_bad_token_ids_are_named():

@@ -13,19 +13,18 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "tasks.h"
 #if defined(__x86_64__) && defined(__GNUC__)
 #define FNMOE_BF16_DOT 1
 #include <immintrin.h>
 #endif
 
-#include <cmath>
-#include <limits>
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <tuple>
 
 namespace {
@@ -128,13 +127,7 @@ bool use_bf16_dot(bool on) {
 // fn(b, g) for every (batch, group) task; GEMMs inside run single-threaded.
 template <typename Fn>
 void over_groups(int64_t B, int64_t G, Fn fn) {
-  at::parallel_for(0, B * G, 1, [&](int64_t lo, int64_t hi) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-#ifdef _OPENMP
-    omp_set_num_threads(1);  // this task only: oneDNN must not nest a team inside ours
-#endif
-    for (int64_t t = lo; t < hi; ++t) fn(t / G, t % G);
-  });
+  one_thread_tasks(B * G, [&](int64_t t) { fn(t / G, t % G); });
 }
 
 // The r heads of group g in batch b of x [B, L, H, A], stacked as [r L, A] in dtype.

@@ -10,9 +10,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "tasks.h"
 
 #include <algorithm>
 #include <vector>
@@ -39,13 +38,7 @@ std::vector<Piece> pieces(const int64_t* end_E, int64_t E, int64_t lo, int64_t h
 template <typename Fn>
 void over_row_shares(int64_t R, Fn fn) {
   const int64_t n = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), R / 16));
-  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;  // thread-local: each worker needs its own
-#ifdef _OPENMP
-    omp_set_num_threads(1);  // this task only: oneDNN must not nest a team inside ours
-#endif
-    for (int64_t t = b; t < e; ++t) fn(t * R / n, (t + 1) * R / n);
-  });
+  one_thread_tasks(n, [&](int64_t t) { fn(t * R / n, (t + 1) * R / n); });
 }
 
 void check(const at::Tensor& x_RD, const at::Tensor& end_E, int64_t E) {
