@@ -100,12 +100,6 @@ def user_cache_dir() -> str | None:
     return None if env is None or os.path.abspath(env) == os.path.abspath(inductor_default()) else env
 
 
-def cache_root() -> Path:
-    """The compile cache in use: the chosen TORCHINDUCTOR_CACHE_DIR (setup_cache's, or a user's),
-    else the default."""
-    return Path(user_cache_dir() or default_cache_dir())
-
-
 def setup_cache(cache_dir: str = "") -> Path:
     """Point inductor's caches at cache_dir (a chosen TORCHINDUCTOR_CACHE_DIR wins)."""
     if user_cache_dir():

@@ -9,8 +9,8 @@ threads once per expert, and a bmm over [E, C] slabs multiplies padding (C is th
 E=16, one skewed layer): this 0.73 ms, padded bmm 1.20 ms, torch._grouped_mm 1.66 ms, one dense
 matmul of the same rows 0.61 ms.
 
-The extension builds with torch's cpp_extension (a C++ compiler and ninja; ~15-30 s once) into the
-compile cache (fnmoe.compile.cache_root()/cpu_gemm/torch-<version>-<SIMD level>). When it cannot
+The extension builds with torch's cpp_extension (a C++ compiler and ninja; ~17 s once) into
+build_dir(): the checkout's compile_cache/cpu_gemm/torch-<version>-<SIMD level>. When it cannot
 build, `available()` is False and says why once; model.moe.impl='auto' then runs the padded path
 and model.attention_impl='auto' SDPA.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from fnmoe.compile import cache_root, say_once
+from fnmoe.compile import default_cache_dir, say_once
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("grouped_gemm.cpp", "attention.cpp")]
 
@@ -37,8 +37,8 @@ def _build_error() -> str | None:
     try:
         from torch.utils import cpp_extension
 
-        isa, isa_flags = vector_isa()
-        build = cache_root() / "cpu_gemm" / f"torch-{torch.__version__.replace('+', '_')}-{isa}"
+        isa_flags = vector_isa()[1]
+        build = build_dir()
         build.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name="fnmoe_cpu_gemm", sources=[str(s) for s in SOURCES], build_directory=str(build),
                            extra_cflags=["-O3", "-fopenmp", *isa_flags], extra_ldflags=["-fopenmp"],
@@ -56,6 +56,13 @@ def _build_error() -> str | None:
         lambda dy, q, k, v, y, lse, scale: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
     _loaded = True
     return None
+
+
+def build_dir() -> Path:
+    """Where the extension builds: under the default compile cache whatever inductor cache a run
+    chooses (a cold-cache run, or a test's temp cache, must not rebuild it), per torch version and
+    SIMD level."""
+    return default_cache_dir() / "cpu_gemm" / f"torch-{torch.__version__.replace('+', '_')}-{vector_isa()[0]}"
 
 
 def vector_isa() -> tuple[str, list[str]]:

@@ -129,9 +129,10 @@ def test_warm_start_from_artifacts_compiles_nothing(tmp_path):
 
 def test_default_cache_is_compile_cache_unless_a_dir_is_chosen(tmp_path):
     """Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to inductor's temp default; that must
-    not count as a choice (it hid compile_cache/), while a user's choice wins."""
-    code = ("import torch._dynamo, fnmoe.compile as c; "
-            "print(c.cache_root()); print(c.setup_cache()); print(c.cache_root())")
+    not count as a choice (it hid compile_cache/), while a user's choice wins. The CPU extension
+    builds under compile_cache/ either way (a temp inductor cache must not rebuild it)."""
+    code = ("import os, torch._dynamo, fnmoe.compile as c, fnmoe.cpu_gemm as g; "
+            "print(c.setup_cache()); print(os.environ['TORCHINDUCTOR_CACHE_DIR']); print(g.build_dir().parent.parent)")
 
     def roots(**env):
         base = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
@@ -141,7 +142,8 @@ def test_default_cache_is_compile_cache_unless_a_dir_is_chosen(tmp_path):
         return out.stdout.split()
 
     assert roots() == [str(ROOT / "compile_cache")] * 3
-    assert roots(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "mine")) == [str(tmp_path / "mine")] * 3
+    assert roots(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "mine")) == [str(tmp_path / "mine")] * 2 + [
+        str(ROOT / "compile_cache")]
 
 
 def test_compiled_gradients_match_eager():
