@@ -80,7 +80,5 @@ def _with_impl(cfg: ModelConfig, impl: str) -> ModelConfig:  # one object per pa
 
 def attention(q_BLHA: torch.Tensor, k_BLGA: torch.Tensor, v_BLGU: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(q k^T scale, causal) v as [B, L, H, U]; head h reads kv head h // (H / G)."""
-    if not cpu_gemm._loaded and not cpu_gemm.available():
-        raise RuntimeError(f"fnmoe's C++ CPU kernels did not build ({cpu_gemm._build_error()}); "
-                           "use model.attention_impl='sdpa'")
+    cpu_gemm.require("model.attention_impl='sdpa'")
     return _Attention.apply(q_BLHA, k_BLGA, v_BLGU, float(scale))[0]

@@ -81,12 +81,20 @@ def vector_isa() -> tuple[str, list[str]]:
 
 
 def available() -> bool:
-    """Whether the CPU grouped GEMM ops run here (builds them on the first call)."""
+    """Whether the C++ CPU ops (grouped GEMM, attention) run here (builds them on the first call)."""
     why = _build_error()
     if why:
-        say_once(f"fnmoe's CPU grouped GEMM did not build ({why}); MoE experts on CPU run as padded "
-                 "batched matmuls (slower). model.moe.impl='padded' skips the build.")
+        say_once(f"fnmoe's C++ CPU kernels did not build ({why}); on CPU MoE experts run as padded batched "
+                 "matmuls and attention through SDPA (slower). model.moe.impl='padded' with "
+                 "model.attention_impl='sdpa' skips the build.")
     return why is None
+
+
+def require(instead: str) -> None:
+    """Raise, naming why and what to use instead, unless the ops are loaded (the plain global is
+    read first: compiled code reads it without tracing the build)."""
+    if not _loaded and not available():
+        raise RuntimeError(f"fnmoe's C++ CPU kernels did not build ({_build_error()}); use {instead}")
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -114,6 +122,5 @@ def grouped_mm(x_RD: torch.Tensor, w_EDF: torch.Tensor, end_E: torch.Tensor) -> 
     """y_RF[r] = x_RD[r] @ w_EDF[expert of r]; end_E: int64 cumulative row counts per expert. w may
     be stored in another float dtype (fp32 master weights): slices are cast to x's dtype as they
     are multiplied, and w's gradient comes back in w's dtype."""
-    if not _loaded and not available():
-        raise RuntimeError(f"fnmoe's CPU grouped GEMM did not build ({_build_error()}); use model.moe.impl='padded'")
+    require("model.moe.impl='padded'")
     return _GroupedMM.apply(x_RD, w_EDF, end_E)
