@@ -20,6 +20,8 @@ from fnmoe.config import ModelConfig
 AUTO_MAX_LEN = 1024
 """impl='auto' takes the kernel up to this many positions (measured faster up to here; a task holds
 [r L, L] bf16 P and dS, 4 MiB each at L = 1024, r = 2)"""
+MAX_TASK_BYTES = 1 << 30
+"""impl='cpu' refuses rows whose per-task P and dS would pass this (every thread holds its own)"""
 
 
 class _Attention(torch.autograd.Function):
@@ -62,6 +64,10 @@ def choice(cfg: ModelConfig, B: int, L: int, dtype: torch.dtype, device: torch.d
     kv_heads = cfg.n_heads if cfg.attention == "mla" else cfg.n_kv_heads
     why = unsupported(dtype, device, cfg.n_heads, kv_heads, mask)
     if cfg.attention_impl == "cpu":
+        task_bytes = 2 * (cfg.n_heads // kv_heads) * L * L * 2  # P and dS, bf16 [r L, L]
+        if why is None and task_bytes > MAX_TASK_BYTES:
+            why = (f"each (batch, kv head) task holds [r L, L] bf16 probabilities and their gradient, "
+                   f"{task_bytes / 2**30:.1f} GiB at L={L}, r={cfg.n_heads // kv_heads}")
         if why:
             raise ValueError(f"model.attention_impl='cpu' cannot run here: {why}; use 'auto' or 'sdpa'")
         return "cpu"

@@ -86,6 +86,8 @@ def test_choice_rules():
         cpu_attention.choice(explicit, 1, 256, torch.float32, cpu)
     with pytest.raises(ValueError, match="document mask"):
         cpu_attention.choice(explicit, 1, 256, bf16, cpu, mask=torch.ones(1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="2.0 GiB at L=16384, r=2"):
+        cpu_attention.choice(explicit, 1, 16384, bf16, cpu)
 
 
 def test_choice_without_the_extension(monkeypatch, caplog):
