@@ -178,18 +178,17 @@ void causal_blocks(int64_t r, int64_t L, Fn fn) {
     for (int64_t p0 = 0; p0 < L; p0 += Q) fn(h * L + p0, std::min(Q, L - p0), p0, std::min(L, p0 + Q));
 }
 
-// Scores S (rows x keys, fp32, overwritten) of positions pos0.. -> probabilities P (bf16, row
-// stride L, zero past the diagonal) and each row's log-sum-exp.
-void softmax_rows(float* s, int64_t rows, int64_t keys, int64_t pos0, at::BFloat16* p, int64_t L, float* lse,
-                  float scale) {
-  for (int64_t i = 0; i < rows; ++i, s += keys, p += L) {
+// Scores S (rows x keys, fp32, overwritten) of positions pos0.. -> probabilities P (bf16, rows x
+// keys, zero past the diagonal) and each row's log-sum-exp.
+void softmax_rows(float* s, int64_t rows, int64_t keys, int64_t pos0, at::BFloat16* p, float* lse, float scale) {
+  for (int64_t i = 0; i < rows; ++i, s += keys, p += keys) {
     const int64_t n = pos0 + i + 1;
     const float m = row_max(s, n) * scale;
     const float sum = exp_row(s, n, scale, m);
     lse[i] = m + std::log(sum);
     at::vec::map([inv = 1.f / sum](Vec x) { return x * Vec(inv); }, s, s, n);
     at::vec::convert(s, p, n);
-    std::fill(p + n, p + L, at::BFloat16(0.f));
+    std::fill(p + n, p + keys, at::BFloat16(0.f));
   }
 }
 
@@ -211,14 +210,15 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_BLHA, const
   over_groups(B, G, [&](int64_t b, int64_t g) {
     const Dots qk(stacked(q_BLHA, b, g, r, at::kBFloat16), k_BLGA.select(0, b).select(1, g));
     const at::Tensor v_LU = v_BLGU.select(0, b).select(1, g);
-    at::Tensor P_RL = at::empty({r * L, L}, q_BLHA.options()), y_RU = at::empty({r * L, v_LU.size(1)}, q_BLHA.options());
+    at::Tensor y_RU = at::empty({r * L, v_LU.size(1)}, q_BLHA.options());
     float* lse_R = lse_BHL.select(0, b).narrow(0, g * r, r).data_ptr<float>();
     causal_blocks(r, L, [&](int64_t row0, int64_t rows, int64_t pos0, int64_t keys) {
       at::Tensor S = qk(row0, rows, keys);
-      softmax_rows(S.data_ptr<float>(), rows, keys, pos0, P_RL.data_ptr<at::BFloat16>() + row0 * L, L, lse_R + row0,
+      at::Tensor P = at::empty({rows, keys}, q_BLHA.options());  // one block's: the forward keeps none
+      softmax_rows(S.data_ptr<float>(), rows, keys, pos0, P.data_ptr<at::BFloat16>(), lse_R + row0,
                    static_cast<float>(scale));
       at::Tensor y = y_RU.narrow(0, row0, rows);
-      at::mm_out(y, P_RL.narrow(0, row0, rows).narrow(1, 0, keys), v_LU.narrow(0, 0, keys));
+      at::mm_out(y, P, v_LU.narrow(0, 0, keys));
     });
     unstack(y_RU, y_BLHU, b, g, r);
   });
