@@ -19,7 +19,8 @@ from fnmoe.config import (
     TrainConfig,
     load_config,
 )
-from fnmoe.model import forward, init_params
+from fnmoe.model import forward
+from fnmoe.params import init_params
 from fnmoe.train import TrainState, init_state, loss_fn, make_train_step
 from fnmoe.tree import value_and_grad
 

@@ -84,7 +84,7 @@ from fnmoe import dist as fdist
 from fnmoe import optim, sharding
 from fnmoe.config import CheckpointConfig, RunConfig, load_config, to_dict, to_toml
 from fnmoe.data import Loader
-from fnmoe.model import init_params, shape_mismatches
+from fnmoe.params import init_params, shape_mismatches
 from fnmoe.train import TrainState
 from fnmoe.tree import Tree, flatten_dict, tree_flatten_with_paths, unflatten_dict
 

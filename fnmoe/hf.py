@@ -46,7 +46,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fnmoe.config import ModelConfig, MoEConfig, validate_model
-from fnmoe.model import leaf_inits
+from fnmoe.params import leaf_inits
 from fnmoe.sharding import distribute
 from fnmoe.tree import Tree, flatten_dict, unflatten_dict
 from fnmoe.tree_io import new_dir

@@ -24,7 +24,8 @@ from fnmoe import compile as fcompile
 from fnmoe import cpu_attention
 from fnmoe.config import ModelConfig
 from fnmoe.attention import rope
-from fnmoe.model import DTYPE, _attention_region, _mlp_region, _moe_region, init_params, layer_params
+from fnmoe.model import DTYPE, _attention_region, _mlp_region, _moe_region, layer_params
+from fnmoe.params import init_params
 from fnmoe.moe import expert_gemm
 
 try:  # private torch APIs, imported here only

@@ -23,7 +23,7 @@ from fnmoe.config import RunConfig, to_toml
 from fnmoe.data import Loader, load_data, val_batches
 from fnmoe.metrics import (JsonlWriter, MetricsWriter, TensorBoardWriter, drop_rows_after, flops_per_token,
                            load_by_layer, load_max_over_mean, mfu)
-from fnmoe.model import init_params
+from fnmoe.params import init_params, shape_mismatches
 from fnmoe.train import TrainState, eval_loss, init_state, make_train_step
 from fnmoe.tree import tree_map
 
@@ -205,7 +205,6 @@ def _initial_params(run: RunConfig, device: torch.device, mesh):
     if not run.train.init_from_hf:
         return init_params(run.model, run.train.seed, device=device, mesh=mesh)
     from fnmoe import hf
-    from fnmoe.model import shape_mismatches
 
     cfg, params = hf.load(run.train.init_from_hf, mesh=mesh)
     diff = shape_mismatches(params, run.model)

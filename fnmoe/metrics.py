@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from fnmoe.config import ModelConfig
-from fnmoe.model import leaf_inits
+from fnmoe.params import leaf_inits
 from fnmoe.tree import flatten_dict
 
 

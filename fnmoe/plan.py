@@ -1,5 +1,5 @@
 """The planner behind `fnmoe plan`: per-rank memory, FLOPs, communication and a step-time model for
-a RunConfig, from abstract shapes (model.leaf_inits, nothing allocated) and per-op byte formulas.
+a RunConfig, from abstract shapes (params.leaf_inits, nothing allocated) and per-op byte formulas.
 
 Legend: B batch (a rank's micro-batch), L sequence, T tokens (B·L), D model, F dense hidden,
 E experts, K top-k, R routed rows a rank's experts receive (T·K·imbalance), V vocab, H heads,
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from fnmoe.config import ModelConfig, RunConfig
-from fnmoe.model import leaf_inits
+from fnmoe.params import leaf_inits
 from fnmoe.tree import flatten_dict
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}

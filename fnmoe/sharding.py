@@ -33,9 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fnmoe import dist as fdist
-from fnmoe.config import DistConfig, MeshConfig, ModelConfig
+from fnmoe.config import DistConfig, MeshConfig
 from fnmoe.dispatch import all_reduce_sum
-from fnmoe.model import LeafInit, draw_leaf, leaf_inits
 from fnmoe.tree import Tree, map_with_path, tree_flatten
 
 try:  # private torch API, imported here only
@@ -205,12 +204,6 @@ def shard_params(params: Tree, mesh: DeviceMesh) -> Tree:
     return map_with_path(lambda path, t: _distribute(path, tuple(t.shape), mesh, lambda idx: t[idx].clone()),
                          params)
 
-
-def init_params(cfg: ModelConfig, seed: int, mesh: DeviceMesh) -> Tree:
-    """The single-process init_params values, each rank drawing only the chunks its shard overlaps."""
-    def leaf(path: str, init: LeafInit) -> torch.Tensor:
-        return _distribute(path, init.shape, mesh, lambda idx: draw_leaf(init, seed, path, idx))
-    return map_with_path(leaf, leaf_inits(cfg))
 
 
 def full_params(params: Tree) -> Tree:

@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fnmoe.config import ModelConfig, from_dict, to_dict, validate_model
-from fnmoe.model import shape_mismatches
+from fnmoe.params import shape_mismatches
 from fnmoe.tree import Tree, flatten_dict, unflatten_dict
 
 FORMAT, VERSION = "fnmoe-tree", 1

@@ -12,7 +12,8 @@ from fnmoe import optim
 from fnmoe.attention import attention, mla_softmax_scale, rope, yarn_inv_freq
 from fnmoe.config import ModelConfig, MoEConfig, OptimConfig, RunConfig, DataConfig, TrainConfig, load_config
 from fnmoe.metrics import flops_per_token, param_counts
-from fnmoe.model import forward, init_params, leaf_inits
+from fnmoe.model import forward
+from fnmoe.params import init_params, leaf_inits
 from fnmoe.moe import moe_block, route, seq_balance_loss, update_router_bias, z_loss
 from fnmoe.train import init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict, value_and_grad

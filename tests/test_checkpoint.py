@@ -21,7 +21,7 @@ from fnmoe.cli import main, parse_run
 from fnmoe.data import Loader, load_data
 from fnmoe.loop import KILL_AT_STEP_ENV, train
 from fnmoe.metrics import drop_rows_after
-from fnmoe.model import draw_leaf, init_params, leaf_inits
+from fnmoe.params import draw_leaf, init_params, leaf_inits
 from fnmoe.train import init_state
 from fnmoe.tree import flatten_dict
 

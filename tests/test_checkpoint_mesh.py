@@ -21,7 +21,7 @@ from fnmoe import dist as fdist
 from fnmoe.checkpoint import CheckpointError, load_params, verify
 from fnmoe.cli import parse_run
 from fnmoe.data import Loader, load_data
-from fnmoe.model import init_params
+from fnmoe.params import init_params
 from fnmoe.train import TrainState, init_state
 from fnmoe.tree import tree_flatten_with_paths, tree_map
 from test_checkpoint import SMALL, losses, rows, spawn_env

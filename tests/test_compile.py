@@ -19,7 +19,8 @@ from fnmoe.cli import main
 from fnmoe.compile import compile_fn
 from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig
 from fnmoe.inspect_compile import inspect_region
-from fnmoe.model import forward, init_params
+from fnmoe.model import forward
+from fnmoe.params import init_params
 from fnmoe.moe import padded_expert_mlp
 from fnmoe.train import init_state, make_train_step
 from fnmoe.tree import flatten_dict

@@ -9,7 +9,8 @@ from fnmoe import compile as fcompile
 from fnmoe import cpu_attention, cpu_gemm
 from fnmoe.attention import causal_attention
 from fnmoe.config import DataConfig, ModelConfig, RunConfig, validate
-from fnmoe.model import forward, init_params
+from fnmoe.model import forward
+from fnmoe.params import init_params
 from fnmoe.tree import flatten_dict, unflatten_dict
 
 

@@ -14,7 +14,7 @@ import torch
 from fnmoe import dist as fdist
 from fnmoe import optim, sharding
 from fnmoe.config import MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
-from fnmoe.model import init_params
+from fnmoe.params import init_params
 from fnmoe.train import init_state, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,8 @@ import torch
 
 from fnmoe.config import load_config
 from fnmoe.generate import generate, init_cache, sample, step_logits
-from fnmoe.model import forward, init_params
+from fnmoe.model import forward
+from fnmoe.params import init_params
 
 ROOT = Path(__file__).resolve().parent.parent
 

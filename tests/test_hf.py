@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from fnmoe import hf
 from fnmoe.config import ModelConfig, MoEConfig, load_config
-from fnmoe.model import forward, init_params
+from fnmoe.model import forward
+from fnmoe.params import init_params
 from fnmoe.tree import flatten_dict, map_with_path
 
 transformers = pytest.importorskip("transformers")

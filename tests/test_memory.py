@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fnmoe import memory, memory_report, moe, optim
 from fnmoe.config import MemoryConfig, load_config
-from fnmoe.model import init_params
+from fnmoe.params import init_params
 from fnmoe.train import loss_fn
 from fnmoe.tree import flatten_dict
 

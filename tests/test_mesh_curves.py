@@ -29,7 +29,7 @@ import torch.distributed as dist
 from fnmoe import dist as fdist
 from fnmoe import sharding
 from fnmoe.config import DistConfig, MeshConfig, OptimConfig, load_config
-from fnmoe.model import init_params
+from fnmoe.params import init_params
 from fnmoe.tree import flatten_dict
 
 from test_sharding import _plain, _train  # tests/ is on sys.path: pytest's rootdir import, a script's own dir

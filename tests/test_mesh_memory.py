@@ -47,7 +47,7 @@ from fnmoe import dist as fdist
 from fnmoe.config import DistConfig, MemoryConfig, MeshConfig, load_config
 from fnmoe.memory import train_runner
 from fnmoe.memory_report import NewStorages, plain_tensors
-from fnmoe.model import init_params, leaf_inits
+from fnmoe.params import init_params, leaf_inits
 from fnmoe.plan import comm_bytes
 from fnmoe.train import init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict, tree_flatten, tree_map
@@ -131,7 +131,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _check_init(run, mesh, rank) -> dict:
     """MemTracker's peak over init_params(mesh=...) on this rank, its shard bytes and the largest
-    init chunk (fnmoe.model.draw_leaf draws one chunk of a leaf at a time)."""
+    init chunk (fnmoe.params.draw_leaf draws one chunk of a leaf at a time)."""
     mt = MemTracker()
     with mt:
         params = init_params(run.model, 0, mesh=mesh)

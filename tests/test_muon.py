@@ -17,7 +17,8 @@ import fnmoe.muon as fmuon
 from fnmoe import optim
 from fnmoe.attention import gqa_qk, max_logits_H, mla_qkv, mla_softmax_scale, rope
 from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig, validate
-from fnmoe.model import hidden_states, init_params
+from fnmoe.model import hidden_states
+from fnmoe.params import init_params
 from fnmoe.train import init_state, make_train_step
 from fnmoe.tree import flatten_dict
 

@@ -25,7 +25,7 @@ from fnmoe import dist as fdist
 from fnmoe import loop, optim, sharding
 from fnmoe import train as ftrain
 from fnmoe.config import DataConfig, DistConfig, MeshConfig, OptimConfig, RunConfig, TrainConfig
-from fnmoe.model import init_params
+from fnmoe.params import init_params
 from fnmoe.train import init_state, make_train_step
 from fnmoe.tree import flatten_dict, map_with_path, tree_flatten, unflatten_dict
 

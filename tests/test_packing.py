@@ -11,7 +11,8 @@ from fnmoe.attention import doc_mask, sdpa
 from fnmoe.cli import main
 from fnmoe.config import DataConfig
 from fnmoe.data import EOS_ID, IGNORE, Loader, load_data, val_batches
-from fnmoe.model import forward, init_params
+from fnmoe.model import forward
+from fnmoe.params import init_params
 from fnmoe.train import loss_fn
 from fnmoe.tree import flatten_dict, tree_map, value_and_grad
 

@@ -12,7 +12,7 @@ from fnmoe import optim
 from fnmoe.cli import main
 from fnmoe.config import load_config
 from fnmoe.metrics import param_counts
-from fnmoe.model import init_params
+from fnmoe.params import init_params
 from fnmoe.plan import attention_bytes, plan
 from fnmoe.train import loss_fn
 from fnmoe.tree import flatten_dict

@@ -23,7 +23,8 @@ from fnmoe import dist as fdist
 from fnmoe import reshard
 from fnmoe import optim, sharding
 from fnmoe.config import DistConfig, MeshConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig, validate
-from fnmoe.model import forward, init_params
+from fnmoe.model import forward
+from fnmoe.params import init_params
 from fnmoe.train import IGNORE, init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict, tree_flatten, tree_map, value_and_grad
 

@@ -8,7 +8,7 @@ import torch
 
 from fnmoe import optim
 from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig
-from fnmoe.model import init_params
+from fnmoe.params import init_params
 from fnmoe.train import IGNORE, init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict, tree_map, value_and_grad
 

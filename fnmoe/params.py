@@ -1,0 +1,146 @@
+"""The parameter schema and init: every leaf's path, shape and init, drawn chunk by chunk.
+
+Legend: D model, F ffn hidden, E experts, V vocab, N = H·A query features, M = G·A key/value
+features (H heads, G kv heads, A head dim); MLA letters (Q, C, W, X, Y) as in attention.py.
+
+Tree (dotted paths): embed.w_VD; layers.<i>.{attn_norm.w_D, attn.{...}, mlp_norm.w_D,
+mlp.{w_gate_DF, w_up_DF, w_down_FD} | moe.{router_DE, w_gate_EDF, w_up_EDF, w_down_EFD,
+shared.{...}}}; final_norm.w_D; head.w_DV (absent when tied); buffers.layers.<i>.moe.router_bias_E
+(non-trainable state, present with model.moe.router_bias).
+attn is GQA {w_q_DN, w_k_DM, w_v_DM, w_o_ND, q_norm_A, k_norm_A} or MLA {w_q_DN | (w_q_a_DQ,
+q_a_norm_Q, w_q_b_QN), w_kv_a_DW, kv_a_norm_C, w_kv_b_CX, w_o_YD}.
+
+Init scheme "depth-scaled normal" (GPT-2 / Megatron): every matrix ~ N(0, init_std²), except the
+projections that write into the residual stream (w_o, w_down) use init_std / sqrt(2·n_layers) so
+the residual variance stays O(1) with depth; norms are ones. A leaf's values are a function of
+(seed, path, chunk index) where chunks are fixed independently of any mesh (one expert of an
+expert stack; blocks of CHUNK_ROWS rows otherwise), so any rank draws only the chunks its shard
+overlaps and never materialises a whole large leaf.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fnmoe.config import ModelConfig
+from fnmoe.sharding import distribute
+from fnmoe.tree import Tree, flatten_dict, map_with_path, tree_map
+
+CHUNK_ROWS = 256
+
+
+@dataclass(frozen=True)
+class LeafInit:
+    shape: tuple[int, ...]
+    std: float  # 0 means the constant `value`
+    value: float = 1.0  # 1 for norm weights, 0 for the router bias
+
+    @property
+    def chunk_rows(self) -> int:
+        return 1 if len(self.shape) == 3 else CHUNK_ROWS
+
+
+def leaf_inits(cfg: ModelConfig) -> Tree:
+    """The abstract tree: every leaf's shape and init, no memory allocated."""
+    D, V, F, A = cfg.dim, cfg.vocab_size, cfg.ffn_hidden, cfg.head_dim_
+    N, M = cfg.n_heads * A, cfg.n_kv_heads * A
+    std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    ones = lambda *s: LeafInit(s, 0.0)  # noqa: E731
+    normal = lambda *s: LeafInit(s, std)  # noqa: E731
+
+    def mlp(hidden: int) -> dict:
+        return {"w_gate_DF": normal(D, hidden), "w_up_DF": normal(D, hidden),
+                "w_down_FD": LeafInit((hidden, D), out_std)}
+
+    layers, buffers = {}, {}
+    for i in range(cfg.n_layers):
+        attn = _mla_inits(cfg, normal, ones, out_std) if cfg.attention == "mla" else {
+            "w_q_DN": normal(D, N), "w_k_DM": normal(D, M), "w_v_DM": normal(D, M),
+            "w_o_ND": LeafInit((N, D), out_std)}
+        if cfg.qk_norm:
+            attn |= {"q_norm_A": ones(A), "k_norm_A": ones(A)}
+        layer = {"attn_norm": {"w_D": ones(D)}, "attn": attn, "mlp_norm": {"w_D": ones(D)}}
+        if cfg.is_moe_layer(i):
+            m = cfg.moe
+            E, FE = m.n_experts, m.expert_hidden
+            moe = {"router_DE": normal(D, E), "w_gate_EDF": normal(E, D, FE), "w_up_EDF": normal(E, D, FE),
+                   "w_down_EFD": LeafInit((E, FE, D), out_std)}
+            if m.n_shared_experts:
+                moe["shared"] = mlp(m.n_shared_experts * FE)
+            layer["moe"] = moe
+            if m.router_bias:
+                buffers[str(i)] = {"moe": {"router_bias_E": LeafInit((E,), 0.0, 0.0)}}
+        else:
+            layer["mlp"] = mlp(F)
+        layers[str(i)] = layer
+    tree = {"embed": {"w_VD": normal(V, D)}, "layers": layers, "final_norm": {"w_D": ones(D)}}
+    if not cfg.tie_embeddings:
+        tree["head"] = {"w_DV": normal(D, V)}
+    if buffers:
+        tree["buffers"] = {"layers": buffers}
+    return tree
+
+
+def shape_mismatches(params: Tree, cfg: ModelConfig, limit: int = 4) -> list[str]:
+    """The first few ways params differ from the leaves of cfg's model: missing, extra, other shapes."""
+    want = {p: tuple(i.shape) for p, i in flatten_dict(leaf_inits(cfg)).items()}
+    have = {p: tuple(t.shape) for p, t in flatten_dict(params).items()}
+    out = [f"{p}: missing (expected {list(s)})" for p, s in want.items() if p not in have]
+    out += [f"{p}: shape {list(have[p])}, expected {list(s)}" for p, s in want.items() if p in have and have[p] != s]
+    return (out + [f"{p}: not a leaf of this model" for p in have if p not in want])[:limit]
+
+
+def _mla_inits(cfg: ModelConfig, normal: Callable, ones: Callable, out_std: float) -> dict:
+    D, H, C, P = cfg.dim, cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    N, X, Y = H * cfg.qk_head_dim_, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), H * cfg.v_head_dim
+    Q = cfg.q_lora_rank
+    q = {"w_q_a_DQ": normal(D, Q), "q_a_norm_Q": ones(Q), "w_q_b_QN": normal(Q, N)} if Q else {"w_q_DN": normal(D, N)}
+    return q | {"w_kv_a_DW": normal(D, C + P), "kv_a_norm_C": ones(C), "w_kv_b_CX": normal(C, X),
+                "w_o_YD": LeafInit((Y, D), out_std)}
+
+
+def _chunk_generator(seed: int, path: str, chunk: int) -> torch.Generator:
+    digest = hashlib.sha256(f"fnmoe/{seed}/{path}/{chunk}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def draw_leaf(init: LeafInit, seed: int, path: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
+    """init's values at index (one slice per leading dim; missing dims are whole), fp32 on CPU.
+
+    Only the chunks that overlap index[0] are drawn; the result is exactly that slice of the
+    full leaf whatever the slicing.
+    """
+    index = tuple(index) + (slice(None),) * (len(init.shape) - len(index))
+    rows = range(*index[0].indices(init.shape[0]))
+    if index[0].indices(init.shape[0])[2] != 1:
+        raise ValueError(f"draw_leaf({path}): only unit-step row slices are supported")
+    out_shape = [len(range(*s.indices(n))) for s, n in zip(index, init.shape)]
+    if init.std == 0.0:
+        return torch.full(out_shape, init.value)
+    out = torch.empty(out_shape)
+    cr = init.chunk_rows
+    if not rows:
+        return out
+    for c in range(rows.start // cr, (rows.stop - 1) // cr + 1):
+        lo, hi = c * cr, min((c + 1) * cr, init.shape[0])
+        block = torch.randn((hi - lo, *init.shape[1:]), generator=_chunk_generator(seed, path, c))
+        a, b = max(lo, rows.start), min(hi, rows.stop)
+        out[a - rows.start:b - rows.start] = block[(slice(a - lo, b - lo), *index[1:])]
+        del block
+    return out.mul_(init.std)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, *, device: str | torch.device = "cpu",
+                mesh=None) -> Tree:
+    """fp32 master params for cfg, the same values for a seed on any mesh; device="meta" is abstract."""
+    inits = leaf_inits(cfg)
+    if mesh is not None:  # this rank's shards (DTensor leaves), each rank drawing only the chunks it stores
+        by_path = flatten_dict(inits)
+        return distribute(inits, mesh, lambda path, index: draw_leaf(by_path[path], seed, path, index))
+    if str(device) == "meta":
+        return tree_map(lambda i: torch.empty(i.shape, device="meta"), inits)
+    return map_with_path(lambda path, i: draw_leaf(i, seed, path).to(device), inits)
