@@ -1,4 +1,4 @@
-"""fnmoe.muon against torch.optim.Muon (and torch.optim.AdamW for Muon's AdamW leaves).
+"""fnmoe.optim's Muon against torch.optim.Muon (and torch.optim.AdamW for Muon's AdamW leaves).
 
 Our weights are [in, out]; torch.optim.Muon's are [out, in], so each reference runs on W.T
 and is transposed back. Momentum buffers and Newton-Schulz outputs match bitwise; params
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-import fnmoe.muon as fmuon
+import fnmoe.optim.muon_update as fmuon
 from fnmoe import optim
 from fnmoe.attention import gqa_qk, max_logits_H, mla_qkv, mla_softmax_scale, rope
 from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig, validate
@@ -273,7 +273,7 @@ def test_qk_clip_brings_max_logits_to_tau_and_leaves_other_heads_bitwise(name):
     tau = before_LH.median().item()
     clipped_LH = before_LH > tau
     assert clipped_LH.any() and not clipped_LH.all()
-    new = fmuon.qk_clip(params, before_LH, cfg, tau)
+    new = optim.qk_clip(params, before_LH, cfg, tau)
 
     # layer 0 sees the same input: clipped heads now peak at tau, the others exactly as before
     after_H, before_H = recorded_max_logits(new, tokens_BL, cfg)[0], before_LH[0]
@@ -314,7 +314,7 @@ def test_train_step_clips_after_the_update():
             for clip in (False, True)]
     tx = optim.from_config(runs[0].optim, 10)[0]
     plain, clipped = (make_train_step(run, tx)(init_state(params, tx), micro)[0] for run in runs)
-    want = fmuon.qk_clip(plain.params, before_LH, cfg, tau)
+    want = optim.qk_clip(plain.params, before_LH, cfg, tau)
     assert all(torch.equal(a, b) for a, b in zip(flatten_dict(clipped.params).values(), flatten_dict(want).values()))
     q_key = "layers.0.attn.w_q_DN"
     assert not torch.equal(flatten_dict(clipped.params)[q_key], flatten_dict(plain.params)[q_key])

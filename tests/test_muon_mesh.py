@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fnmoe.muon as fmuon
+import fnmoe.optim.muon_update as fmuon
 from fnmoe import dist as fdist
 from fnmoe import loop, optim, sharding
 from fnmoe import train as ftrain
@@ -127,10 +127,10 @@ def test_communication_is_one_gather_to_owners_and_one_scatter(paths, all_to_all
 def test_qk_clip_on_a_mesh_equals_one_process():
     params = init_params(CFG, 0)
     max_logits_LH = torch.tensor([[3.0, 9.0], [12.0, 1.0]])
-    want = flatten_dict(fmuon.qk_clip(params, max_logits_LH, CFG, 4.0))
+    want = flatten_dict(optim.qk_clip(params, max_logits_LH, CFG, 4.0))
     with fdist.simulate(4):
         mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
-        got = flatten_dict(fmuon.qk_clip(sharding.shard_params(params, mesh), max_logits_LH, CFG, 4.0))
+        got = flatten_dict(optim.qk_clip(sharding.shard_params(params, mesh), max_logits_LH, CFG, 4.0))
         for path, w in want.items():
             assert torch.equal(_plain(got[path]), w), path
 

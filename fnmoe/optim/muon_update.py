@@ -20,8 +20,6 @@ single-process one, bitwise where a batched GEMM's result does not depend on the
 Legend: B matrices batched into one Newton-Schulz call (leading dims of all leaves of one
 matrix shape, flattened together), I in, O out (weights are [*, I, O]), R <= C the rows
 and columns of the wide view that Newton-Schulz iterates on, Z a flat all-to-all buffer.
-QK-clip: L layers, H query heads, N query and M key features, X latent key/value features
-(attention.py), 1 a broadcast dim.
 """
 from __future__ import annotations
 
@@ -34,12 +32,16 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from fnmoe import dist as fdist
 from fnmoe import sharding
-from fnmoe.config import ModelConfig
 from fnmoe.dispatch import all_to_all
+from fnmoe.optim.adam import adamw
+from fnmoe.optim.base import (GradientTransformation, PerLeaf, ScalarOrSchedule, Tree, _device, _leaves, _scalar,
+                              add_decayed_weights, chain, decay_mask, default_labels, partition,
+                              scale_by_learning_rate, set_to_zero)
+from fnmoe.tree import tree_flatten_with_paths, tree_map
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """Keller Jordan's quintic: maximal slope at zero, converges to singular values in about [0.7, 1.2]"""
@@ -258,57 +260,3 @@ def muon(lr: ScalarOrSchedule, weight_decay: float = 0.1, momentum: float = 0.95
                        weight_decay if adamw_weight_decay is None else adamw_weight_decay, mask=decay_mask),
         "frozen": set_to_zero(),
     }, default_labels if labels is None else labels)
-
-
-QK_CLIP_ALPHA = 0.5
-"""MuonClip's split of gamma between a head's queries (gamma^alpha) and keys (gamma^(1-alpha))"""
-
-
-def _scale_columns(w_IO: Tensor, s_O: Tensor) -> Tensor:
-    # a factor of exactly 1 leaves a column bitwise unchanged
-    s_O = s_O.to(w_IO.dtype)
-    if isinstance(w_IO, DTensor):  # the same factors on every rank: each scales the columns of its shard
-        s_O = DTensor.from_local(s_O, w_IO.device_mesh, [Replicate()] * w_IO.device_mesh.ndim)
-    return (w_IO * s_O).requires_grad_(w_IO.requires_grad)
-
-
-def _clip_gqa(p: dict, gamma_H: Tensor, cfg: ModelConfig) -> dict:
-    """Queries by gamma^alpha and keys by gamma^(1-alpha) where each kv head serves one query head;
-    where kv heads are shared, queries alone by gamma (scaling a shared key would clip its other heads)."""
-    A = cfg.head_dim_
-    if cfg.n_kv_heads != cfg.n_heads:
-        return {**p, "w_q_DN": _scale_columns(p["w_q_DN"], gamma_H.repeat_interleave(A))}
-    return {**p, "w_q_DN": _scale_columns(p["w_q_DN"], gamma_H.pow(QK_CLIP_ALPHA).repeat_interleave(A)),
-            "w_k_DM": _scale_columns(p["w_k_DM"], gamma_H.pow(1 - QK_CLIP_ALPHA).repeat_interleave(A))}
-
-
-def _clip_mla(p: dict, gamma_H: Tensor, cfg: ModelConfig) -> dict:
-    """q_nope and k_nope by sqrt(gamma), q_rope by gamma; the rope key, shared by all heads, is untouched.
-    Columns per head: queries [nope J | rope P] of w_q_DN or w_q_b_QN, latent [k_nope J | v U] of w_kv_b_CX."""
-    J, P, U = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    root_H1, gamma_H1 = gamma_H.sqrt()[:, None], gamma_H[:, None]
-    q_N = torch.cat([root_H1.expand(-1, J), gamma_H1.expand(-1, P)], dim=1).flatten()
-    kv_X = torch.cat([root_H1.expand(-1, J), torch.ones_like(gamma_H1).expand(-1, U)], dim=1).flatten()
-    q_key = "w_q_DN" if "w_q_DN" in p else "w_q_b_QN"
-    return {**p, q_key: _scale_columns(p[q_key], q_N), "w_kv_b_CX": _scale_columns(p["w_kv_b_CX"], kv_X)}
-
-
-@torch.no_grad()
-def qk_clip(params: Tree, max_logits_LH: Tensor, cfg: ModelConfig, tau: float | Tensor) -> Tree:
-    """MuonClip (Kimi K2): new params where every head whose recorded max logit exceeds tau has its
-    query/key weights rescaled by gamma = tau / max_logit, which brings that logit down to tau.
-
-    max_logits_LH per layer and query head (aux of the forward with record_max_logits). Other heads
-    get a factor of exactly 1, so their weights are bitwise unchanged; so are all other leaves.
-    """
-    gamma_LH = torch.where(max_logits_LH > tau, tau / max_logits_LH, 1.0)
-    clip = _clip_mla if cfg.attention == "mla" else _clip_gqa
-    layers = {i: {**layer, "attn": clip(layer["attn"], gamma_LH[int(i)], cfg)} for i, layer in params["layers"].items()}
-    return {**params, "layers": layers}
-
-
-# At the bottom, mirroring the import of muon at the bottom of optim.py: the names are only
-# used inside functions, so either module can be imported first without a circular-import error.
-from fnmoe.optim import (GradientTransformation, PerLeaf, ScalarOrSchedule, Tree, _device, _leaves,  # noqa: E402
-                         _scalar, adamw, add_decayed_weights, chain, decay_mask, default_labels, partition,
-                         scale_by_learning_rate, set_to_zero, tree_flatten_with_paths, tree_map)

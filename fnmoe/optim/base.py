@@ -1,4 +1,5 @@
-"""Optimizers as (init, update) pairs over parameter trees, in the style of optax.
+"""The optimizer core in the style of optax: `GradientTransformation`, its combinators, and the
+small per-leaf transforms every optimizer is chained from.
 
 A `GradientTransformation` turns a tree of gradients into a tree of updates that
 `apply_updates` adds to the params (updates carry the minus sign, as in optax). Small
@@ -20,7 +21,6 @@ scalar tensor, "leaf" a tensor of a tree, "path" a leaf's dotted key ("layers.0.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -29,7 +29,6 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from fnmoe import sharding
-from fnmoe.config import OptimConfig
 from fnmoe.tree import tree_flatten_with_paths, tree_map
 
 Tree = Any
@@ -217,48 +216,6 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     return GradientTransformation(lambda params: ClipState(_scalar(max_norm, _device(params))), update)
 
 
-class ScaleByAdamState(NamedTuple):
-    count: Tensor
-    b1: Tensor
-    b2: Tensor
-    eps: Tensor
-    mu: Tree
-    nu: Tree
-
-
-def _adam_moments(g: Tensor, mu: Tensor, nu: Tensor, b1: Tensor, b2: Tensor) -> tuple[Tensor, Tensor]:
-    # torch: exp_avg.lerp_(g, 1-b1); exp_avg_sq.mul_(b2).addcmul_(g, g, value=1-b2). Pre-scaling
-    # one factor and calling addcmul keeps torch's fused multiply-add, so the moments are bitwise equal.
-    return mu.lerp(g, 1 - b1), (nu * b2).addcmul_(g * (1 - b2), g)
-
-
-def _adam_denom(nu: Tensor, bc2: Tensor, eps: Tensor) -> Tensor:
-    return nu.sqrt().div_(bc2.sqrt()).add_(eps)
-
-
-def _adam_init(params: Tree, b1: float, b2: float, eps: float) -> tuple[Tensor, ...]:
-    device = _device(params)
-    return (_count(device), _scalar(b1, device), _scalar(b2, device), _scalar(eps, device),
-            tree_map(torch.zeros_like, params), tree_map(torch.zeros_like, params))
-
-
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
-    """Bias-corrected m / (sqrt(v) + eps), with torch.optim.Adam's order of operations."""
-    def update(updates: Tree, state: ScaleByAdamState, params: Tree = None) -> tuple[Tree, ScaleByAdamState]:
-        _, g_leaves, rebuild = tree_flatten_with_paths(updates)
-        count = state.count + 1
-        bc1, bc2 = 1 - state.b1 ** count, 1 - state.b2 ** count
-        out, mus, nus = [], [], []
-        for g, m, v in zip(g_leaves, _leaves(state.mu), _leaves(state.nu), strict=True):
-            m, v = _adam_moments(g, m, v, state.b1, state.b2)
-            out.append((m / bc1).div_(_adam_denom(v, bc2, state.eps)))
-            mus.append(m)
-            nus.append(v)
-        # built field by field: torch 2.11's dynamo returns NamedTuple._replace's result empty
-        return rebuild(out), ScaleByAdamState(count, state.b1, state.b2, state.eps, rebuild(mus), rebuild(nus))
-    return GradientTransformation(lambda params: ScaleByAdamState(*_adam_init(params, b1, b2, eps)), update)
-
-
 class AddDecayedWeightsState(NamedTuple):
     weight_decay: Tensor
 
@@ -302,110 +259,7 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-# ------------------------------------------------------------------ AdamW
-
-class AdamWState(NamedTuple):
-    count: Tensor
-    lr: Tensor
-    b1: Tensor
-    b2: Tensor
-    eps: Tensor
-    weight_decay: Tensor
-    mu: Tree
-    nu: Tree
-
-
-def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 0.01, mask: PerLeaf | None = None) -> GradientTransformation:
-    """torch.optim.AdamW as one transform: decoupled decay p*(1 - lr*wd), bias correction,
-    eps added after sqrt(v)/sqrt(bc2). `mask` (bools, or params -> bools) picks the decayed
-    leaves; None decays all.
-
-    Exactness: the moments and the step term (lr/bc1)*m/denom are computed in torch's order
-    and are bitwise equal, so leaves without decay match torch.optim.AdamW bitwise. With
-    decay, torch rounds twice in place (p*(1-lr*wd), then + step) where p + update rounds
-    once, so decayed leaves agree to about 1 ulp per step, not bitwise.
-    """
-    def update(grads: Tree, state: AdamWState, params: Tree = None) -> tuple[Tree, AdamWState]:
-        if params is None:
-            raise ValueError("adamw needs params")
-        paths, g_leaves, rebuild = tree_flatten_with_paths(grads)
-        decay = _resolve(mask, params) if mask is not None else [True] * len(paths)
-        count = state.count + 1
-        lr_now = _lr_now(lr, state.count, state.lr)
-        neg_step_size = -(lr_now / (1 - state.b1 ** count))
-        bc2 = 1 - state.b2 ** count
-        neg_decay = -(lr_now * state.weight_decay)
-        out, mus, nus = [], [], []
-        for g, p, m, v, d in zip(g_leaves, _leaves(params), _leaves(state.mu), _leaves(state.nu), decay, strict=True):
-            m, v = _adam_moments(g, m, v, state.b1, state.b2)
-            step = (neg_step_size * m).div_(_adam_denom(v, bc2, state.eps))
-            out.append(torch.addcmul(step, p, neg_decay) if d else step)
-            mus.append(m)
-            nus.append(v)
-        return rebuild(out), AdamWState(count, lr_now, state.b1, state.b2, state.eps, state.weight_decay,
-                                        rebuild(mus), rebuild(nus))  # not _replace: see scale_by_adam
-
-    def init(params: Tree) -> AdamWState:
-        count, b1_, b2_, eps_, mu, nu = _adam_init(params, b1, b2, eps)
-        device = _device(params)
-        return AdamWState(count, _lr_init(lr, device), b1_, b2_, eps_, _scalar(weight_decay, device), mu, nu)
-    return GradientTransformation(init, update)
-
-
-# ------------------------------------------------------------------ schedules
-# Each maps a 0-based step (0-D int tensor) to an fp32 0-D lr using tensor ops only, so a
-# compiled update that calls it never recompiles. Warmup is linear, from peak/warmup_steps at
-# step 0 to peak at step warmup_steps-1; the decay runs to peak*min_ratio at the last step,
-# total_steps-1, and stays there.
-
-def constant(value: float) -> Schedule:
-    return lambda step: torch.full((), value, dtype=torch.float32, device=step.device)
-
-
-def _warmup(s: Tensor, warmup_steps: int) -> Tensor:
-    return torch.clamp((s + 1) / warmup_steps, max=1.0) if warmup_steps > 0 else torch.ones_like(s)
-
-
-def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> Schedule:
-    """Linear warmup, then cosine from peak at step max(warmup-1, 0) to peak*min_ratio at total_steps-1."""
-    start = max(warmup_steps - 1, 0)
-    span = max(total_steps - 1 - start, 1)
-
-    def schedule(step: Tensor) -> Tensor:
-        s = step.to(torch.float64)
-        progress = torch.clamp((s - start) / span, 0.0, 1.0)
-        cosine = min_ratio + (1 - min_ratio) * 0.5 * (1 + torch.cos(math.pi * progress))
-        return (peak * torch.minimum(_warmup(s, warmup_steps), cosine)).to(torch.float32)
-    return schedule
-
-
-def wsd(peak: float, warmup_steps: int, total_steps: int, decay_fraction: float = 0.2,
-        min_ratio: float = 0.1) -> Schedule:
-    """Warmup-stable-decay: linear warmup, peak, then a linear decay over the last
-    n = max(1, round(decay_fraction*total_steps)) steps, reaching peak*min_ratio at total_steps-1."""
-    n_decay = max(1, round(decay_fraction * total_steps))
-    last_stable = total_steps - 1 - n_decay
-
-    def schedule(step: Tensor) -> Tensor:
-        s = step.to(torch.float64)
-        decay = 1 - (1 - min_ratio) * torch.clamp((s - last_stable) / n_decay, 0.0, 1.0)
-        return (peak * torch.minimum(_warmup(s, warmup_steps), decay)).to(torch.float32)
-    return schedule
-
-
-def schedule_from_config(ocfg: OptimConfig, peak: float, total_steps: int) -> Schedule:
-    """ocfg's schedule shape with this peak (Muon's AdamW leaves use their own peak)."""
-    if ocfg.schedule == "constant":
-        return constant(peak)
-    if ocfg.schedule == "cosine":
-        return warmup_cosine(peak, ocfg.warmup_steps, total_steps, ocfg.min_lr_ratio)
-    if ocfg.schedule == "wsd":
-        return wsd(peak, ocfg.warmup_steps, total_steps, ocfg.decay_fraction, ocfg.min_lr_ratio)
-    raise ValueError(f"optim.schedule must be 'cosine', 'wsd' or 'constant', got {ocfg.schedule!r}")
-
-
-# ------------------------------------------------------------------ labels and configs
+# ------------------------------------------------------------------ labels
 
 def default_labels(params: Tree, muon: bool = True) -> Tree:
     """'frozen' under `buffers`; with muon, 'muon' for leaves of >= 2 dims outside the
@@ -423,30 +277,3 @@ def default_labels(params: Tree, muon: bool = True) -> Tree:
 def decay_mask(params: Tree) -> Tree:
     """Weight decay on matrices (>= 2 dims), not on norms and biases."""
     return tree_map(lambda x: x.ndim >= 2, params)
-
-
-def from_config(ocfg: OptimConfig, total_steps: int) -> tuple[GradientTransformation, Schedule]:
-    """The optimizer a RunConfig's `optim` section describes, and its lr schedule (for logging).
-
-    Gradients are clipped by global norm first (clip_norm > 0), then AdamW or Muon; buffers
-    are frozen. Muon's AdamW leaves follow the same schedule shape with peak adamw_lr (0: lr).
-    """
-    schedule = schedule_from_config(ocfg, ocfg.lr, total_steps)
-    if ocfg.name == "muon":
-        tx = muon(schedule, weight_decay=ocfg.weight_decay, momentum=ocfg.momentum, nesterov=ocfg.nesterov,
-                  ns_steps=ocfg.ns_steps, adjust_lr=ocfg.adjust_lr,
-                  adamw_lr=schedule_from_config(ocfg, ocfg.adamw_lr or ocfg.lr, total_steps),
-                  adamw_betas=(ocfg.beta1, ocfg.beta2), adamw_eps=ocfg.eps,
-                  momentum_dtype=getattr(torch, ocfg.momentum_dtype), ns_dtype=getattr(torch, ocfg.ns_dtype))
-    elif ocfg.name == "adamw":
-        tx = partition({"adamw": adamw(schedule, ocfg.beta1, ocfg.beta2, ocfg.eps, ocfg.weight_decay, mask=decay_mask),
-                        "frozen": set_to_zero()},
-                       lambda params: default_labels(params, muon=False))
-    else:
-        raise ValueError(f"optim.name must be 'adamw' or 'muon', got {ocfg.name!r}")
-    if ocfg.clip_norm > 0:
-        tx = chain(clip_by_global_norm(ocfg.clip_norm), tx)
-    return tx, schedule
-
-
-from fnmoe.muon import muon, newton_schulz, scale_by_muon  # noqa: E402, F401  (re-exported)
