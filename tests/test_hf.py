@@ -326,7 +326,7 @@ def test_a_failed_save_leaves_nothing_behind(qwen3_dir, tmp_path, monkeypatch):
 
     def full(*a, **k):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(hf, "save_file", full)
+    monkeypatch.setattr(hf.io, "save_file", full)  # hf.save writes through fnmoe.hf.io.save_file
     (tmp_path / "out").mkdir()
     with pytest.raises(OSError, match="No space left"):
         hf.save(tmp_path / "out", params, cfg)

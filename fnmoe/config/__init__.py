@@ -1,0 +1,35 @@
+"""Run configuration: frozen dataclasses, TOML presets and validation (DESIGN.md §3).
+
+A `RunConfig` is the whole run; `forward` and `hf` take only its `ModelConfig`. Presets are
+TOML files whose tables mirror the dataclass tree; `load_config` reads one and validates it.
+
+  schema.py   the dataclasses (their fields, defaults, help and derived properties)
+  check.py    validate_model, validate: every problem at once, by field name
+  toml.py     from_dict, to_dict, to_toml, load_config
+
+Modules import one way, in that order; this file only re-exports.
+"""
+from fnmoe.config.check import validate, validate_model
+from fnmoe.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    DistConfig,
+    Dtype,
+    MemoryConfig,
+    MeshConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimConfig,
+    PlanConfig,
+    ProfileConfig,
+    RegionPolicy,
+    RunConfig,
+    TrainConfig,
+)
+from fnmoe.config.toml import from_dict, load_config, to_dict, to_toml
+
+__all__ = [
+    "CheckpointConfig", "DataConfig", "DistConfig", "Dtype", "MemoryConfig", "MeshConfig", "ModelConfig",
+    "MoEConfig", "OptimConfig", "PlanConfig", "ProfileConfig", "RegionPolicy", "RunConfig", "TrainConfig",
+    "from_dict", "load_config", "to_dict", "to_toml", "validate", "validate_model",
+]
