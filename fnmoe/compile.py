@@ -13,25 +13,42 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch._dynamo.comptime import comptime
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from fnmoe import _torch
 
 log = logging.getLogger("fnmoe")
 
 _compiled: dict[Callable, Callable] = {}
 _said: set[str] = set()
+_flags_set = False
+
+
+def clear() -> None:
+    """Forget the compiled regions (each compiles again on next use) and the warnings said once."""
+    _compiled.clear()
+    _said.clear()
+
+
+def set_compile_flags() -> None:
+    """The dynamo and functorch flags every fnmoe compile needs; set once per process."""
+    global _flags_set
+    if _flags_set:
+        return
+    # The EP count exchange and routing counts read device scalars; capture them in-graph.
+    _torch.dynamo_config.capture_scalar_outputs = True
+    # Rows kept under a capacity factor come from nonzero: a size read from data. fullgraph traces
+    # it in-graph anyway; set here, inspection (fullgraph=False) sees the graphs training compiles.
+    _torch.dynamo_config.capture_dynamic_output_shape_ops = True
+    # The MoE region's gathers are autograd.Functions; dynamo traces their forward and backward
+    # into the graph the cache key hashes, so a warm start may reuse them (off by default in torch).
+    _torch.functorch_config.autograd_cache_allow_custom_autograd_functions = True
+    _flags_set = True
 
 
 def compile_fn(fn: Callable, fullgraph: bool = True) -> Callable:
     """torch.compile(fn): the one call site. Inspection passes fullgraph=False to count breaks."""
-    # The EP count exchange and routing counts read device scalars; capture them in-graph.
-    torch._dynamo.config.capture_scalar_outputs = True
-    # Rows kept under a capacity factor come from nonzero: a size read from data. fullgraph traces
-    # it in-graph anyway; set here, inspection (fullgraph=False) sees the graphs training compiles.
-    torch._dynamo.config.capture_dynamic_output_shape_ops = True
-    # The MoE region's gathers are autograd.Functions; dynamo traces their forward and backward
-    # into the graph the cache key hashes, so a warm start may reuse them (off by default in torch).
-    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
+    set_compile_flags()
     return torch.compile(fn, fullgraph=fullgraph)
 
 
@@ -48,8 +65,8 @@ def size_hint(n, estimate) -> None:
     never guards or recompiles. Without one inductor counts such sizes as 0 bytes, finds no data
     shared by two kernels over them and fuses none (measured: the slabs' SwiGLU backward ran as
     three loops through an fp32 buffer, ~1.7x slower)."""
-    if torch.compiler.is_compiling() and hasattr(torch._dynamo, "override_optimization_hint"):  # not in 2.11
-        comptime(_hint_at_trace)  # runs while dynamo traces, with this frame's n and estimate
+    if torch.compiler.is_compiling() and _torch.override_optimization_hint is not None:  # not in 2.11
+        _torch.comptime(_hint_at_trace)  # runs while dynamo traces, with this frame's n and estimate
 
 
 def _hint_at_trace(ctx) -> None:
@@ -65,7 +82,7 @@ def _hint_at_trace(ctx) -> None:
         node = est.as_fake().node
         value = node.hint if node.has_hint() else node.expr.xreplace(_hints(node))
     if getattr(value, "is_number", True):
-        torch._dynamo.override_optimization_hint(n, int(value))
+        _torch.override_optimization_hint(n, int(value))
 
 
 def hint_of(n: torch.SymInt) -> int | None:
@@ -94,10 +111,8 @@ def default_cache_dir() -> Path:
 def user_cache_dir() -> str | None:
     """TORCHINDUCTOR_CACHE_DIR when someone chose it: importing torch._dynamo sets it to
     inductor's own default (a temp directory), which must not hide compile_cache/."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default  # private API
-
     env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return None if env is None or os.path.abspath(env) == os.path.abspath(inductor_default()) else env
+    return None if env is None or os.path.abspath(env) == os.path.abspath(_torch.inductor_default_cache_dir()) else env
 
 
 def setup_cache(cache_dir: str = "") -> Path:
@@ -147,6 +162,7 @@ def warm_start(cache_dir: str, key: str) -> Path:
 def cache_stats() -> dict[str, int]:
     """Inductor FX-graph cache hits and misses in this process (a miss is a real compilation), and
     AOT autograd cache hits and bypasses (a bypassed graph is traced through autograd again)."""
-    c, a = torch._dynamo.utils.counters["inductor"], torch._dynamo.utils.counters["aot_autograd"]
+    counters = _torch.dynamo_counters()
+    c, a = counters["inductor"], counters["aot_autograd"]
     return {"fxgraph_cache_hit": c["fxgraph_cache_hit"], "fxgraph_cache_miss": c["fxgraph_cache_miss"],
             "autograd_cache_hit": a["autograd_cache_hit"], "autograd_cache_bypass": a["autograd_cache_bypass"]}

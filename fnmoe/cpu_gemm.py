@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from fnmoe import _torch
 from fnmoe.compile import default_cache_dir, say_once
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("grouped_gemm.cpp", "attention.cpp")]
@@ -69,9 +70,7 @@ def vector_isa() -> tuple[str, list[str]]:
     """The SIMD level inductor compiles its CPU kernels for here, and the flags that select it
     (ATen's Vectorized then uses AVX2/AVX512 code): ("default", []) where it finds none."""
     try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        isa = pick_vec_isa()
+        isa = _torch.pick_vec_isa()
     except Exception:  # an inductor without the helper: portable code, slower loops
         return "default", []
     if not isa:

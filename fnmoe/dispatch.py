@@ -12,19 +12,16 @@ expert, so the rows for ep rank s are one contiguous run. The exchange:
      run by the expert GEMM path (grouped, padded or the loop), then put back in arrival order;
   4. combine: the reverse all-to-all returns every row to the rank and position it came from.
 
-torch.distributed._functional_collectives (private torch API) is imported here only.
+The functional collectives (a private torch API) come from fnmoe._torch.
 """
 from __future__ import annotations
 
 import torch
 
+from fnmoe import _torch
 from fnmoe import dist as fdist
+from fnmoe._torch import funcol
 from fnmoe.compile import size_hint
-
-try:  # private torch API, imported here only
-    import torch.distributed._functional_collectives as funcol
-except ImportError as e:  # pragma: no cover
-    raise ImportError(f"fnmoe.dispatch needs torch.distributed._functional_collectives (private torch API): {e}") from e
 
 
 def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
@@ -71,5 +68,5 @@ def ep_expert_mlp(expert_mlp, x_RD: torch.Tensor, counts_E: torch.Tensor, w_gate
     y_recv = y_sorted[inverse]
     fdist.entering("MoE combine all-to-all over ep")
     y_RD = funcol.wait_tensor(funcol.all_to_all_single_autograd(y_recv, send, recv, group))
-    torch._check(y_RD.shape[0] == x_RD.shape[0])  # every row sent comes back
+    _torch.check(y_RD.shape[0] == x_RD.shape[0])  # every row sent comes back
     return fdist.entering_in_backward(y_RD, "MoE combine all-to-all over ep (backward)")

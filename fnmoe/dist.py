@@ -16,7 +16,7 @@ itself, with its own message. `exit_worker` ends a worker that finished without 
 finalization, which a gloo thread still freeing a collective's tensors can abort.
 
 The private torch APIs used for that (torch.distributed._local_tensor, the fake process group,
-the default group's store) are imported here only.
+the default group's store) come from fnmoe._torch.
 """
 from __future__ import annotations
 
@@ -31,16 +31,10 @@ from typing import Callable, Iterator, NoReturn
 import torch
 import torch.distributed as dist
 
+from fnmoe import _torch
+from fnmoe._torch import FakeStore, LocalTensor, LocalTensorMode, enabled_local_tensor_mode
+from fnmoe._torch import maybe_disable_local_tensor_mode
 from fnmoe.config import DistConfig
-
-try:  # private torch APIs, imported here only
-    from torch.distributed._local_tensor import LocalTensorMode, enabled_local_tensor_mode
-    from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
-    from torch.distributed.distributed_c10d import _get_default_store
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-except ImportError as e:  # pragma: no cover - a torch without them
-    raise ImportError(f"fnmoe.dist needs torch.distributed._local_tensor and the fake process group "
-                      f"(private torch APIs, torch >= 2.10): {e}") from e
 
 # how long ranks whose collective failed wait for the others to say they are alive
 PROBE_S = 10.0
@@ -89,8 +83,8 @@ def group_options(dcfg: DistConfig):
     """(backend, options) that give a new process group --dist.timeout-s: subgroups otherwise take
     torch's default timeout (30 min on gloo), not the default group's."""
     backend = backend_for(dcfg)
-    opts = dist.ProcessGroupGloo._Options() if backend == "gloo" else dist.ProcessGroupNCCL.Options()
-    opts._timeout = datetime.timedelta(seconds=dcfg.timeout_s)
+    opts = _torch.gloo_options() if backend == "gloo" else dist.ProcessGroupNCCL.Options()
+    _torch.set_pg_timeout(opts, datetime.timedelta(seconds=dcfg.timeout_s))
     return backend, opts
 
 
@@ -130,7 +124,7 @@ def unresponsive_ranks(wait_s: float) -> list[int]:
     """The ranks not yet marked alive in the rendezvous store wait_s after the first failing rank
     asked: one deadline for all, so every failing rank names the same ranks at about the same time
     (before torchrun stops the job)."""
-    store = _get_default_store()
+    store = _torch.default_store()
     store.set_timeout(datetime.timedelta(seconds=wait_s))  # bounds every call, should the store's host be lost
     store.set(f"{_PROBE_KEY}alive/{rank()}", b"")
     deadline = float(store.compare_set(f"{_PROBE_KEY}deadline", "", str(time.time() + wait_s)))
@@ -200,7 +194,7 @@ def ranks_here() -> list[int]:
 def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
     """{rank: t's value there} for each of ranks_here(), as plain tensors."""
     if isinstance(t, LocalTensor):
-        return dict(t._local_tensors)
+        return dict(_torch.local_tensors(t))
     return dict.fromkeys(ranks_here(), t)
 
 

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from fnmoe import _torch
 from fnmoe import compile as fcompile
 from fnmoe import cpu_attention
 from fnmoe.config import ModelConfig
@@ -27,13 +28,6 @@ from fnmoe.attention import rope
 from fnmoe.model import DTYPE, _attention_region, _mlp_region, _moe_region, layer_params
 from fnmoe.params import init_params
 from fnmoe.moe import expert_gemm
-
-try:  # private torch APIs, imported here only
-    import torch._dynamo as _dynamo
-    from torch._dynamo.utils import guard_failures as _guard_failures
-    from torch._inductor.utils import run_and_get_code as _run_and_get_code
-except ImportError as e:  # pragma: no cover
-    raise ImportError(f"fnmoe inspect needs torch._dynamo / torch._inductor internals: {e}") from e
 
 SYNC_TARGETS = {"item", "tolist", "_local_scalar_dense", "nonzero", "_local_scalar_dense.default"}
 
@@ -106,8 +100,8 @@ def _sync_line(node: torch.fx.Node) -> str:
 
 def inspect_region(name: str, fn: Callable, args_list: list[tuple], dump: Path | None = None) -> RegionReport:
     rep = RegionReport(name)
-    _dynamo.reset()
-    explained = _dynamo.explain(fn)(*args_list[0])
+    _torch.dynamo_reset()
+    explained = _torch.dynamo_explain(fn)(*args_list[0])
     rep.graphs = explained.graph_count
     for r in explained.break_reasons:
         where = r.user_stack[-1] if r.user_stack else None
@@ -116,18 +110,18 @@ def inspect_region(name: str, fn: Callable, args_list: list[tuple], dump: Path |
     for g in explained.graphs:
         rep.fx_nodes += len(g.graph.nodes)
         rep.host_syncs += [_sync_line(n) for n in g.graph.nodes if _is_sync(n)]
-    _dynamo.reset()
-    _guard_failures.clear()
+    _torch.dynamo_reset()
+    _torch.guard_failures.clear()
     compiled = fcompile.compile_fn(fn, fullgraph=False)
     try:
-        _, codes = _run_and_get_code(compiled, *args_list[0])
+        _, codes = _torch.run_and_get_code(compiled, *args_list[0])
         for args in args_list[1:]:
             compiled(*args)
     except Exception as e:  # report, do not crash the inspection of other regions
         rep.error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
         codes = []
     rep.kernels = sum(code.count("= async_compile.") for code in codes)  # one per generated kernel
-    rep.recompiles = [str(reason) for reasons in _guard_failures.values() for reason in reasons]
+    rep.recompiles = [str(reason) for reasons in _torch.guard_failures.values() for reason in reasons]
     if dump:
         out = dump / name
         out.mkdir(parents=True, exist_ok=True)

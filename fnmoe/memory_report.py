@@ -27,9 +27,8 @@ from typing import Callable
 import torch
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-
+from fnmoe._torch import TorchDispatchMode, is_traceable_wrapper_subclass
 from fnmoe.config import MemoryConfig, RunConfig
 from fnmoe.memory import HostPool, Runner
 from fnmoe.model import hidden_states, stored_block

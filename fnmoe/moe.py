@@ -21,16 +21,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fnmoe import cpu_gemm
+from fnmoe import _torch, cpu_gemm
 from fnmoe.attention import upcast
 from fnmoe.compile import size_hint
 from fnmoe.config import ModelConfig
 from fnmoe.dispatch import ep_expert_mlp
 
-try:  # private torch API, imported here only
-    _grouped_mm = torch._grouped_mm
-except AttributeError:  # pragma: no cover - torch without grouped GEMM
-    _grouped_mm = None
+_grouped_mm = _torch.grouped_mm  # None on a torch without it
 
 
 def route(x_TD: torch.Tensor, router_DE: torch.Tensor, cfg: ModelConfig,
@@ -173,7 +170,7 @@ def padded_slots(counts_E: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, tor
     for an empty slot. C is read on the host (under compile an unbacked size: one graph for every
     routing)."""
     C = ((counts_E.max() + PAD_ROWS - 1) // PAD_ROWS * PAD_ROWS).clamp(min=PAD_ROWS).item()
-    torch._check(C >= PAD_ROWS)
+    _torch.check(C >= PAD_ROWS)
     E = counts_E.shape[0]
     size_hint(C, (n_rows + E * PAD_ROWS - 1) // (E * PAD_ROWS) * PAD_ROWS + PAD_ROWS)  # balanced: mean + a block
     end_E = torch.cumsum(counts_E, 0)

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from fnmoe._torch import view_base
 from fnmoe.tree import Tree, flatten_dict
 
 
@@ -47,8 +48,8 @@ def track(gathered: Tree, stored: Tree, gather_leaf: Callable[[str, torch.Tensor
             entry = _Gathered(weakref.ref(t), lambda leaf=leaf, path=path: gather_leaf(path, leaf))
             t._fnmoe_gathered = entry  # the entry lives as long as the gathered tensor
             _tracked[id(t)] = entry
-            if t._base is not None:  # a view's views name the root as their base
-                _tracked[id(t._base)] = entry
+            if view_base(t) is not None:  # a view's views name the root as their base
+                _tracked[id(view_base(t))] = entry
 
 
 @dataclass(eq=False)
@@ -63,10 +64,10 @@ class _Regather:
 def _source(t: torch.Tensor) -> tuple[_Gathered, torch.Tensor] | None:
     """(entry, gathered tensor) when t is a tracked gathered weight or a view of one (whose _base
     is the gathered tensor or, when that is a view itself, its root)."""
-    for cand in (t, t._base):
+    for cand in (t, view_base(t)):
         entry = _tracked.get(id(cand)) if cand is not None else None
         gathered = entry.tensor() if entry is not None else None
-        if gathered is not None and (gathered is cand or gathered._base is cand):
+        if gathered is not None and (gathered is cand or view_base(gathered) is cand):
             return entry, gathered
     return None
 
@@ -88,6 +89,11 @@ def _unpack(handle, inner: Callable | None):
             whole = entry.gather_again()
             entry.again = (whole.wait() if hasattr(whole, "wait") else whole).contiguous()
     return entry.again.as_strided(handle.size, handle.stride, entry.again.storage_offset() + handle.offset)
+
+
+def clear() -> None:
+    """Forget every tracked gathered weight (the forward of a block in flight then keeps its own)."""
+    _tracked.clear()
 
 
 def hooks(inner: tuple[Callable, Callable] | None = None):

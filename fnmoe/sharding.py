@@ -11,7 +11,7 @@ Storage (DESIGN.md §4): every dim of a leaf has a logical axis (`logical_axes`)
   buffers        replicated plain tensors (they have no gradient and change by their own rule)
 
 Splits follow torch.chunk (DTensor's convention), in rule order: the expert dim is split over ep
-first and each ep part over fsdp, which DTensor calls _StridedShard(0, ep) on fsdp.
+first and each ep part over fsdp, which DTensor calls _StridedShard(0, ep) on fsdp (fnmoe._torch.StridedShard).
 
 Compute: `gather` all-gathers a block's leaves in the compute dtype (dense leaves over dp; an
 expert stack over fsdp alone, giving the ep rank its own experts); gradients come back as fp32
@@ -32,16 +32,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from fnmoe import _torch
 from fnmoe import dist as fdist
+from fnmoe._torch import StridedShard
 from fnmoe.config import DistConfig, MeshConfig
 from fnmoe.dispatch import all_reduce_sum
 from fnmoe.tree import Tree, map_with_path, tree_flatten
-
-try:  # private torch API, imported here only
-    from torch.distributed.tensor.placement_types import _StridedShard
-except ImportError as e:  # pragma: no cover - a torch without it
-    raise ImportError(f"fnmoe.sharding needs torch.distributed.tensor.placement_types._StridedShard "
-                      f"(private torch API): {e}") from e
 
 MESH_AXES = ("fsdp", "ep")
 DP = "dp"
@@ -64,14 +60,14 @@ def make_mesh(mcfg: MeshConfig, dcfg: DistConfig | None = None) -> DeviceMesh:
                          f"{world} (torchrun --nproc-per-node x nodes must equal mesh.fsdp x mesh.ep)")
     if fdist.simulated():
         mesh = init_device_mesh("cpu", (mcfg.fsdp, mcfg.ep), mesh_dim_names=MESH_AXES)
-        mesh[MESH_AXES]._flatten(DP)  # private torch API (DeviceMesh._flatten), used here only
+        _torch.flatten_mesh(mesh[MESH_AXES], DP)
         for m in (mesh, *(submesh(mesh, name) for name in (*MESH_AXES, DP))):
             m.get_coordinate()  # computed (with tensor ops) and cached now, not inside a step
         return mesh
     opts = fdist.group_options(dcfg or DistConfig())
     mesh = init_device_mesh("cuda" if opts[0] == "nccl" else "cpu", (mcfg.fsdp, mcfg.ep), mesh_dim_names=MESH_AXES,
                             backend_override=dict.fromkeys(MESH_AXES, opts))
-    mesh[MESH_AXES]._flatten(DP, backend_override=opts)
+    _torch.flatten_mesh(mesh[MESH_AXES], DP, backend_override=opts)
     for m in (submesh(mesh, "fsdp"), submesh(mesh, "ep"), dp_mesh(mesh)):
         dist.barrier(group=m.get_group())
     return mesh
@@ -180,7 +176,7 @@ def placements(spec: LeafSpec, mesh: DeviceMesh) -> tuple[DeviceMesh, tuple]:
     if "fsdp" not in split:
         fsdp = Replicate()
     elif split["fsdp"] == split.get("ep"):  # fsdp splits ep's part of the dim: right-to-left sharding
-        fsdp = _StridedShard(split["fsdp"], split_factor=mesh.size(1))
+        fsdp = StridedShard(split["fsdp"], split_factor=mesh.size(1))
     else:
         fsdp = Shard(split["fsdp"])
     return mesh, (fsdp, ep)
@@ -231,7 +227,7 @@ def stored_slice(t: DTensor, rank: int) -> tuple[tuple[slice, ...], bool]:
     coord = {}
     for name, n in zip(reversed(names), reversed(dmesh.shape)):
         coord[name], i = i % n, i // n
-    split = {name: p.dim for name, p in zip(names, t.placements) if isinstance(p, (Shard, _StridedShard))}
+    split = {name: p.dim for name, p in zip(names, t.placements) if isinstance(p, (Shard, StridedShard))}
     # in RULES order: ep splits the expert dim first, then fsdp each ep part (_StridedShard)
     spec = LeafSpec(tuple((axis, split[axis]) for axis in (DP, "ep", "fsdp") if axis in split))
     idx = local_index(spec, tuple(t.shape), coord, dict(zip(names, dmesh.shape)))
@@ -322,7 +318,7 @@ def split_dims(t: DTensor) -> dict[int, int]:
     """{mesh dim: tensor dim} for every mesh dim that splits t (Shard or _StridedShard)."""
     if any(p.is_partial() for p in t.placements):
         raise ValueError(f"a DTensor with placements {t.placements} holds partial sums: reduce it first")
-    return {m: p.dim for m, p in enumerate(t.placements) if isinstance(p, (Shard, _StridedShard))}
+    return {m: p.dim for m, p in enumerate(t.placements) if isinstance(p, (Shard, StridedShard))}
 
 
 def coordinate(mesh: DeviceMesh, rank: int) -> tuple[int, ...]:

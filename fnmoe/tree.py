@@ -1,4 +1,4 @@
-"""Trees of tensors: the one import site of torch.utils._pytree, and value_and_grad.
+"""Trees of tensors: where the rest of fnmoe gets torch's pytree functions, and value_and_grad.
 
 A params tree is a nested `dict[str, Tensor]`; a leaf's path is its dotted key
 ("layers.0.attn.w_q_DN"). `value_and_grad` has JAX's signature and runs on autograd, so it
@@ -10,10 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-try:
-    import torch.utils._pytree as _pytree
-except ImportError as e:  # pragma: no cover - only on a torch without the private module
-    raise ImportError(f"fnmoe needs torch.utils._pytree (private torch API): {e}") from e
+from fnmoe._torch import pytree as _pytree
 
 Tree = Any
 

@@ -1,0 +1,162 @@
+"""The one module through which fnmoe reaches private torch APIs (DESIGN.md §1, rule 9).
+
+Any torch release may rename or drop these. When one is missing, importing fnmoe (or, for the
+few looked up on use, calling the wrapper that needs it) fails here with UnsupportedTorchError,
+naming the API, the installed torch and the versions fnmoe supports. The rest of fnmoe imports
+the names below and never touches `torch._*`, `torch.*._private_module` or `tensor._attr` itself
+(tests/test_house.py checks that).
+
+Looked up on use, not at import: inductor's helpers (a slow import that only some commands need)
+and `DeviceMesh._flatten` / the process-group timeout (attributes of objects made at run time).
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+SUPPORTED = "2.11 <= torch < 2.15"
+"""The torch versions fnmoe supports: pyproject.toml's torch requirement."""
+
+
+class UnsupportedTorchError(ImportError, RuntimeError):
+    """A private torch API fnmoe uses is missing from the installed torch."""
+
+
+def unsupported(what: str, error: BaseException | str) -> UnsupportedTorchError:
+    return UnsupportedTorchError(f"fnmoe needs {what}, a private torch API that the installed torch "
+                                 f"{torch.__version__} does not have (fnmoe supports {SUPPORTED}): {error}")
+
+
+def _module(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise unsupported(name, e) from e
+
+
+def _attr(obj: Any, path: str, what: str):
+    """obj.<path> (dotted), or UnsupportedTorchError naming `what`."""
+    try:
+        for name in path.split("."):
+            obj = getattr(obj, name)
+    except AttributeError as e:
+        raise unsupported(what, e) from e
+    return obj
+
+
+def _names(module: str, *names: str) -> tuple:
+    mod = _module(module)
+    return tuple(_attr(mod, n, f"{module}.{n}") for n in names)
+
+
+# -- trees: key paths, flatten/unflatten (fnmoe.tree)
+pytree = _module("torch.utils._pytree")
+
+# -- collectives dynamo traces, and their ops (fnmoe.dispatch, fnmoe.memory)
+funcol = _module("torch.distributed._functional_collectives")
+all_to_all_ops = tuple(_attr(torch.ops, f"{ns}.all_to_all_single.default", f"torch.ops.{ns}.all_to_all_single")
+                       for ns in ("_c10d_functional", "_c10d_functional_autograd"))
+
+# -- ranks simulated in one process: LocalTensorMode over the fake group (fnmoe.dist)
+LocalTensor, LocalTensorMode, enabled_local_tensor_mode, maybe_disable_local_tensor_mode = _names(
+    "torch.distributed._local_tensor", "LocalTensor", "LocalTensorMode", "enabled_local_tensor_mode",
+    "maybe_disable_local_tensor_mode")
+(FakeStore,) = _names("torch.testing._internal.distributed.fake_pg", "FakeStore")
+_attr(LocalTensor, "_local_tensors", "LocalTensor._local_tensors")
+
+
+def local_tensors(t: torch.Tensor) -> dict[int, torch.Tensor]:
+    """{rank: value} of a LocalTensor."""
+    return t._local_tensors
+
+
+# -- process groups: the rendezvous store, a new group's timeout (fnmoe.dist)
+(default_store,) = _names("torch.distributed.distributed_c10d", "_get_default_store")
+
+
+def gloo_options():
+    """Options for a new gloo process group."""
+    return _attr(dist, "ProcessGroupGloo._Options", "torch.distributed.ProcessGroupGloo._Options")()
+
+
+def set_pg_timeout(opts, timeout: datetime.timedelta) -> None:
+    """Give a new process group's options (gloo's or NCCL's) a timeout."""
+    try:
+        opts._timeout = timeout
+    except AttributeError as e:
+        raise unsupported(f"{type(opts).__qualname__}._timeout", e) from e
+
+
+# -- DTensor: a dim split twice, flattened mesh axes (fnmoe.sharding)
+(StridedShard,) = _names("torch.distributed.tensor.placement_types", "_StridedShard")
+
+
+def flatten_mesh(mesh, name: str, backend_override=None):
+    """mesh's axes flattened into one axis called name (DeviceMesh._flatten); the flattened mesh."""
+    flatten = _attr(mesh, "_flatten", "DeviceMesh._flatten")
+    return flatten(name) if backend_override is None else flatten(name, backend_override=backend_override)
+
+
+# -- tensor internals: in-place version counter, a view's base (fnmoe.memory, fnmoe.reshard)
+_attr(torch.Tensor, "_version", "torch.Tensor._version")
+_attr(torch.Tensor, "_base", "torch.Tensor._base")
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """t's version counter: it grows with every in-place change of t's storage through t or a view."""
+    return t._version
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor t is a view of (the root, for a view of a view), or None."""
+    return t._base
+
+
+# -- dispatch modes: see every op, unwrap tensor subclasses (fnmoe.memory_report)
+TorchDispatchMode, is_traceable_wrapper_subclass = _names(
+    "torch.utils._python_dispatch", "TorchDispatchMode", "is_traceable_wrapper_subclass")
+
+# -- ops: CUDA's grouped GEMM (None where absent), size facts for compile (fnmoe.moe, fnmoe.dispatch)
+grouped_mm: Callable | None = getattr(torch, "_grouped_mm", None)
+check: Callable = _attr(torch, "_check", "torch._check")
+
+# -- compile: dynamo/functorch flags, trace-time hooks, counters (fnmoe.compile)
+dynamo = _module("torch._dynamo")
+dynamo_config = _module("torch._dynamo.config")
+functorch_config = _module("torch._functorch.config")
+dynamo_utils = _module("torch._dynamo.utils")
+(comptime,) = _names("torch._dynamo.comptime", "comptime")
+override_optimization_hint: Callable | None = getattr(dynamo, "override_optimization_hint", None)  # not in 2.11
+
+
+def dynamo_counters() -> dict:
+    """dynamo's event counters by kind ("inductor", "aot_autograd", ...), for this process."""
+    return dynamo_utils.counters
+
+
+def inductor_default_cache_dir() -> str:
+    """The cache directory inductor picks when TORCHINDUCTOR_CACHE_DIR is unset."""
+    (default_cache_dir,) = _names("torch._inductor.runtime.cache_dir_utils", "default_cache_dir")
+    return default_cache_dir()
+
+
+def pick_vec_isa():
+    """The SIMD level inductor compiles CPU kernels for here (falsy where it finds none)."""
+    (pick,) = _names("torch._inductor.cpu_vec_isa", "pick_vec_isa")
+    return pick()
+
+
+# -- compile inspection: explain, guard failures, generated code (fnmoe.inspect_compile)
+dynamo_reset: Callable[[], None] = _attr(dynamo, "reset", "torch._dynamo.reset")
+dynamo_explain: Callable = _attr(dynamo, "explain", "torch._dynamo.explain")
+guard_failures: dict = _attr(dynamo_utils, "guard_failures", "torch._dynamo.utils.guard_failures")
+
+
+def run_and_get_code(fn: Callable, *args):
+    """(fn(*args), the source of every module inductor generated for it)."""
+    (run,) = _names("torch._inductor.utils", "run_and_get_code")
+    return run(fn, *args)
