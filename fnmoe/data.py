@@ -1,4 +1,5 @@
-"""Byte tokenizer, corpus loading, and a deterministic, resumable batch loader.
+"""Tokenizers, corpus loading (text, JSONL, `fnmoe prepare` directories), and a deterministic,
+resumable batch loader.
 
 Shape suffixes: B batch (sequences), L sequence length, T tokens of a flat token stream,
 N windows (all validation batches together), S document starts.
@@ -23,10 +24,12 @@ import gzip
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fnmoe.config import DataConfig
@@ -35,6 +38,9 @@ EOS_ID = 256
 BUNDLED = "bundled"
 IGNORE = -100
 """the label of a token that has no loss (cross_entropy's ignore_index)"""
+PREPARED_FORMAT, PREPARED_VERSION = "fnmoe-tokens", 1
+"""a `fnmoe prepare` directory's index.json (its layout: fnmoe/prepare.py)"""
+PREPARED_TOKENIZER = "tokenizer.json"  # the copy of a tokenizers tokenizer a prepared directory keeps
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,31 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(i for i in map(int, ids) if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def load_tokenizer(spec: str):
+    """(name, encode(str) -> list[int], vocab_size, eos_id) for 'byte' or a tokenizer.json path."""
+    if spec == "byte":
+        tok = ByteTokenizer()
+        return "byte", tok.encode, tok.vocab_size, EOS_ID
+    path = Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file not found: {spec} (use 'byte' or a tokenizer.json)")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError("a tokenizer.json needs the `tokenizers` package: pip install tokenizers") from None
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ValueError(f"{spec}: not a Hugging Face tokenizer.json ({e})") from None
+    eos = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+                if tok.token_to_id(t) is not None), None)
+    if eos is None:
+        raise ValueError(f"{spec}: no end-of-text token (<|endoftext|>, </s>, <eos>) in the vocabulary")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return f"tokenizers:{digest}", (lambda s: tok.encode(s, add_special_tokens=False).ids), \
+        tok.get_vocab_size(), eos
 
 
 # ---------------------------------------------------------------- reading documents
@@ -162,10 +193,50 @@ def check_token_ids(tokens, vocab_size: int, where: str) -> None:
         raise ValueError(f"token id {tok} at position {pos} of {where} {why}")
 
 
+# ---------------------------------------------------------------- prepared directories (`fnmoe prepare`)
+
+def open_prepared(dir_: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(index, {split: memory-mapped token array}) of a prepared directory."""
+    d = Path(dir_)
+    index = json.loads((d / "index.json").read_text())
+    if index.get("format") != PREPARED_FORMAT or index.get("version") != PREPARED_VERSION:
+        raise ValueError(f"{d / 'index.json'}: not a {PREPARED_FORMAT} v{PREPARED_VERSION} index")
+    arrays = {}
+    for split, entry in index["splits"].items():
+        path = d / entry["file"]
+        expected = entry["tokens"] * np.dtype(index["dtype"]).itemsize
+        if not path.is_file() or path.stat().st_size != expected:
+            raise ValueError(f"{path}: missing or truncated (expected {expected} bytes)")
+        # copy-on-write: readers never write, and torch wants a writable buffer to wrap
+        arrays[split] = np.memmap(path, dtype=np.dtype(index["dtype"]).newbyteorder("<"), mode="c")
+        if "loss_mask" in entry:
+            mask_path = d / entry["loss_mask"]["file"]
+            if not mask_path.is_file() or mask_path.stat().st_size != entry["tokens"]:
+                raise ValueError(f"{mask_path}: missing or truncated (expected {entry['tokens']} bytes)")
+            arrays[split + ".loss_mask"] = np.memmap(mask_path, dtype=np.uint8, mode="c")
+    return index, arrays
+
+
+def corpus_codec(dir_: str | Path) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str], int]:
+    """(encode, decode, eos_id) of the tokenizer a prepared directory's tokens were made with."""
+    d = Path(dir_)
+    index = json.loads((d / "index.json").read_text())
+    if index["tokenizer"] == "byte":
+        tok = ByteTokenizer()
+        return tok.encode, tok.decode, index["eos_id"]
+    path = d / index.get("tokenizer_file", PREPARED_TOKENIZER)
+    if not path.is_file():
+        raise ValueError(f"{d} keeps no copy of its tokenizer ({index['tokenizer']}; prepared before copies were "
+                         "kept): run fnmoe prepare again")
+    name, encode, _, eos = load_tokenizer(str(path))
+    if name != index["tokenizer"]:
+        raise ValueError(f"{path} is not the tokenizer {d} was prepared with ({index['tokenizer']})")
+    from tokenizers import Tokenizer
+    return encode, Tokenizer.from_file(str(path)).decode, eos
+
+
 def load_prepared(path: Path, vocab_size: int) -> TokenData:
     """A `fnmoe prepare` directory: memory-mapped streams, validated against the model's vocab."""
-    from fnmoe.prepare import open_prepared
-
     index, arrays = open_prepared(path)
     if index["vocab_size"] > vocab_size:
         raise ValueError(f"corpus {path} was tokenised with a vocabulary of {index['vocab_size']} "

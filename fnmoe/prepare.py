@@ -25,42 +25,15 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from fnmoe.data import EOS_ID, ByteTokenizer, encode_documents, read_documents
+from fnmoe.data import (PREPARED_FORMAT, PREPARED_TOKENIZER, PREPARED_VERSION, encode_documents, load_tokenizer,
+                        read_documents)
 
-FORMAT, VERSION = "fnmoe-tokens", 1
-TOKENIZER = "tokenizer.json"  # the copy of a tokenizers tokenizer a prepared directory keeps
 PART_DOCS = 64
-
-
-def load_tokenizer(spec: str):
-    """(name, encode(str) -> list[int], vocab_size, eos_id) for 'byte' or a tokenizer.json path."""
-    if spec == "byte":
-        tok = ByteTokenizer()
-        return "byte", tok.encode, tok.vocab_size, EOS_ID
-    path = Path(spec)
-    if not path.is_file():
-        raise FileNotFoundError(f"tokenizer file not found: {spec} (use 'byte' or a tokenizer.json)")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ValueError("a tokenizer.json needs the `tokenizers` package: pip install tokenizers") from None
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
-        raise ValueError(f"{spec}: not a Hugging Face tokenizer.json ({e})") from None
-    eos = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
-                if tok.token_to_id(t) is not None), None)
-    if eos is None:
-        raise ValueError(f"{spec}: no end-of-text token (<|endoftext|>, </s>, <eos>) in the vocabulary")
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    return f"tokenizers:{digest}", (lambda s: tok.encode(s, add_special_tokens=False).ids), \
-        tok.get_vocab_size(), eos
 
 
 def read_inputs(inputs: list[str], text_field: str, prompt_field: str = "") -> list:
@@ -169,13 +142,13 @@ def prepare(inputs: list[str], tokenizer: str, out_dir: str | Path, text_field: 
     hashes = [e["sha256"] for e in splits.values()] + \
         [e["loss_mask"]["sha256"] for e in splits.values() if "loss_mask" in e]
     fingerprint = hashlib.sha256((name + "".join(hashes)).encode())
-    index = {"format": FORMAT, "version": VERSION, "tokenizer": name, "tokenizer_spec": tokenizer,
-             "vocab_size": vocab, "eos_id": eos, "dtype": dtype, "splits": splits,
+    index = {"format": PREPARED_FORMAT, "version": PREPARED_VERSION, "tokenizer": name,
+             "tokenizer_spec": tokenizer, "vocab_size": vocab, "eos_id": eos, "dtype": dtype, "splits": splits,
              "fingerprint": fingerprint.hexdigest()[:16]}
     if tokenizer != "byte":  # a copy beside the tokens: what reads them (fnmoe generate) needs no other path
-        shutil.copyfile(tokenizer, out / (TOKENIZER + ".tmp"))
-        os.replace(out / (TOKENIZER + ".tmp"), out / TOKENIZER)
-        index["tokenizer_file"] = TOKENIZER
+        shutil.copyfile(tokenizer, out / (PREPARED_TOKENIZER + ".tmp"))
+        os.replace(out / (PREPARED_TOKENIZER + ".tmp"), out / PREPARED_TOKENIZER)
+        index["tokenizer_file"] = PREPARED_TOKENIZER
     tmp = out / "index.json.tmp"
     tmp.write_text(json.dumps(index, indent=1))
     os.replace(tmp, out / "index.json")
@@ -183,43 +156,3 @@ def prepare(inputs: list[str], tokenizer: str, out_dir: str | Path, text_field: 
         p.unlink()
     parts_dir.rmdir()
     return index
-
-
-def corpus_codec(dir_: str | Path) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str], int]:
-    """(encode, decode, eos_id) of the tokenizer a prepared directory's tokens were made with."""
-    d = Path(dir_)
-    index = json.loads((d / "index.json").read_text())
-    if index["tokenizer"] == "byte":
-        tok = ByteTokenizer()
-        return tok.encode, tok.decode, index["eos_id"]
-    path = d / index.get("tokenizer_file", TOKENIZER)
-    if not path.is_file():
-        raise ValueError(f"{d} keeps no copy of its tokenizer ({index['tokenizer']}; prepared before copies were "
-                         "kept): run fnmoe prepare again")
-    name, encode, _, eos = load_tokenizer(str(path))
-    if name != index["tokenizer"]:
-        raise ValueError(f"{path} is not the tokenizer {d} was prepared with ({index['tokenizer']})")
-    from tokenizers import Tokenizer
-    return encode, Tokenizer.from_file(str(path)).decode, eos
-
-
-def open_prepared(dir_: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """(index, {split: memory-mapped token array}) of a prepared directory."""
-    d = Path(dir_)
-    index = json.loads((d / "index.json").read_text())
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise ValueError(f"{d / 'index.json'}: not a {FORMAT} v{VERSION} index")
-    arrays = {}
-    for split, entry in index["splits"].items():
-        path = d / entry["file"]
-        expected = entry["tokens"] * np.dtype(index["dtype"]).itemsize
-        if not path.is_file() or path.stat().st_size != expected:
-            raise ValueError(f"{path}: missing or truncated (expected {expected} bytes)")
-        # copy-on-write: readers never write, and torch wants a writable buffer to wrap
-        arrays[split] = np.memmap(path, dtype=np.dtype(index["dtype"]).newbyteorder("<"), mode="c")
-        if "loss_mask" in entry:
-            mask_path = d / entry["loss_mask"]["file"]
-            if not mask_path.is_file() or mask_path.stat().st_size != entry["tokens"]:
-                raise ValueError(f"{mask_path}: missing or truncated (expected {entry['tokens']} bytes)")
-            arrays[split + ".loss_mask"] = np.memmap(mask_path, dtype=np.uint8, mode="c")
-    return index, arrays

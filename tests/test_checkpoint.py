@@ -16,10 +16,11 @@ import torch
 from safetensors import safe_open
 
 from fnmoe import checkpoint, optim
-from fnmoe.checkpoint import SAVE_DELAY_ENV, CheckpointError, load_params, verify
+from fnmoe.checkpoint import CheckpointError, load_params, verify
 from fnmoe.cli import main, parse_run
 from fnmoe.data import Loader, load_data
-from fnmoe.loop import KILL_AT_STEP_ENV, train
+from fnmoe.faults import KILL_AT_STEP_ENV, SAVE_DELAY_ENV
+from fnmoe.loop import train
 from fnmoe.metrics import drop_rows_after
 from fnmoe.params import draw_leaf, init_params, leaf_inits
 from fnmoe.train import init_state

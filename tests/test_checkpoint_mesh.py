@@ -137,7 +137,7 @@ def test_resharding_chain_keeps_params_and_optimizer_state_bitwise_and_each_shar
 def test_a_failed_rank_leaves_no_checkpoint(tmp_path, monkeypatch):
     """A full disk on one rank's file: the save raises, and nothing looks like a checkpoint."""
     root = tmp_path / "checkpoints"
-    write_chunks = checkpoint._write_chunks
+    write_chunks = checkpoint.save._write_chunks
 
     def full_on_rank_2(path, chunks):
         if "rank00002" in path.name:
@@ -149,7 +149,7 @@ def test_a_failed_rank_leaves_no_checkpoint(tmp_path, monkeypatch):
         state = init_state(init_params(run.model, run.train.seed, mesh=mesh), tx)
         saver = checkpoint.Saver(root, run.checkpoint)
         saver.save(state, run, loader)
-        monkeypatch.setattr(checkpoint, "_write_chunks", full_on_rank_2)
+        monkeypatch.setattr(checkpoint.save, "_write_chunks", full_on_rank_2)
         with pytest.raises(CheckpointError, match=r"step 1: writing .*rank00002.safetensors failed: No space"):
             saver.save(TrainState(state.params, state.opt_state, 1), run, loader)
     assert sorted(p.name for p in root.iterdir()) == ["step_0"]

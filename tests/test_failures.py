@@ -14,6 +14,7 @@ import torch
 from fnmoe import dist as fdist
 from fnmoe import optim, sharding
 from fnmoe.config import MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
+from fnmoe.faults import STOP_AT_STEP_ENV, STOP_RANK_ENV
 from fnmoe.params import init_params
 from fnmoe.train import init_state, make_train_step
 
@@ -65,7 +66,7 @@ def test_one_rank_stopped_mid_step_makes_the_others_name_it_and_the_collective(t
     """Rank 1 stops (SIGSTOP) as step 2 starts: rank 0 times out in that step's first collective,
     names it and rank 1 within the timeout + 30 s, and torchrun then ends the job (killing rank 1)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
-               FNMOE_TEST_STOP_AT_STEP="2", FNMOE_TEST_STOP_RANK="1")
+               **{STOP_AT_STEP_ENV: "2", STOP_RANK_ENV: "1"})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "fnmoe", "train", "--train.steps", "50", "--train.batch-size", "4", "--data.seq-len", "32",
            "--mesh.fsdp", "2", "--dist.timeout-s", str(TIMEOUT_S), "--train.run-dir", str(tmp_path / "run")]

@@ -7,8 +7,8 @@ import torch
 
 from fnmoe.cli import main
 from fnmoe.config import DataConfig
-from fnmoe.data import EOS_ID, load_data, read_documents
-from fnmoe.prepare import PART_DOCS, parts_key, open_prepared, prepare, read_inputs
+from fnmoe.data import EOS_ID, load_data, open_prepared, read_documents
+from fnmoe.prepare import PART_DOCS, parts_key, prepare, read_inputs
 
 
 def write_jsonl(path, docs, field="text"):

@@ -1,0 +1,156 @@
+"""Reading checkpoints: `verify` (sizes, sha256, safetensors headers against index.json), the parts
+of saved tensors a reader needs (read region by region from the shards that overlap them), and
+`load_params` for export and evaluation."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from fnmoe import dist as fdist
+from fnmoe.checkpoint.format import CONFIG, INDEX, SECTIONS, ST_DTYPES, CheckpointError, _whole, read_index
+from fnmoe.checkpoint.procs import _first_error, _job
+from fnmoe.config import RunConfig, load_config
+from fnmoe.params import shape_mismatches
+from fnmoe.tree import Tree, unflatten_dict
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_shards(ckpt: Path, index: dict, names: set[str]) -> None:
+    """Every shard of every tensor lies inside the global shape, and those in the files `names` are
+    there with the index's dtype and shape."""
+    by_file: dict[str, list[tuple[str, str, dict]]] = {}
+    for section in SECTIONS:
+        for path, e in index[section].items():
+            for shard in e["shards"]:
+                by_file.setdefault(shard["file"], []).append((f"{section} '{path}'", e["dtype"], shard))
+                inside = all(0 <= o and o + n <= g for o, n, g in zip(shard["offset"], shard["shape"], e["shape"]))
+                if len(shard["offset"]) != len(e["shape"]) or not inside:
+                    raise CheckpointError(f"{ckpt / INDEX}: a shard of {section} '{path}' lies outside its "
+                                          f"shape {e['shape']}")
+    for name, shards in by_file.items():
+        if name not in index["files"]:
+            raise CheckpointError(f"{ckpt / INDEX}: tensors refer to {name}, which is not among its files")
+        if name not in names:
+            continue
+        try:
+            with safe_open(ckpt / name, framework="pt") as f:
+                keys = set(f.keys())
+                for what, dtype, shard in shards:
+                    if shard["key"] not in keys:
+                        raise CheckpointError(f"{ckpt / name}: has no tensor '{shard['key']}' ({what})")
+                    s = f.get_slice(shard["key"])
+                    want = ST_DTYPES[getattr(torch, dtype)]
+                    if list(s.get_shape()) != shard["shape"] or s.get_dtype() != want:
+                        raise CheckpointError(f"{ckpt / name}: '{shard['key']}' is {s.get_dtype()} {s.get_shape()}, "
+                                              f"index.json says {want} {shard['shape']}")
+        except (OSError, SafetensorError) as e:  # a header that does not parse
+            raise CheckpointError(f"{ckpt / name}: unreadable safetensors file ({e})") from None
+
+
+def verify(ckpt: Path, part: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+    """Check the files of a checkpoint against its index.json (size, sha256; the tensors' keys,
+    dtypes and shapes) and return the index; raise CheckpointError naming the first bad file.
+    part=(i, n) checks only every n-th file from the i-th, so n ranks can share the reading."""
+    ckpt = Path(ckpt)
+    index = read_index(ckpt)
+    try:
+        names = sorted(index["files"])[part[0]::part[1]]
+        for name in names:
+            path, meta = ckpt / name, index["files"][name]
+            if not path.is_file():
+                raise CheckpointError(f"{path} is missing (listed in {ckpt / INDEX})")
+            if path.stat().st_size != meta["bytes"]:
+                raise CheckpointError(f"{path} has {path.stat().st_size} bytes, {ckpt / INDEX} says "
+                                      f"{meta['bytes']} (truncated or overwritten)")
+            if _sha256(path) != meta["sha256"]:
+                raise CheckpointError(f"{path} does not match its sha256 checksum in {ckpt / INDEX} (corrupt)")
+        _check_shards(ckpt, index, set(names))
+    except (KeyError, TypeError, AttributeError) as e:  # valid JSON of the wrong shape
+        raise CheckpointError(f"{ckpt / INDEX} is malformed ({type(e).__name__}: {e})") from None
+    return index
+
+
+def _verify_together(ckpt: Path) -> dict[str, Any]:
+    """verify(ckpt) with the files shared among the job's processes; every process gets the same
+    verdict, so all resume from the same checkpoint or all fail."""
+    try:
+        index, error = verify(ckpt, _job()), None
+    except CheckpointError as e:
+        index, error = None, str(e)
+    error = _first_error(error)
+    if error:
+        raise CheckpointError(error)
+    return index
+
+
+@contextlib.contextmanager
+def _opened(ckpt: Path):
+    """A function file name -> that safetensors file of ckpt, opened once; all closed on exit."""
+    with contextlib.ExitStack() as stack:
+        files: dict[str, Any] = {}
+
+        def get(name: str):
+            if name not in files:
+                files[name] = stack.enter_context(safe_open(ckpt / name, framework="pt"))
+            return files[name]
+        yield get
+
+
+def _read_region(get: Callable, entry: dict, idx: tuple[slice, ...], what: str) -> torch.Tensor:
+    """The part idx (a slice per dim) of a saved tensor, read from the shards that overlap it, each
+    only where it overlaps (safetensors get_slice reads no more of the file)."""
+    with fdist.unsimulated():  # one plain value, the same on every simulated rank
+        out = torch.empty([s.stop - s.start for s in idx], dtype=getattr(torch, entry["dtype"]))
+        covered = 0
+        for shard in entry["shards"]:
+            lo = [max(s.start, o) for s, o in zip(idx, shard["offset"])]
+            hi = [min(s.stop, o + n) for s, o, n in zip(idx, shard["offset"], shard["shape"])]
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            src = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, shard["offset"]))
+            out[tuple(slice(a - s.start, b - s.start) for a, b, s in zip(lo, hi, idx))] = \
+                get(shard["file"]).get_slice(shard["key"])[src]
+            covered += math.prod(b - a for a, b in zip(lo, hi))
+    if covered != out.numel():
+        raise CheckpointError(f"{what}: its shards cover {covered} of the {out.numel()} values of {list(idx)}")
+    return out
+
+
+def _read_section(ckpt: Path, index: dict, section: str) -> dict[str, torch.Tensor]:
+    """{path: tensor} of one section of a verified checkpoint, each assembled from its shards."""
+    with _opened(ckpt) as get:
+        return {path: _read_region(get, e, _whole(e["shape"]), f"{ckpt}: {section} '{path}'")
+                for path, e in index[section].items()}
+
+
+def saved_config(ckpt: Path) -> RunConfig:
+    """The RunConfig a checkpoint was saved with (validated when it was written)."""
+    path = Path(ckpt) / CONFIG
+    try:
+        return load_config(path, validate_config=False)
+    except (FileNotFoundError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def load_params(ckpt: str | Path) -> tuple[RunConfig, Tree]:
+    """(the saved RunConfig, the params tree) of a checkpoint, verified first (for export, eval)."""
+    ckpt = Path(ckpt)
+    index = verify(ckpt)
+    run, params = saved_config(ckpt), unflatten_dict(_read_section(ckpt, index, "tensors"))
+    diff = shape_mismatches(params, run.model)
+    if diff:
+        raise CheckpointError(f"{ckpt}: its tensors do not fit the model of its {CONFIG}: {'; '.join(diff)}")
+    return run, params

@@ -1,0 +1,143 @@
+"""What a save writes: each rank's shards of params, optimizer state and RNG states with their
+index entries, staged on the CPU as a `Snapshot`."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fnmoe import dist as fdist
+from fnmoe import sharding
+from fnmoe.checkpoint.format import MESH_AXES, SECTIONS, ST_DTYPES, CheckpointError, _whole
+from fnmoe.config import RunConfig, to_dict, to_toml
+from fnmoe.data import Loader
+from fnmoe.train import TrainState
+from fnmoe.tree import Tree, flatten_dict, tree_flatten_with_paths
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """This process's part of a checkpoint, every tensor on the CPU, ready to be written by `write`."""
+
+    step: int
+    files: dict[str, dict[str, torch.Tensor]]
+    """file name -> {key in the file: tensor}"""
+    writers: dict[str, int]
+    """file name -> the rank whose shards it holds"""
+    entries: dict[str, dict[str, dict]]
+    """index.json's sections of tensor entries (SECTIONS), with only the shards in `files`"""
+    train: dict[str, Any]
+    """index.json's "train" section"""
+    config_toml: str
+    model: dict[str, Any]
+    """the ModelConfig as a dict, as the tree format's index.json has it"""
+    mesh: dict[str, int]
+
+
+def loader_state(loader: Loader, step: int) -> dict[str, Any]:
+    """The data position after `step` optimizer steps; Loader.batch_at is a pure function of the
+    step, so this (with the seed and corpus fingerprint to check against) is all resume needs."""
+    seen = step * loader.batch_size
+    return {"step": step, "epoch": seen // loader.n_samples, "samples_seen": seen, "seed": loader.seed,
+            "corpus_fingerprint": loader.data.fingerprint}
+
+
+def rng_states(rank: int = 0) -> dict[str, torch.Tensor]:
+    states = {f"rank{rank}.torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states |= {f"rank{rank}.cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    return states
+
+
+def _flat_opt_state(opt_state: Tree) -> dict[str, torch.Tensor]:
+    paths, leaves, _ = tree_flatten_with_paths(opt_state)
+    if len(set(paths)) != len(paths):
+        repeated = sorted({p for p in paths if paths.count(p) > 1})
+        raise CheckpointError(f"optimizer state has repeated leaf paths: {repeated}")
+    bad = [p for p, x in zip(paths, leaves) if not isinstance(x, torch.Tensor)]
+    if bad:
+        raise CheckpointError(f"optimizer state leaves that are not tensors cannot be saved: {bad[:5]}")
+    return dict(zip(paths, leaves))
+
+
+def _placement(t: torch.Tensor) -> dict[str, str]:
+    if isinstance(t, DTensor):
+        return dict(zip(t.device_mesh.mesh_dim_names, map(repr, t.placements)))
+    return dict.fromkeys(MESH_AXES, "Replicate()")
+
+
+def _stored(t: torch.Tensor, rank: int) -> tuple[tuple[slice, ...], bool]:
+    """(rank's slice of t, whether rank writes it): each slice once, by the lowest rank holding it."""
+    if isinstance(t, DTensor):
+        return sharding.stored_slice(t, rank)
+    return _whole(t.shape), rank == 0
+
+
+def _rank_part(leaves: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]], rank: int,
+               stage: Callable) -> tuple[dict, dict]:
+    """(files, entries) of what `rank` writes; leaves: {section: {path: (leaf, rank's local value)}}."""
+    names = {"tensors": f"params-rank{rank:05d}.safetensors", "opt_state": f"state-rank{rank:05d}.safetensors"}
+    names["rng"], prefixes = names["opt_state"], {"tensors": "", "opt_state": "opt_state.", "rng": "rng."}
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    entries: dict[str, dict[str, dict]] = {section: {} for section in SECTIONS}
+    for section, section_leaves in leaves.items():
+        for path, (t, value) in section_leaves.items():
+            if t.dtype not in ST_DTYPES:
+                raise CheckpointError(f"{section} leaf '{path}' has dtype {t.dtype}, which safetensors cannot store")
+            idx, writes = (_whole(t.shape), True) if section == "rng" else _stored(t, rank)
+            # a slice that is empty here (torch.chunk leaves trailing ranks none) is skipped
+            writes = writes and (value.numel() > 0 or math.prod(t.shape) == 0)
+            if writes or rank == 0:  # rank 0 lists every leaf, even one it holds nothing of
+                entries[section][path] = {
+                    "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                    "placement": "rank-local" if section == "rng" else _placement(t), "shards": []}
+            if writes:
+                key = prefixes[section] + path
+                files.setdefault(names[section], {})[key] = stage(value)
+                entries[section][path]["shards"].append({"file": names[section], "key": key,
+                                                         "offset": [s.start for s in idx], "shape": list(value.shape)})
+    return files, entries
+
+
+def _merge(parts: list[dict[str, dict[str, dict]]]) -> dict[str, dict[str, dict]]:
+    """index.json's tensor sections from every rank's entries: an entry's shards are all ranks' shards."""
+    out: dict[str, dict[str, dict]] = {section: {} for section in SECTIONS}
+    for part in parts:
+        for section, entries in part.items():
+            for path, e in entries.items():
+                out[section].setdefault(path, {**e, "shards": []})["shards"] += e["shards"]
+    for entries in out.values():
+        for e in entries.values():
+            if len(e["shards"]) == 1 and e["shards"][0]["shape"] == e["shape"]:
+                e["file"] = e["shards"][0]["file"]
+    return out
+
+
+def snapshot(state: TrainState, run: RunConfig, loader: Loader, copy: bool = False) -> Snapshot:
+    """This process's part of the checkpoint of `state`: the shards its rank writes (every simulated
+    rank's in a simulation). copy=True stages fresh CPU copies (for a write that runs while training
+    goes on), else CPU tensors are shared, not copied."""
+    stage = (lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach().cpu())
+    flat = {"tensors": flatten_dict(state.params), "opt_state": _flat_opt_state(state.opt_state)}
+    local = {section: {path: fdist.rank_values(t.to_local() if isinstance(t, DTensor) else t)
+                       for path, t in leaves.items()} for section, leaves in flat.items()}
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    writers: dict[str, int] = {}
+    parts = []
+    for rank in fdist.ranks_here():
+        with fdist.unsimulated():
+            leaves = {section: {path: (t, local[section][path][rank]) for path, t in section_leaves.items()}
+                      for section, section_leaves in flat.items()}
+            leaves["rng"] = {path: (t, t) for path, t in rng_states(rank).items()}
+            rank_files, entries = _rank_part(leaves, rank, stage)
+        files |= rank_files
+        writers |= dict.fromkeys(rank_files, rank)
+        parts.append(entries)
+    schedule = {"name": run.optim.schedule, "position": state.step, "total_steps": run.train.steps,
+                "warmup_steps": run.optim.warmup_steps}
+    return Snapshot(state.step, files, writers, _merge(parts),
+                    {"step": state.step, "schedule": schedule, "data": loader_state(loader, state.step)},
+                    to_toml(run), to_dict(run.model), {a: getattr(run.mesh, a) for a in MESH_AXES})
