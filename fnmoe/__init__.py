@@ -1,9 +1,10 @@
 """fnmoe: functional Mixture-of-Experts training in PyTorch.
 
 Parameters are a plain tree of tensors; the model, the optimizer and the training step are
-pure functions over it. The names below are the public API (DESIGN.md §3).
+pure functions over it. The names below are the public API (docs/design.md §3).
 """
 from fnmoe import checkpoint, hf, optim
+from fnmoe.caches import clear_caches
 from fnmoe.config import (
     CheckpointConfig,
     DataConfig,
@@ -28,5 +29,5 @@ __all__ = [
     "CheckpointConfig", "DataConfig", "DistConfig", "MemoryConfig", "MeshConfig", "ModelConfig",
     "MoEConfig", "OptimConfig", "PlanConfig", "ProfileConfig", "RunConfig", "TrainConfig",
     "TrainState", "forward", "init_params", "init_state", "load_config", "loss_fn",
-    "checkpoint", "hf", "make_train_step", "optim", "value_and_grad",
+    "checkpoint", "clear_caches", "hf", "make_train_step", "optim", "value_and_grad",
 ]

@@ -1,4 +1,4 @@
-"""The one module through which fnmoe reaches private torch APIs (DESIGN.md §1, rule 9).
+"""The one module through which fnmoe reaches private torch APIs (docs/design.md §1, rule 9).
 
 Any torch release may rename or drop these. When one is missing, importing fnmoe (or, for the
 few looked up on use, calling the wrapper that needs it) fails here with UnsupportedTorchError,

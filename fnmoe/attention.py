@@ -90,16 +90,17 @@ def rope(cfg: ModelConfig, positions_L: torch.Tensor) -> tuple[torch.Tensor, tor
     return rope_tables(positions_L, cfg.rope_dim_, cfg.rope_theta)
 
 
-def apply_rope(x_BLHA: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Tensor,
+def apply_rope(x_BLHA: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor,
                interleaved: bool = False) -> torch.Tensor:
-    """Rotate x by the tables ([L, A], or [B, L, A] for per-row positions). Interleaved pairs (x0, x1), (x2, x3), ... are first gathered into
-    halves [x0, x2, ...; x1, x3, ...]: queries and keys get the same permutation, so their dot
-    products are those of the interleaved rotation (transformers' DeepSeek-V3 does the same)."""
+    """Rotate x by the tables ([L, A], or [B, L, A] for per-row positions). Interleaved pairs
+    (x0, x1), (x2, x3), ... are first gathered into halves [x0, x2, ...; x1, x3, ...]: queries
+    and keys get the same permutation, so their dot products are those of the interleaved
+    rotation (transformers' DeepSeek-V3 does the same)."""
     if interleaved:
         x_BLHA = torch.cat([x_BLHA[..., 0::2], x_BLHA[..., 1::2]], dim=-1)
     half = x_BLHA.shape[-1] // 2
     rot = torch.cat([-x_BLHA[..., half:], x_BLHA[..., :half]], dim=-1)
-    cos, sin = cos_LA.unsqueeze(-2).to(x_BLHA.dtype), sin_LA.unsqueeze(-2).to(x_BLHA.dtype)
+    cos, sin = cos_LP.unsqueeze(-2).to(x_BLHA.dtype), sin_LP.unsqueeze(-2).to(x_BLHA.dtype)
     return x_BLHA * cos + rot * sin
 
 
@@ -149,7 +150,7 @@ def causal_attention(q_BLHA, k_BLGA, v_BLGU, cfg: ModelConfig, mask=None, scale:
     return sdpa(q_BLHA.transpose(1, 2), k_BLGA.transpose(1, 2), v_BLGU.transpose(1, 2), mask, scale).transpose(1, 2)
 
 
-def gqa_qk(p: dict, x_BLD: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Tensor,
+def gqa_qk(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor,
            cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """GQA's queries [B, L, H, A] and keys [B, L, G, A] as attention sees them (normed, rotated)."""
     B, L, _ = x_BLD.shape
@@ -159,16 +160,16 @@ def gqa_qk(p: dict, x_BLD: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Ten
     if cfg.qk_norm:
         q_BLHA = rms_norm(q_BLHA, p["q_norm_A"], cfg.norm_eps)
         k_BLGA = rms_norm(k_BLGA, p["k_norm_A"], cfg.norm_eps)
-    return (apply_rope(q_BLHA, cos_LA, sin_LA, cfg.rope_interleave),
-            apply_rope(k_BLGA, cos_LA, sin_LA, cfg.rope_interleave))
+    return (apply_rope(q_BLHA, cos_LP, sin_LP, cfg.rope_interleave),
+            apply_rope(k_BLGA, cos_LP, sin_LP, cfg.rope_interleave))
 
 
-def gqa(p: dict, x_BLD: torch.Tensor, cos_LA: torch.Tensor, sin_LA: torch.Tensor,
+def gqa(p: dict, x_BLD: torch.Tensor, cos_LP: torch.Tensor, sin_LP: torch.Tensor,
         cfg: ModelConfig, mask=None) -> torch.Tensor:
     """Causal grouped-query attention; p holds w_q_DN, w_k_DM, w_v_DM, w_o_ND (+ q_norm_A, k_norm_A)."""
     B, L, _ = x_BLD.shape
     H, G, A = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim_
-    q_BLHA, k_BLGA = gqa_qk(p, x_BLD, cos_LA, sin_LA, cfg)
+    q_BLHA, k_BLGA = gqa_qk(p, x_BLD, cos_LP, sin_LP, cfg)
     v_BLGA = (x_BLD @ p["w_v_DM"]).view(B, L, G, A)
     return causal_attention(q_BLHA, k_BLGA, v_BLGA, cfg, mask).reshape(B, L, H * A) @ p["w_o_ND"]
 

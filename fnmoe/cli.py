@@ -151,9 +151,8 @@ def _prepared_corpus(src: Path) -> Path | None:
 def cmd_generate(argv: list[str]) -> int:
     import torch
 
-    from fnmoe.data import EOS_ID, ByteTokenizer
+    from fnmoe.data import EOS_ID, ByteTokenizer, corpus_codec
     from fnmoe.generate import generate
-    from fnmoe.prepare import corpus_codec
 
     parser = argparse.ArgumentParser(prog="fnmoe generate", description="sample text from a trained model "
                                      "with a KV cache (bytes, or the tokenizer of the prepared corpus it trained on)")
@@ -197,7 +196,8 @@ def cmd_convert(argv: list[str]) -> int:
         save_tree(args.out, params, cfg)
         # a run config with this model, for `fnmoe train --config DST/config.toml --train.init-from-hf SRC`
         run = RunConfig(model=cfg)
-        run = dataclasses.replace(run, data=dataclasses.replace(run.data, seq_len=min(run.data.seq_len, cfg.max_seq_len)))
+        run = dataclasses.replace(run, data=dataclasses.replace(run.data,
+                                                                seq_len=min(run.data.seq_len, cfg.max_seq_len)))
         (Path(args.out) / "config.toml").write_text(to_toml(run))
     else:
         cfg, params = load_model(Path(args.to_hf))

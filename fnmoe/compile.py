@@ -63,8 +63,8 @@ def size_hint(n, estimate) -> None:
     """Give inductor `estimate` (an int, or a size expression: its value when this graph is traced)
     as its guess of n, a size read from device data under compile (an unbacked SymInt); a hint
     never guards or recompiles. Without one inductor counts such sizes as 0 bytes, finds no data
-    shared by two kernels over them and fuses none (measured: the slabs' SwiGLU backward ran as
-    three loops through an fp32 buffer, ~1.7x slower)."""
+    shared by two kernels over them and fuses none (the slabs' SwiGLU backward, for one, then runs
+    as three loops through an fp32 buffer)."""
     if torch.compiler.is_compiling() and _torch.override_optimization_hint is not None:  # not in 2.11
         _torch.comptime(_hint_at_trace)  # runs while dynamo traces, with this frame's n and estimate
 

@@ -112,7 +112,8 @@ def generate(params: Tree, prompt_BL: torch.Tensor, cfg: ModelConfig, max_new_to
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if L + max_new_tokens > cfg.max_seq_len:
-        raise ValueError(f"prompt ({L}) + max_new_tokens ({max_new_tokens}) exceeds model.max_seq_len={cfg.max_seq_len}")
+        raise ValueError(f"prompt ({L}) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"model.max_seq_len={cfg.max_seq_len}")
     gen = torch.Generator(device=prompt_BL.device).manual_seed(seed)
     cache = init_cache(cfg, B, L + max_new_tokens, prompt_BL.device)
     logits_BLV = step_logits(params, prompt_BL, cache, cfg)

@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import resource
-import signal
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fnmoe import checkpoint, optim, sharding
+from fnmoe import checkpoint, faults, optim, sharding
 from fnmoe import dist as fdist
 from fnmoe.compile import cache_stats, save_artifacts, warm_start
 from fnmoe.config import RunConfig, to_toml
@@ -28,13 +27,6 @@ from fnmoe.train import TrainState, eval_loss, init_state, make_train_step
 from fnmoe.tree import tree_map
 
 log = logging.getLogger("fnmoe")
-# test hook (tests/test_checkpoint.py): SIGKILL the process after this step on torchrun's first attempt
-KILL_AT_STEP_ENV = "FNMOE_TEST_KILL_AT_STEP"
-# with it, only this rank dies (tests/test_sharding.py: one rank lost under torchrun)
-KILL_RANK_ENV = "FNMOE_TEST_KILL_RANK"
-# test hooks (tests/test_failures.py): this rank stops itself (SIGSTOP) as this step starts
-STOP_AT_STEP_ENV = "FNMOE_TEST_STOP_AT_STEP"
-STOP_RANK_ENV = "FNMOE_TEST_STOP_RANK"
 
 
 def run_dir_of(run: RunConfig) -> Path:
@@ -98,23 +90,6 @@ def _metrics_writer(path: Path, resumed_from: int | None) -> JsonlWriter:
     return writer
 
 
-def _fault_injection(step: int, rank: int) -> None:
-    """Dies like a crashed worker (SIGKILL, no cleanup) after step FNMOE_TEST_KILL_AT_STEP, on the
-    first attempt only (torchrun sets TORCHELASTIC_RESTART_COUNT), so a restart can resume; with
-    FNMOE_TEST_KILL_RANK set, only that rank dies."""
-    if (os.environ.get(KILL_AT_STEP_ENV) == str(step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-            and os.environ.get(KILL_RANK_ENV, str(rank)) == str(rank)):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _stop_injection(step: int, rank: int) -> None:
-    """Hangs like a stuck worker (SIGSTOP: no exit, no closed socket) as step FNMOE_TEST_STOP_AT_STEP
-    starts on rank FNMOE_TEST_STOP_RANK, so the other ranks wait inside that step's first collective."""
-    if os.environ.get(STOP_AT_STEP_ENV) == str(step) and os.environ.get(STOP_RANK_ENV) == str(rank):
-        log.warning("test hook: rank %d (pid %d) stops itself at step %d", rank, os.getpid(), step)
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-
 def _save_on_interrupt(saver: checkpoint.Saver, state: TrainState, run: RunConfig, loader: Loader) -> str:
     """Ctrl-C: finish the save in flight, save the last finished step; say where the work is."""
     saver.join()
@@ -140,7 +115,8 @@ def _profile_window(run: RunConfig, run_dir: Path, first: int, rank: int):
         log.info("profile.steps %s: this run starts at step %d, after the window; no trace", run.profile.steps, first)
         return None
     a = max(a, first)
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     name = f"trace_steps_{a}_{b}" + (f"_rank{rank}" if fdist.world() > 1 else "") + ".json"
     return a, b, torch.profiler.profile(activities=acts, record_shapes=True), run_dir / "profile" / name
 
@@ -181,7 +157,8 @@ def _oom_report(run: RunConfig, rank: int, e: RuntimeError) -> str:
     from fnmoe.plan import format_plan, plan
 
     if torch.cuda.is_available():
-        peak = f"peak device memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB (torch.cuda.max_memory_allocated)"
+        peak = (f"peak device memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB "
+                "(torch.cuda.max_memory_allocated)")
     else:  # Linux reports ru_maxrss in KiB
         peak = f"peak host memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (max RSS)"
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -211,7 +188,8 @@ def _initial_params(run: RunConfig, device: torch.device, mesh):
     if diff:
         raise ValueError(f"train.init_from_hf={run.train.init_from_hf}: its model ({cfg.n_layers} layers, dim "
                          f"{cfg.dim}, {cfg.moe.n_experts} experts) does not match the config's; first differences: "
-                         f"{'; '.join(diff)}; `fnmoe convert --from-hf SRC --out DST` writes DST/config.toml with its model")
+                         f"{'; '.join(diff)}; `fnmoe convert --from-hf SRC --out DST` writes DST/config.toml "
+                         "with its model")
     return _to(params, device)
 
 
@@ -242,7 +220,8 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
     loader = Loader(data, L, t.batch_size, t.grad_accum, t.seed, run.data.doc_mask)
     # every rank evaluates the same global micro-batches: val_loss is the same on any mesh
     device = _device()
-    val = [_to(b, device) for b in val_batches(data, L, t.batch_size // t.grad_accum, t.eval_batches, run.data.doc_mask)]
+    val = [_to(b, device)
+           for b in val_batches(data, L, t.batch_size // t.grad_accum, t.eval_batches, run.data.doc_mask)]
     tx, _ = optim.from_config(run.optim, t.steps)
     if found:
         state = checkpoint.load_state(*found, run, tx, loader, mesh)
@@ -273,7 +252,7 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
     start, tokens, row, first = time.perf_counter(), state.step * t.batch_size * L, {}, state.step + 1
     try:
         for step in range(state.step + 1, t.steps + 1):
-            _stop_injection(step, rank)
+            faults.before_step(step, rank)
             if prof and step == prof[0]:
                 prof[2].start()
             batch = [_to(loader.batch_at(step - 1, rank, run.dp_size, m), device) for m in range(t.grad_accum)]
@@ -285,12 +264,12 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
             row = {"step": step, "loss": m["loss"], "lr": optim.last_lr(new_state.opt_state),
                    "grad_norm": m["grad_norm"], "tokens": tokens, "tokens_per_s": tps,
                    "mfu": mfu(fpt, tps, t.peak_tflops),
-                   "expert_load_max_over_mean": load_max_over_mean(m["expert_counts_LE"]),
-                   "expert_load_by_layer": load_by_layer(m["expert_counts_LE"]),
+                   "expert_load_max_over_mean": load_max_over_mean(m["expert_counts_NE"]),
+                   "expert_load_by_layer": load_by_layer(m["expert_counts_NE"]),
                    "skipped": m["skipped"], "time_s": time.perf_counter() - start}
             if "dropped_tokens" in m:
                 row["dropped_tokens"] = m["dropped_tokens"]
-            writer.write(row, m["expert_counts_LE"])
+            writer.write(row, m["expert_counts_NE"])
             state = new_state  # only now: a checkpoint of `state` never lacks its metrics row
             if artifacts and step == first and rank == 0:  # all is compiled after the first step; ranks compile alike
                 save_artifacts(artifacts)
@@ -306,7 +285,7 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
                 writer.write(_val_row(step, eval_loss(state.params, val, run)))
             if run.checkpoint.every and step % run.checkpoint.every == 0 and step < t.steps:
                 saver.save(state, run, loader)
-            _fault_injection(step, rank)
+            faults.after_step(step, rank)
         saved = saver.save(state, run, loader, blocking=True)
         val_loss = eval_loss(state.params, val, run)
         writer.write(_val_row(t.steps, val_loss))

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from fnmoe import _torch
 from fnmoe import compile as fcompile
 from fnmoe import reshard
 from fnmoe.config import MemoryConfig
@@ -41,8 +42,7 @@ ROUTING_OPS = frozenset({aten.topk.default})
 """outputs every recompute keeps: routing is decided once, in the forward"""
 # not wait_tensor: the FSDP gathers that recompute does repeat are waited by it, and a wait answered
 # from the cache would leave their work (holding shards and gathered weights) in c10d for good
-EXCHANGE_OPS = frozenset({torch.ops._c10d_functional.all_to_all_single.default,
-                          torch.ops._c10d_functional_autograd.all_to_all_single.default})
+EXCHANGE_OPS = frozenset(_torch.all_to_all_ops)
 """the expert-parallel exchange: recompute never repeats communication"""
 SELECTIVE_SAVE_OPS = ROUTING_OPS | EXCHANGE_OPS | frozenset(
     getattr(aten, name).default for name in (
@@ -89,7 +89,7 @@ class HostPool:
 
     For CUDA tensors the buffer is pinned and each copy runs on a side stream, so the forward does
     not wait for it; at most max_inflight_bytes of copies are in flight (the oldest is waited for
-    beyond that). Untested on a GPU so far (no GPU run has reported this path)."""
+    beyond that)."""
 
     def __init__(self, nbytes: int, device: torch.device | str | None = None, max_inflight_bytes: int = 1 << 30):
         self.cuda = device is not None and torch.device(device).type == "cuda"
@@ -113,7 +113,8 @@ class HostPool:
 
     def _slot(self, t: torch.Tensor) -> torch.Tensor:
         n = t.numel() * t.element_size()
-        start = -(-self.offset // 64) * 64  # 64-byte aligned slots, like the allocator: kernels (and rounding) do not change
+        # 64-byte aligned slots, like the allocator: kernels (and rounding) do not change
+        start = -(-self.offset // 64) * 64
         if start + n > self.buffer.numel():
             raise RuntimeError(f"offload host pool of {self.buffer.numel()} bytes is full; plan it larger "
                                "(fnmoe plan reports offload_host)")
@@ -191,7 +192,8 @@ def _offload_hooks(pool: HostPool, keep: set[int], min_bytes: int, stats: dict, 
                 or not _dense(t)):
             stats["kept"] += n
             return t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype,
+               _torch.tensor_version(t))
         seen = copies.get(key)
         if seen is not None and not seen[0].expired():  # the same storage, still alive: the same values
             return seen[1]
@@ -215,12 +217,12 @@ REGIONS = ("attention", "moe", "mlp")
 
 
 class Runner:
-    """The block_fn of model.hidden_states under a MemoryConfig: `runner(fn, *args)` runs block i
-    (calls count blocks, so i = calls mod n_layers) under the block policy, and `runner.region(name,
-    fn, compile, *args)` runs one of its regions under that region's policy. With reshard (several
-    ranks, --mesh.reshard-after-forward) gathered weights are regathered in backward, not kept
-    (fnmoe.reshard), composed with offload where both apply. stats[i] holds the kept and offloaded
-    bytes of block i's saved tensors in the latest forward (offload only)."""
+    """A fnmoe.runner.BlockRunner under a MemoryConfig: `runner(i, fn, p, x_BLD, *rest)` runs block
+    i under the block policy, and `runner.region(i, name, fn, compile, *args)` one of its regions
+    under that region's policy. With reshard (several ranks, --mesh.reshard-after-forward) gathered
+    weights are regathered in backward, not kept (fnmoe.reshard), composed with offload where both
+    apply. stats[i] holds the kept and offloaded bytes of block i's saved tensors in the latest
+    forward (offload only)."""
 
     def __init__(self, mem: MemoryConfig, n_layers: int, pool: HostPool | None = None, reshard: bool = False):
         offloads = mem.offload or "offload" in (getattr(mem, r) for r in REGIONS)
@@ -233,58 +235,57 @@ class Runner:
         # a block recomputed in backward gathers its weights again there by itself: nothing to
         # reshard, and a gather issued one block early would not be among the ops recompute replays
         self.prefetch = mem.recompute != "full"
-        self.calls, self.block, self.stats, self.handles = 0, 0, {}, {}
+        self.stats, self.handles = {}, {}
 
-    def __call__(self, fn: Callable, p: dict, *args):
-        self.block = self.calls % self.n_layers
-        self.calls += 1
-        if self.block == 0 and self.pool is not None:
+    def __call__(self, i: int, fn: Callable, p: dict, x_BLD: torch.Tensor, *rest):
+        if i == 0 and self.pool is not None:
             self.pool.rewind()
             self.stats, self.handles = {}, {}
         inner = recompute if self.mem.recompute == "full" else _plain
-        if self.mem.offload and self._offloading():
-            with self._hooks(p, args):
-                return inner(fn, p, *args)
+        if self.mem.offload and self._offloading(i):
+            with self._hooks(i, p, (x_BLD, *rest)):
+                return inner(fn, p, x_BLD, *rest)
         if self.reshard and inner is _plain:
             with reshard.hooks():
-                return fn(p, *args)
-        return inner(fn, p, *args)
+                return fn(p, x_BLD, *rest)
+        return inner(fn, p, x_BLD, *rest)
 
-    def region(self, name: str, fn: Callable, compile: bool, *args):
+    def region(self, i: int, name: str, fn: Callable, compile: bool, *args):
         policy = getattr(self.mem, name)
         call = with_policy(fn, policy)
         call = fcompile.compiled(call) if compile else call
-        if policy != "offload" or not self._offloading():
+        if policy != "offload" or not self._offloading(i):
             return call(*args)
-        with self._hooks(args[0], args[1:]):
+        with self._hooks(i, args[0], args[1:]):
             return call(*args)
 
-    def _offloading(self) -> bool:
+    def _offloading(self, i: int) -> bool:
         # the last block's saved tensors are the first backward needs: a copy would only add latency
-        return self.block != self.n_layers - 1 and torch.is_grad_enabled()
+        return i != self.n_layers - 1 and torch.is_grad_enabled()
 
-    def _hooks(self, p: dict, args: tuple):
+    def _hooks(self, i: int, p: dict, args: tuple):
         # params, and inputs every block shares (RoPE tables, masks, buffers), outlive this block:
         # a copy of them would free nothing
-        shared = list(flatten_dict(p).values()) + [a for a in args if isinstance(a, torch.Tensor) and not a.requires_grad]
+        shared = list(flatten_dict(p).values()) + [a for a in args
+                                                   if isinstance(a, torch.Tensor) and not a.requires_grad]
         keep = {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
                 for t in shared if isinstance(t, torch.Tensor)}
-        stats = self.stats.setdefault(self.block, {"kept": 0, "offloaded": 0})
-        handles = self.handles.setdefault(self.block, [])
+        stats = self.stats.setdefault(i, {"kept": 0, "offloaded": 0})
+        handles = self.handles.setdefault(i, [])
         offload = _offload_hooks(self.pool, keep, self.mem.offload_min_bytes, stats, handles)
         return reshard.hooks(offload) if self.reshard else torch.autograd.graph.saved_tensors_hooks(*offload)
 
 
 def block_runner(mem: MemoryConfig, n_layers: int = 0, pool: HostPool | None = None,
-                 reshard: bool = False) -> Callable | None:
-    """The block_fn for model.hidden_states under this policy (None: a plain call will do)."""
+                 reshard: bool = False) -> Runner | None:
+    """The runner for model.hidden_states under this policy (None: fnmoe.runner.PLAIN will do)."""
     plain = mem.recompute == "none" and not mem.offload and all(getattr(mem, r) == "none" for r in REGIONS)
     if plain and not reshard:
         return None
     return Runner(mem, max(n_layers, 1), pool, reshard)
 
 
-def train_runner(run) -> Callable | None:
+def train_runner(run) -> Runner | None:
     """block_runner for a RunConfig: the host pool sized from the planner's offload bytes (+25%);
     with several ranks and resharding, gathered weights are dropped after forward and gathered again
     in backward."""

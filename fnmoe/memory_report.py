@@ -31,7 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fnmoe._torch import TorchDispatchMode, is_traceable_wrapper_subclass
 from fnmoe.config import MemoryConfig, RunConfig
 from fnmoe.memory import HostPool, Runner
-from fnmoe.model import hidden_states, stored_block
+from fnmoe.model import hidden_states
 from fnmoe.tree import Tree, tree_leaves
 
 COLUMNS = ("saved", "kept", "offloaded", "recomputed")
@@ -98,27 +98,33 @@ def _measure(run: RunConfig, params: Tree, batch: tuple, mem: MemoryConfig) -> l
     pool = HostPool(_pool_bytes(run))
     # as memory.train_runner: on a mesh with resharding, gathered weights are gathered again in backward
     regather = run.mesh.world > 1 and run.mesh.reshard_after_forward
-    runner = Runner(mem, run.model.n_layers, pool, reshard=regather)
-    rows: list[dict[str, int]] = []
+    measured = _Measured(Runner(mem, run.model.n_layers, pool, reshard=regather))
+    hidden_states(params, inputs_BL, run.model, measured, positions_BL=positions[0] if positions else None)
+    return measured.rows
 
-    def measured(fn: Callable, *args):
-        x = 2 if fn is stored_block else 1  # where the block input is
-        # the block input cut from the previous block's graph (not a leaf: offload may move it)
-        args = (*args[:x], args[x].detach().requires_grad_().clone(), *args[x + 1:])
-        offset, cuda = pool.offset, args[x].is_cuda
+
+class _Measured:
+    """A BlockRunner that runs each block through `runner` on its own: the block input cut from the
+    previous block's graph, and the block's output detached, so its graph and what it saved die
+    after it is measured. rows[i]: block i's kept and offloaded bytes."""
+
+    def __init__(self, runner: Runner):
+        self.runner, self.rows = runner, []
+        self.offloads, self.prefetch, self.region = runner.offloads, runner.prefetch, runner.region
+
+    def __call__(self, i: int, fn: Callable, p: dict, x_BLD: torch.Tensor, *rest):
+        x_BLD = x_BLD.detach().requires_grad_().clone()  # not a leaf: offload may move it
+        pool = self.runner.pool
+        offset, cuda = pool.offset, x_BLD.is_cuda
         before = torch.cuda.memory_allocated() if cuda else 0
         # the block's inputs and the host pool exist already: only storages it allocates count
-        mode = NewStorages(_storages(args, pool.buffer))
+        mode = NewStorages(_storages((p, x_BLD, rest), pool.buffer))
         with mode:
-            x_BLD, _ = runner(fn, *args)
-        out = x_BLD.untyped_storage().nbytes()
+            y_BLD, _ = self.runner(i, fn, p, x_BLD, *rest)
+        out = y_BLD.untyped_storage().nbytes()
         kept = settled(lambda: torch.cuda.memory_allocated() - before if cuda else mode.live_bytes()) - out
-        rows.append({"kept": max(kept, 0), "offloaded": pool.offset - offset})
-        return x_BLD.detach(), None  # the block's graph, and what it saved, die here
-
-    measured.region = runner.region
-    hidden_states(params, inputs_BL, run.model, measured, positions_BL=positions[0] if positions else None)
-    return rows
+        self.rows.append({"kept": max(kept, 0), "offloaded": pool.offset - offset})
+        return y_BLD.detach(), None
 
 
 def _pool_bytes(run: RunConfig) -> int:

@@ -1,8 +1,8 @@
 """FLOPs per token, MFU, expert-load statistics, and the metrics.jsonl writer.
 
-Legend: L MoE layers (in expert_counts_LE), E experts.
+Legend: L MoE layers (in expert_counts_NE), E experts.
 
-FLOPs/token = 6·N_active + 3·n_layers·S·H·(d_qk + d_v) (DESIGN.md §7): N_active counts every
+FLOPs/token = 6·N_active + 3·n_layers·S·H·(d_qk + d_v) (docs/design.md §7): N_active counts every
 matrix a token multiplies (the output head included, the embedding lookup not; K of E routed
 experts); the second term is causal attention's score and value matmuls, forward and backward.
 """
@@ -47,17 +47,17 @@ def mfu(flops_per_tok: float, tokens_per_s: float, peak_tflops: float) -> float 
     return flops_per_tok * tokens_per_s / (peak_tflops * 1e12) if peak_tflops > 0 else None
 
 
-def load_by_layer(expert_counts_LE: torch.Tensor | None) -> list[float] | None:
+def load_by_layer(expert_counts_NE: torch.Tensor | None) -> list[float] | None:
     """Per MoE layer, the busiest expert's load over the mean load (1.0 is perfectly balanced)."""
-    if expert_counts_LE is None:
+    if expert_counts_NE is None:
         return None
-    c = expert_counts_LE.float()
+    c = expert_counts_NE.float()
     return (c.max(-1).values / c.mean(-1).clamp_min(1e-9)).tolist()
 
 
-def load_max_over_mean(expert_counts_LE: torch.Tensor | None) -> float | None:
+def load_max_over_mean(expert_counts_NE: torch.Tensor | None) -> float | None:
     """The worst MoE layer's load_by_layer value."""
-    by_layer = load_by_layer(expert_counts_LE)
+    by_layer = load_by_layer(expert_counts_NE)
     return max(by_layer) if by_layer else None
 
 
@@ -116,12 +116,12 @@ class TensorBoardWriter:
             raise ValueError("train.tensorboard needs the tensorboard package: pip install tensorboard") from None
         self.w = SummaryWriter(str(log_dir))
 
-    def write(self, row: dict, expert_counts_LE: torch.Tensor | None = None) -> None:
+    def write(self, row: dict, expert_counts_NE: torch.Tensor | None = None) -> None:
         for key, value in row.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.w.add_scalar(key, value, row["step"])
-        if expert_counts_LE is not None:
-            for layer, counts_E in enumerate(expert_counts_LE.float()):
+        if expert_counts_NE is not None:
+            for layer, counts_E in enumerate(expert_counts_NE.float()):
                 # one sample per expert, weighted by its token count: the load distribution
                 self.w.add_histogram(f"expert_load/moe_layer_{layer}", counts_E, row["step"])
         self.w.flush()
@@ -136,10 +136,10 @@ class MetricsWriter:
     def __init__(self, jsonl: JsonlWriter, tensorboard: TensorBoardWriter | None = None):
         self.jsonl, self.tb = jsonl, tensorboard
 
-    def write(self, row: dict, expert_counts_LE: torch.Tensor | None = None) -> None:
+    def write(self, row: dict, expert_counts_NE: torch.Tensor | None = None) -> None:
         self.jsonl.write(row)
         if self.tb:
-            self.tb.write(row, expert_counts_LE)
+            self.tb.write(row, expert_counts_NE)
 
     def close(self) -> None:
         self.jsonl.close()

@@ -8,6 +8,7 @@ The params tree and its init live in fnmoe.params.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -20,7 +21,8 @@ from fnmoe import reshard
 from fnmoe.attention import attention, doc_mask, max_logits_H, rms_norm, rope, upcast
 from fnmoe.config import ModelConfig
 from fnmoe.moe import EXPERT_STACKS, expert_gemm, moe_block, swiglu
-from fnmoe.sharding import gather as gather_sharded
+from fnmoe import sharding
+from fnmoe.runner import PLAIN, BlockRunner
 from fnmoe.tree import Tree, flatten_dict, tree_map, unflatten_dict
 
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -29,18 +31,19 @@ DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.
 def in_compute_dtype(p: dict, dtype: torch.dtype, keep: tuple[str, ...] = ("router_bias_E",)) -> dict:
     """A region's params in the compute dtype. Compiled regions of one process take the stored
     (fp32) params and cast them here, where inductor fuses the casts into a few kernels and the
-    gradients' casts back into the backward graph (one eager op per leaf each way otherwise, ~10%
-    of a small CPU step); sharded gathers and blocks under offload (memory.Runner.offloads) arrive
+    gradients' casts back into the backward graph (one eager op per leaf each way otherwise, a
+    noticeable share of a small CPU step); sharded gathers and blocks under offload (memory.Runner.offloads) arrive
     cast. Leaves named in keep stay as stored: the router bias (it only ranks fp32 router scores)
     and, for fnmoe.cpu_gemm, the expert stacks (it casts slices inside its threads)."""
     return {k: v if k in keep or not isinstance(v, (dict, torch.Tensor))
-            else in_compute_dtype(v, dtype, keep) if isinstance(v, dict) else v.to(dtype) if v.is_floating_point() else v
+            else in_compute_dtype(v, dtype, keep) if isinstance(v, dict)
+            else v.to(dtype) if v.is_floating_point() else v
             for k, v in p.items()}
 
 
-def _attention_region(p, x_BLD, cos_LA, sin_LA, cfg, mask=None):
+def _attention_region(p, x_BLD, cos_LP, sin_LP, cfg, mask=None):
     p = in_compute_dtype(p, x_BLD.dtype)
-    return attention(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cos_LA, sin_LA, cfg, mask)
+    return attention(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cos_LP, sin_LP, cfg, mask)
 
 
 def _mlp_region(p, x_BLD, cfg):
@@ -54,18 +57,15 @@ def _moe_region(p, x_BLD, cfg, gemm):
     return moe_block(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cfg, gemm)
 
 
-def _plain_region(name: str, fn: Callable, compile: bool, *args):
-    return (fcompile.compiled(fn) if compile else fn)(*args)
-
-
-def block(p: dict, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig, mask=None, region_fn=None):
-    """One transformer block on compute-dtype params: (x_BLD, the MoE stats of moe_block or None).
-    mask (attention.doc_mask's) keeps the documents of packed rows apart; None is plain causal.
-    region_fn(name, fn, compile, *args) runs each region (memory policies per region)."""
-    run = region_fn or _plain_region
+def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=None,
+          runner: BlockRunner = PLAIN, i: int = 0):
+    """Block i on compute-dtype params: (x_BLD, the MoE stats of moe_block or None). mask
+    (attention.doc_mask's) keeps the documents of packed rows apart; None is plain causal. Each
+    region runs through runner.region (its memory policy)."""
+    run = functools.partial(runner.region, i)
     attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
     attn_cfg = cpu_attention.resolved(cfg, *x_BLD.shape[:2], x_BLD.dtype, x_BLD.device, mask)
-    x_BLD = x_BLD + run("attention", _attention_region, cfg.compile, attn, x_BLD, cos_LA, sin_LA, attn_cfg, mask)
+    x_BLD = x_BLD + run("attention", _attention_region, cfg.compile, attn, x_BLD, cos_LP, sin_LP, attn_cfg, mask)
     if "moe" in p:
         gemm = expert_gemm(cfg, x_BLD.dtype, x_BLD.device)
         if cfg.compile and gemm == "loop":
@@ -98,7 +98,7 @@ def gather_fn(params: Tree) -> Callable:
     """How params reach compute: `cast` for plain leaves; sharded (DTensor) leaves are gathered
     one block at a time by fnmoe.sharding.gather."""
     if isinstance(params["embed"]["w_VD"], DTensor):
-        return gather_sharded
+        return sharding.gather
     return cast
 
 
@@ -118,14 +118,14 @@ def layer_params(params: Tree, i: int, dtype: torch.dtype) -> dict:
     return _with_bias(gather_fn(params)(params["layers"][str(i)], dtype), _router_bias(params, i))
 
 
-def stored_block(stored: dict, bias_E, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig, gather: Callable,
-                 mask=None, region_fn=None):
-    """block on a layer's stored (sharded) params, gathered here: a block_fn that recomputes in
+def stored_block(stored: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg: ModelConfig, gather: Callable,
+                 mask=None, runner: BlockRunner = PLAIN, i: int = 0):
+    """block on a layer's stored (sharded) params, gathered here: a runner that recomputes in
     backward gathers them again there, and resharding (fnmoe.reshard) regathers what backward needs."""
     dtype = DTYPE[cfg.compute_dtype]
     p = gather(stored, dtype)
     reshard.track(p, stored, lambda path, leaf: flatten_dict(gather(unflatten_dict({path: leaf}), dtype))[path])
-    return block(_with_bias(p, bias_E), x_BLD, cos_LA, sin_LA, cfg, mask, region_fn)
+    return block(_with_bias(p, bias_E), x_BLD, cos_LP, sin_LP, cfg, mask, runner, i)
 
 
 class _Prefetching:
@@ -145,23 +145,23 @@ class _Prefetching:
 
 
 @torch.no_grad()
-def _block_max_logits_H(p: dict, x_BLD: torch.Tensor, cos_LA, sin_LA, cfg: ModelConfig,
+def _block_max_logits_H(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig,
                         positions_BL: torch.Tensor | None) -> torch.Tensor:
     """max_logits_H of block p's attention on the block input x_BLD (normed here, as the block does)."""
-    return max_logits_H(p["attn"], rms_norm(x_BLD, p["attn_norm"]["w_D"], cfg.norm_eps), cos_LA, sin_LA, cfg,
+    return max_logits_H(p["attn"], rms_norm(x_BLD, p["attn_norm"]["w_D"], cfg.norm_eps), cos_LP, sin_LP, cfg,
                         positions_BL=positions_BL)
 
 
 def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
-                  block_fn: Callable | None = None, record_max_logits: bool = False,
+                  runner: BlockRunner | None = None, record_max_logits: bool = False,
                   positions_BL: torch.Tensor | None = None):
-    """Final-norm hidden states [B, L, D] in the compute dtype, and aux: expert_counts_LE (tokens
+    """Final-norm hidden states [B, L, D] in the compute dtype, and aux: expert_counts_NE (tokens
     per expert per MoE layer) and balance_loss (the mean over MoE layers, 0-D; both None without
     MoE), plus seq_balance_loss and z_loss (the same means) only when their coefficients are set,
-    and with record_max_logits max_logits_LH (per layer and head, fp32; MuonClip's input).
+    and with record_max_logits max_logits_NH (per layer and head, fp32; MuonClip's input).
 
-    block_fn(fn, *args) runs a block (memory policies wrap it, e.g. recompute in backward); a
-    block_fn with a `region` method (memory.Runner) also runs each region under its own policy.
+    runner (fnmoe.runner.BlockRunner; memory.Runner under a memory policy) runs each block and
+    each of its regions: recompute in backward, offload, resharding.
     positions_BL marks packed documents (positions restart at 0 where one starts): RoPE uses them
     and attention stays within each document; None is one sequence per row.
     """
@@ -170,22 +170,21 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     if L > cfg.max_seq_len:
         raise ValueError(f"sequence length {L} exceeds model.max_seq_len={cfg.max_seq_len}")
     if positions_BL is None:
-        cos_LA, sin_LA, mask = *rope(cfg, torch.arange(L, device=tokens_BL.device)), None
+        cos_LP, sin_LP, mask = *rope(cfg, torch.arange(L, device=tokens_BL.device)), None
     else:
         if positions_BL.shape != tokens_BL.shape:
             raise ValueError(f"positions {tuple(positions_BL.shape)} must have the shape of the tokens "
                              f"{tuple(tokens_BL.shape)}")
-        cos_LA, sin_LA = rope(cfg, positions_BL)
+        cos_LP, sin_LP = rope(cfg, positions_BL)
         mask = doc_mask(positions_BL, block_sparse=tokens_BL.is_cuda and cfg.compile)
     gather = gather_fn(params)
     # F.embedding's CPU backward is deterministic; indexing's (a threaded index_put) is not
     x_BLD = F.embedding(tokens_BL, gather(params["embed"], dtype)["w_VD"])
     stats, max_logits = [], []
-    run = block_fn or (lambda fn, *a: fn(*a))
-    region_fn = getattr(block_fn, "region", None)
+    runner = runner or PLAIN
     block_gather = gather
-    cast_inside = cfg.compile and not getattr(block_fn, "offloads", False)
-    if gather is not cast and getattr(block_fn, "prefetch", True):
+    cast_inside = cfg.compile and not runner.offloads
+    if gather is not cast and runner.prefetch:
         block_gather = _Prefetching(gather, dtype)
         block_gather.issue(params["layers"]["0"])
     for i in range(cfg.n_layers):
@@ -194,27 +193,27 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
             block_gather.issue(params["layers"][str(i + 1)])  # block i+1's gather runs while block i computes
         if gather is cast:  # one process: compiled regions cast their params inside (in_compute_dtype)
             p = _with_bias(dict(stored) if cast_inside else cast(stored, dtype), bias_E)
-            block_args = (block, p, x_BLD, cos_LA, sin_LA, cfg, mask, region_fn)
+            fn, p, rest = block, p, (cos_LP, sin_LP, cfg, mask, runner, i)
         else:  # sharded: gathered inside the block, so that a recompute in backward gathers again
-            block_args = (stored_block, stored, bias_E, x_BLD, cos_LA, sin_LA, cfg, block_gather, mask, region_fn)
-        if record_max_logits:  # outside block_fn, so recompute in backward does not repeat it
+            fn, p, rest = stored_block, stored, (bias_E, cos_LP, sin_LP, cfg, block_gather, mask, runner, i)
+        if record_max_logits:  # outside the runner, so recompute in backward does not repeat it
             with torch.no_grad():
-                p = _with_bias(gather(stored, dtype), bias_E)
-            max_logits.append(_block_max_logits_H(p, x_BLD, cos_LA, sin_LA, cfg, positions_BL))
-        x_BLD, layer_stats = run(*block_args)
+                p_max = _with_bias(gather(stored, dtype), bias_E)
+            max_logits.append(_block_max_logits_H(p_max, x_BLD, cos_LP, sin_LP, cfg, positions_BL))
+        x_BLD, layer_stats = runner(i, fn, p, x_BLD, *rest)
         if layer_stats is not None:
             stats.append(layer_stats)
     x_BLD = rms_norm(x_BLD, gather(params["final_norm"], dtype)["w_D"], cfg.norm_eps)
-    aux = {"expert_counts_LE": None, "balance_loss": None}
+    aux = {"expert_counts_NE": None, "balance_loss": None}
     if stats:
-        aux = {"expert_counts_LE": torch.stack([s["counts_E"] for s in stats]),
-               "probs_sum_LE": torch.stack([s["probs_sum_E"] for s in stats]),
-               "dropped_L": torch.stack([s["dropped"] for s in stats])}
+        aux = {"expert_counts_NE": torch.stack([s["counts_E"] for s in stats]),
+               "probs_sum_NE": torch.stack([s["probs_sum_E"] for s in stats]),
+               "dropped_N": torch.stack([s["dropped"] for s in stats])}
         for key in ("balance_loss", "seq_balance_loss", "z_loss"):
             if key in stats[0]:
                 aux[key] = torch.stack([s[key] for s in stats]).mean()
     if record_max_logits:
-        aux["max_logits_LH"] = torch.stack(max_logits)
+        aux["max_logits_NH"] = torch.stack(max_logits)
     return x_BLD, aux
 
 
@@ -225,7 +224,7 @@ def head_weight(params: Tree, cfg: ModelConfig) -> torch.Tensor:
 
 
 def forward(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig, positions_BL: torch.Tensor | None = None):
-    """(logits_BLV fp32, aux): aux["expert_counts_LE"] holds tokens per expert per MoE layer;
+    """(logits_BLV fp32, aux): aux["expert_counts_NE"] holds tokens per expert per MoE layer;
     positions_BL marks packed documents (see hidden_states)."""
     check_tokens(tokens_BL, cfg.vocab_size)
     h_BLD, aux = hidden_states(params, tokens_BL, cfg, positions_BL=positions_BL)

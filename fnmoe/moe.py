@@ -30,7 +30,7 @@ from fnmoe.dispatch import ep_expert_mlp
 _grouped_mm = _torch.grouped_mm  # None on a torch without it
 
 
-def route(x_TD: torch.Tensor, router_DE: torch.Tensor, cfg: ModelConfig,
+def route(x_TD: torch.Tensor, w_router_DE: torch.Tensor, cfg: ModelConfig,
           bias_E: torch.Tensor | None = None):
     """Top-k router in fp32: (weights_TK, idx_TK, scores_TE, logits_TE).
 
@@ -39,7 +39,7 @@ def route(x_TD: torch.Tensor, router_DE: torch.Tensor, cfg: ModelConfig,
     renormalised if norm_topk_prob, times routed_scaling_factor.
     """
     m = cfg.moe
-    logits_TE = upcast(x_TD) @ upcast(router_DE)
+    logits_TE = upcast(x_TD) @ upcast(w_router_DE)
     scores_TE = torch.softmax(logits_TE, dim=-1) if m.score_func == "softmax" else torch.sigmoid(logits_TE)
     choice_TE = scores_TE if bias_E is None else scores_TE + bias_E.detach().to(scores_TE.dtype)
     if m.n_group > 1:
@@ -85,7 +85,7 @@ class _RepeatRows(torch.autograd.Function):
 def sum_k(y_TKD: torch.Tensor) -> torch.Tensor:
     """y_TKD.sum(1). Compiled, as K adds along D accumulated in fp32: for a reduction over K,
     inductor's CPU code vectorizes the K axis, one gathered index per lane for every element
-    (the MoE backward's slowest kernel at K=8: ~20x slower than the adds, measured)."""
+    (at K=8 the MoE backward's slowest kernel, far slower than the adds)."""
     if not torch.compiler.is_compiling():
         return y_TKD.sum(1)
     acc_TD = y_TKD[:, 0].float()
@@ -277,7 +277,7 @@ def _balance_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
 
 
 def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str):
-    """(out_BLD, stats): routed experts (+ shared experts) for every token. p holds router_DE,
+    """(out_BLD, stats): routed experts (+ shared experts) for every token. p holds w_router_DE,
     the expert stacks, optionally shared.* and router_bias_E, and with expert parallelism ep_group
     (the stacks then hold that ep rank's experts; fnmoe.sharding.gather adds it). stats: counts_E,
     balance_loss, probs_sum_E (the Switch loss's parts, for data parallelism), dropped (rows over
@@ -285,7 +285,7 @@ def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str):
     m = cfg.moe
     B, L, D = x_BLD.shape
     x_TD = x_BLD.reshape(B * L, D)
-    w_TK, idx_TK, scores_TE, logits_TE = route(x_TD, p["router_DE"], cfg, p.get("router_bias_E"))
+    w_TK, idx_TK, scores_TE, logits_TE = route(x_TD, p["w_router_DE"], cfg, p.get("router_bias_E"))
     x_RD, counts_E, order_R, inverse_R = permute(x_TD, idx_TK, m.n_experts)
     kept_E, keep_R = counts_E, None
     if m.capacity_factor:

@@ -4,7 +4,7 @@ Legend: D model, F ffn hidden, E experts, V vocab, N = H·A query features, M = 
 features (H heads, G kv heads, A head dim); MLA letters (Q, C, W, X, Y) as in attention.py.
 
 Tree (dotted paths): embed.w_VD; layers.<i>.{attn_norm.w_D, attn.{...}, mlp_norm.w_D,
-mlp.{w_gate_DF, w_up_DF, w_down_FD} | moe.{router_DE, w_gate_EDF, w_up_EDF, w_down_EFD,
+mlp.{w_gate_DF, w_up_DF, w_down_FD} | moe.{w_router_DE, w_gate_EDF, w_up_EDF, w_down_EFD,
 shared.{...}}}; final_norm.w_D; head.w_DV (absent when tied); buffers.layers.<i>.moe.router_bias_E
 (non-trainable state, present with model.moe.router_bias).
 attn is GQA {w_q_DN, w_k_DM, w_v_DM, w_o_ND, q_norm_A, k_norm_A} or MLA {w_q_DN | (w_q_a_DQ,
@@ -31,6 +31,16 @@ from fnmoe.sharding import distribute
 from fnmoe.tree import Tree, flatten_dict, map_with_path, tree_map
 
 CHUNK_ROWS = 256
+RENAMED = {"router_DE": "w_router_DE"}
+"""leaf names of earlier releases -> today's: checkpoints and native trees that use them still load,
+and a renamed leaf draws its init under its earlier name, so a seed gives the values it always gave"""
+_DRAWN_AS = {new: old for old, new in RENAMED.items()}
+
+
+def current_path(path: str) -> str:
+    """path with an earlier release's leaf name (its last component, RENAMED) replaced by today's."""
+    head, _, leaf = path.rpartition(".")
+    return f"{head}.{RENAMED[leaf]}" if leaf in RENAMED and head else RENAMED.get(leaf, path)
 
 
 @dataclass(frozen=True)
@@ -67,7 +77,7 @@ def leaf_inits(cfg: ModelConfig) -> Tree:
         if cfg.is_moe_layer(i):
             m = cfg.moe
             E, FE = m.n_experts, m.expert_hidden
-            moe = {"router_DE": normal(D, E), "w_gate_EDF": normal(E, D, FE), "w_up_EDF": normal(E, D, FE),
+            moe = {"w_router_DE": normal(D, E), "w_gate_EDF": normal(E, D, FE), "w_up_EDF": normal(E, D, FE),
                    "w_down_EFD": LeafInit((E, FE, D), out_std)}
             if m.n_shared_experts:
                 moe["shared"] = mlp(m.n_shared_experts * FE)
@@ -104,6 +114,8 @@ def _mla_inits(cfg: ModelConfig, normal: Callable, ones: Callable, out_std: floa
 
 
 def _chunk_generator(seed: int, path: str, chunk: int) -> torch.Generator:
+    head, _, leaf = path.rpartition(".")
+    path = f"{head}.{_DRAWN_AS[leaf]}" if leaf in _DRAWN_AS else path
     digest = hashlib.sha256(f"fnmoe/{seed}/{path}/{chunk}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 

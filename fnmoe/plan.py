@@ -86,7 +86,8 @@ def selective_bytes(cfg: ModelConfig, region: str, T: int, s: int, R: int) -> in
     if region == "mlp":
         return x + 2 * T * cfg.ffn_hidden * s
     m = cfg.moe
-    return x + T * m.top_k * (8 + 4) + R * (2 * m.expert_hidden + D) * s + 2 * T * m.n_shared_experts * m.expert_hidden * s
+    return (x + T * m.top_k * (8 + 4) + R * (2 * m.expert_hidden + D) * s
+            + 2 * T * m.n_shared_experts * m.expert_hidden * s)
 
 
 def block_activations(run: RunConfig, i: int, T: int) -> dict:

@@ -15,8 +15,9 @@ Layout of a prepared directory (read by fnmoe.data when `--data.corpus DIR`):
 
 Documents are tokenised in parallel in parts of PART_DOCS documents; each finished part is
 renamed into `parts/` with its token count, so an interrupted run resumes at the first missing
-part (only a run of the same documents and tokenizer: `parts/key.txt` holds their digest). The final files are written to temporary names and renamed, so a crash never leaves a
-half-written `train.bin` behind an index that claims it.
+part (only a run of the same documents and tokenizer: `parts/key.txt` holds their digest). The
+final files are written to temporary names and renamed, so a crash never leaves a half-written
+`train.bin` behind an index that claims it.
 """
 from __future__ import annotations
 

@@ -102,8 +102,3 @@ def hooks(inner: tuple[Callable, Callable] | None = None):
     pack, unpack = inner or (None, None)
     return torch.autograd.graph.saved_tensors_hooks(lambda t: _pack(t, pack), lambda h: _unpack(h, unpack))
 
-
-def resharded(fn: Callable, *args):
-    """block_fn: fn(*args) with its gathered weights regathered in backward, not kept."""
-    with hooks():
-        return fn(*args)

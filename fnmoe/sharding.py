@@ -2,7 +2,7 @@
 
 Legend: E experts, D model, F hidden. "axis" is a mesh axis, "dim" a tensor dim.
 
-Storage (DESIGN.md §4): every dim of a leaf has a logical axis (`logical_axes`); the ordered
+Storage (docs/design.md §4): every dim of a leaf has a logical axis (`logical_axes`); the ordered
 `RULES` table maps logical axes to mesh axes, first rule first, each mesh axis used once a leaf:
 
   dense leaves   dim 0 over the flattened ("fsdp", "ep") axis "dp"   -> DTensor on the 1-D dp mesh

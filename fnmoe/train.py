@@ -17,13 +17,14 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fnmoe import dist as fdist
-from fnmoe import muon, optim
+from fnmoe import optim
 from fnmoe.attention import upcast
 from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.data import IGNORE
 from fnmoe.memory import train_runner
 from fnmoe.model import check_tokens, head_weight, hidden_states
 from fnmoe.moe import balance_loss_part, update_router_bias
+from fnmoe.runner import BlockRunner
 from fnmoe.sharding import all_sum
 from fnmoe.tree import Tree, tree_map, value_and_grad
 
@@ -53,16 +54,16 @@ def ce_loss_sum(h_BLD: torch.Tensor, w_DV: torch.Tensor, labels_BL: torch.Tensor
 
 
 def loss_fn(params: Tree, inputs_BL: torch.Tensor, labels_BL: torch.Tensor, cfg: ModelConfig,
-            n_global: torch.Tensor | int, ce_chunks: int = 1, block_fn: Callable | None = None,
+            n_global: torch.Tensor | int, ce_chunks: int = 1, runner: BlockRunner | None = None,
             record_max_logits: bool = False, positions_BL: torch.Tensor | None = None):
     """(this micro-batch's share of the step loss, aux); n_global counts the step's non-ignored labels.
 
     The router losses (load balance, sequence-wise balance, z-loss) are weighted by this
     micro-batch's share of the labels, so the step's total weights each once; aux["ce_loss"] is
-    the cross-entropy part alone; with record_max_logits, aux["max_logits_LH"] feeds MuonClip;
+    the cross-entropy part alone; with record_max_logits, aux["max_logits_NH"] feeds MuonClip;
     positions_BL marks packed documents (model.hidden_states).
     """
-    h_BLD, aux = hidden_states(params, inputs_BL, cfg, block_fn, record_max_logits, positions_BL)
+    h_BLD, aux = hidden_states(params, inputs_BL, cfg, runner, record_max_logits, positions_BL)
     ce = ce_loss_sum(h_BLD, head_weight(params, cfg), labels_BL, ce_chunks) / n_global
     aux["ce_loss"] = ce.detach()
     m = cfg.moe
@@ -77,8 +78,8 @@ def loss_fn(params: Tree, inputs_BL: torch.Tensor, labels_BL: torch.Tensor, cfg:
         share = n_local / n_global
         if value is aux["balance_loss"] and dist.is_initialized():
             # with data parallelism each rank adds its part of the whole micro-batch's Switch loss
-            counts_NE = all_sum(aux["expert_counts_LE"], "expert counts for the balance loss")
-            value = balance_loss_part(aux["probs_sum_LE"], counts_NE, counts_NE[0].sum() // m.top_k, m.top_k)
+            counts_NE = all_sum(aux["expert_counts_NE"], "expert counts for the balance loss")
+            value = balance_loss_part(aux["probs_sum_NE"], counts_NE, counts_NE[0].sum() // m.top_k, m.top_k)
             share = all_sum(n_local, "the micro-batch's label count") / n_global
         loss = loss + coeff * share * value
     return loss, aux
@@ -99,7 +100,7 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
     or, for packed documents, [(inputs_BL, labels_BL, positions_BL)] (Loader.batch_at's)."""
     cfg = run.model
     grad_fn = value_and_grad(loss_fn, has_aux=True)
-    block_fn = train_runner(run)
+    runner = train_runner(run)
     qk_clip = run.optim.qk_clip
 
     def train_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -109,22 +110,22 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
         n_global = int(all_sum(sum((mb[1] != IGNORE).sum() for mb in micro_batches), "the step's label count"))
         if n_global == 0:
             raise ValueError("every label of this step is ignored (-100): the loss is undefined")
-        loss, grads, counts, max_logits_LH, dropped = torch.zeros(()), None, None, None, 0
+        loss, grads, counts, max_logits_NH, dropped = torch.zeros(()), None, None, None, 0
         for inputs_BL, labels_BL, *positions in micro_batches:
-            (_, aux), g = grad_fn(state.params, inputs_BL, labels_BL, cfg, n_global, run.train.ce_chunks, block_fn,
+            (_, aux), g = grad_fn(state.params, inputs_BL, labels_BL, cfg, n_global, run.train.ce_chunks, runner,
                                   record_max_logits=qk_clip, positions_BL=positions[0] if positions else None)
             loss = loss + aux["ce_loss"]
             grads = g if grads is None else tree_map(torch.add, grads, g)
-            c = aux["expert_counts_LE"]
+            c = aux["expert_counts_NE"]
             counts = c if counts is None else counts + c
             if cfg.moe.capacity_factor:
-                dropped = dropped + aux["dropped_L"].sum()
+                dropped = dropped + aux["dropped_N"].sum()
             if qk_clip:
-                m = aux["max_logits_LH"]
-                max_logits_LH = m if max_logits_LH is None else torch.maximum(max_logits_LH, m)
+                m = aux["max_logits_NH"]
+                max_logits_NH = m if max_logits_NH is None else torch.maximum(max_logits_NH, m)
         loss = all_sum(loss, "the loss")
         if qk_clip:  # every rank clips the same heads by the same gamma, or replicas would drift apart
-            max_logits_LH = _all_max(max_logits_LH)
+            max_logits_NH = _all_max(max_logits_NH)
         # the router bias sees every rank's tokens
         counts = None if counts is None else all_sum(counts, "expert counts")
         grad_norm = optim.global_norm(grads)
@@ -134,14 +135,14 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
         # the router bias follows its own rule, after the optimizer (which leaves buffers alone)
         params = update_router_bias(params, counts, cfg)
         if qk_clip:
-            params = muon.qk_clip(params, max_logits_LH, cfg, run.optim.qk_clip_tau)
+            params = optim.qk_clip(params, max_logits_NH, cfg, run.optim.qk_clip_tau)
         # a non-finite step leaves params and optimizer state bitwise as they were; chosen on the
         # device, so nothing waits for the flag before the metrics read it with the loss below
         params = optim.select(finite, params, state.params)
         opt_state = optim.select(finite, opt_state, state.opt_state)
         loss_f, grad_norm_f, finite_f = torch.stack([loss, grad_norm.to(loss), finite.to(loss)]).tolist()
         metrics = {"loss": loss_f, "grad_norm": grad_norm_f, "skipped": int(not finite_f),
-                   "n_tokens": n_global, "expert_counts_LE": counts}
+                   "n_tokens": n_global, "expert_counts_NE": counts}
         if cfg.moe.capacity_factor:  # routed (token, expert) rows over capacity, all ranks
             metrics["dropped_tokens"] = int(all_sum(torch.as_tensor(dropped), "the dropped-token count"))
         return TrainState(params, opt_state, state.step + 1), metrics

@@ -1,4 +1,4 @@
-"""The native tree format (DESIGN.md §3): one model's params as safetensors under dotted paths.
+"""The native tree format (docs/design.md §3): one model's params as safetensors under dotted paths.
 
 A tree directory holds
 
@@ -6,7 +6,7 @@ A tree directory holds
   index.json           {"format": "fnmoe-tree", "version": 1, "model": {ModelConfig fields},
                         "tensors": {PATH: {"file": "params.safetensors", "dtype": "float32", "shape": [...]}}}
 
-`fnmoe convert` reads and writes it; checkpoints (fnmoe/checkpoint.py) extend the format with
+`fnmoe convert` reads and writes it; checkpoints (fnmoe/checkpoint/format.py) extend the format with
 optimizer state, shards and checksums, never redefine it.
 
 Legend: no shape-suffixed tensors here; leaves are handled by dotted path.
@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fnmoe.config import ModelConfig, from_dict, to_dict, validate_model
-from fnmoe.params import shape_mismatches
+from fnmoe.params import current_path, shape_mismatches
 from fnmoe.tree import Tree, flatten_dict, unflatten_dict
 
 FORMAT, VERSION = "fnmoe-tree", 1
@@ -86,7 +86,7 @@ def load_tree(tree_dir: str | Path) -> tuple[ModelConfig, Tree]:
         stored = files[meta["file"]]
         if path not in stored:
             raise ValueError(f"{tree_dir / meta['file']}: missing tensor '{path}' listed in {INDEX}")
-        flat[path] = stored[path]
+        flat[current_path(path)] = stored[path]  # an earlier release's leaf name reads as today's
     params = unflatten_dict(flat)
     diff = shape_mismatches(params, cfg)
     if diff:  # a tree that does not hold the model its index describes would run, wrongly

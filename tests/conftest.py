@@ -6,4 +6,10 @@ import tempfile
 # subprocesses) share 2 cores; passive waiting costs nothing when a core is free.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"fnmoe-test-inductor-{os.getuid()}"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"fnmoe-test-inductor-{os.getuid()}"))
+
+
+def rel(a, b) -> float:
+    """max |a - b| relative to the largest |b|: the tests' one measure of closeness."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()

@@ -17,6 +17,7 @@ from fnmoe.params import init_params, leaf_inits
 from fnmoe.moe import moe_block, route, seq_balance_loss, update_router_bias, z_loss
 from fnmoe.train import init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict, value_and_grad
+from conftest import rel
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds  # noqa: E402
@@ -27,9 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
         "beta_fast": 32, "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.7}
 
-
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def randomize(module, seed):
@@ -66,12 +64,14 @@ def fn_mla_config(hf, **kw) -> ModelConfig:
     rp = hf.rope_parameters
     yarn = {}
     if rp["rope_type"] == "yarn":
-        yarn = dict(rope_scaling="yarn", yarn_factor=rp["factor"], yarn_original_max_seq_len=rp["original_max_position_embeddings"],
+        yarn = dict(rope_scaling="yarn", yarn_factor=rp["factor"],
+                    yarn_original_max_seq_len=rp["original_max_position_embeddings"],
                     yarn_mscale=rp.get("mscale") or 0.0, yarn_mscale_all_dim=rp.get("mscale_all_dim") or 0.0)
     return ModelConfig(vocab_size=hf.vocab_size, dim=hf.hidden_size, n_layers=hf.num_hidden_layers,
                        n_heads=hf.num_attention_heads, n_kv_heads=hf.num_attention_heads, attention="mla",
-                       q_lora_rank=hf.q_lora_rank or 0, kv_lora_rank=hf.kv_lora_rank, qk_nope_head_dim=hf.qk_nope_head_dim,
-                       qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim, rope_interleave=hf.rope_interleave,
+                       q_lora_rank=hf.q_lora_rank or 0, kv_lora_rank=hf.kv_lora_rank,
+                       qk_nope_head_dim=hf.qk_nope_head_dim, qk_rope_head_dim=hf.qk_rope_head_dim,
+                       v_head_dim=hf.v_head_dim, rope_interleave=hf.rope_interleave,
                        rope_theta=rp["rope_theta"], max_seq_len=hf.max_position_embeddings, **yarn, **kw)
 
 
@@ -106,7 +106,8 @@ def test_mla_matches_transformers(q_lora, interleave, yarn):
 def test_yarn_frequencies_and_factor_match_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    for params in (YARN, YARN | {"mscale": None, "mscale_all_dim": None}, YARN | {"attention_factor": 1.3, "truncate": False}):
+    for params in (YARN, YARN | {"mscale": None, "mscale_all_dim": None},
+                   YARN | {"attention_factor": 1.3, "truncate": False}):
         hf = ds_config(rope_parameters=dict(params))
         inv_hf, factor_hf = ROPE_INIT_FUNCTIONS["yarn"](hf)
         cfg = dataclasses.replace(fn_mla_config(hf), yarn_attention_factor=params.get("attention_factor") or 0.0,
@@ -122,7 +123,8 @@ def test_interleaved_rope_is_the_pairwise_complex_rotation():
 
     P, L, theta = 8, 10, 10000.0
     q, k = torch.randn(1, L, 2, P), torch.randn(1, L, 2, P)
-    cfg = ModelConfig(attention="mla", n_heads=2, qk_rope_head_dim=P, kv_lora_rank=4, v_head_dim=4, rope_interleave=True)
+    cfg = ModelConfig(attention="mla", n_heads=2, qk_rope_head_dim=P, kv_lora_rank=4, v_head_dim=4,
+                      rope_interleave=True)
     cos, sin = rope(cfg, torch.arange(L))
     freq = theta ** (-torch.arange(0, P, 2, dtype=torch.float64) / P)
     rot = torch.polar(torch.ones(L, P // 2, dtype=torch.float64), torch.arange(L)[:, None] * freq)[None, :, None]
@@ -194,7 +196,8 @@ def test_sigmoid_router_matches_deepseek(norm, groups):
     with torch.no_grad():
         _, w_ref, idx_ref = router(x)
     cfg = fn_mla_config(hf, moe=MoEConfig(n_experts=8, top_k=3, score_func="sigmoid", norm_topk_prob=norm,
-                                          routed_scaling_factor=2.5, n_group=groups[0], topk_group=groups[1], router_bias=True))
+                                          routed_scaling_factor=2.5, n_group=groups[0], topk_group=groups[1],
+                                          router_bias=True))
     w, idx, scores, _ = route(x, router.weight.detach().T, cfg, router.e_score_correction_bias)
     same_routing(w, idx, w_ref, idx_ref)
     w_nobias, idx_nobias, _, _ = route(x, router.weight.detach().T, cfg)
@@ -206,7 +209,8 @@ def test_softmax_routers_match_qwen3_and_mixtral(norm):
     hf = transformers.Qwen3MoeConfig(hidden_size=24, num_experts=7, num_experts_per_tok=3, norm_topk_prob=norm)
     routers = [qw.Qwen3MoeTopKRouter(hf)]
     if norm:  # Mixtral always renormalises
-        routers.append(mx.MixtralTopKRouter(transformers.MixtralConfig(hidden_size=24, num_local_experts=7, num_experts_per_tok=3)))
+        routers.append(mx.MixtralTopKRouter(transformers.MixtralConfig(hidden_size=24, num_local_experts=7,
+                                                                       num_experts_per_tok=3)))
     cfg = ModelConfig(dim=24, moe=MoEConfig(n_experts=7, top_k=3, norm_topk_prob=norm))
     x = torch.randn(50, 24)
     for router in routers:
@@ -220,7 +224,8 @@ def test_softmax_routers_match_qwen3_and_mixtral(norm):
 def expert_stack(experts, n):
     gate_up = experts.gate_up_proj.detach()  # [E, 2F, D]
     F_ = gate_up.shape[1] // 2
-    return {"w_gate_EDF": gate_up[:, :F_].transpose(1, 2).contiguous(), "w_up_EDF": gate_up[:, F_:].transpose(1, 2).contiguous(),
+    return {"w_gate_EDF": gate_up[:, :F_].transpose(1, 2).contiguous(),
+            "w_up_EDF": gate_up[:, F_:].transpose(1, 2).contiguous(),
             "w_down_EFD": experts.down_proj.detach().transpose(1, 2).contiguous()}
 
 
@@ -234,11 +239,12 @@ def test_deepseek_moe_block_with_shared_experts_matches_transformers():
     x = torch.randn(2, 9, hf.hidden_size)
     with torch.no_grad():
         ref = block(x)
-    cfg = fn_mla_config(hf, moe=MoEConfig(n_experts=8, top_k=3, expert_hidden=12, n_shared_experts=2, score_func="sigmoid",
-                                          routed_scaling_factor=2.5, n_group=4, topk_group=2, router_bias=True))
+    cfg = fn_mla_config(hf, moe=MoEConfig(n_experts=8, top_k=3, expert_hidden=12, n_shared_experts=2,
+                                          score_func="sigmoid", routed_scaling_factor=2.5, n_group=4, topk_group=2,
+                                          router_bias=True))
     s = block.shared_experts
     p = expert_stack(block.experts, 8) | {
-        "router_DE": lin(block.gate), "router_bias_E": block.gate.e_score_correction_bias.detach(),
+        "w_router_DE": lin(block.gate), "router_bias_E": block.gate.e_score_correction_bias.detach(),
         "shared": {"w_gate_DF": lin(s.gate_proj), "w_up_DF": lin(s.up_proj), "w_down_FD": lin(s.down_proj)}}
     out, stats = moe_block(p, x, cfg, gemm="loop")
     assert rel(out, ref) <= 1e-5 and stats["counts_E"].sum() == 2 * 9 * 3
@@ -255,7 +261,7 @@ def test_qwen3_moe_block_matches_transformers(norm):
         ref = block(x)
     ref = ref[0] if isinstance(ref, tuple) else ref
     cfg = ModelConfig(dim=20, moe=MoEConfig(n_experts=5, top_k=2, expert_hidden=12, norm_topk_prob=norm))
-    p = expert_stack(block.experts, 5) | {"router_DE": lin(block.gate)}
+    p = expert_stack(block.experts, 5) | {"w_router_DE": lin(block.gate)}
     out, _ = moe_block(p, x, cfg, gemm="loop")
     assert rel(out, ref) <= 1e-5
 
@@ -294,8 +300,9 @@ def test_loss_fn_adds_each_router_loss_once():
 
 BIAS_CFG = ModelConfig(vocab_size=264, dim=32, n_layers=3, n_heads=2, attention="mla", q_lora_rank=0, kv_lora_rank=8,
                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, ffn_hidden=48,
-                       moe=MoEConfig(n_experts=6, top_k=2, expert_hidden=16, score_func="sigmoid", n_group=3, topk_group=2,
-                                     router_bias=True, bias_update_coeff=1e-3, first_k_dense=1, aux_loss_coeff=0.0))
+                       moe=MoEConfig(n_experts=6, top_k=2, expert_hidden=16, score_func="sigmoid", n_group=3,
+                                     topk_group=2, router_bias=True, bias_update_coeff=1e-3, first_k_dense=1,
+                                     aux_loss_coeff=0.0))
 
 
 def test_router_bias_moves_exactly_by_its_rule_under_adamw():
@@ -316,11 +323,12 @@ def test_router_bias_moves_exactly_by_its_rule_under_adamw():
         after = flatten_dict(state.params)
         for n, i in enumerate([1, 2]):
             key = f"buffers.layers.{i}.moe.router_bias_E"
-            counts = metrics["expert_counts_LE"][n].double()
+            counts = metrics["expert_counts_NE"][n].double()
             want = before[key] + torch.sign(counts.mean() - counts).float() * torch.tensor(1e-3)
             assert torch.equal(after[key], want), (step, i)
-            assert not torch.equal(after[f"layers.{i}.moe.router_DE"], before[f"layers.{i}.moe.router_DE"])
-    frozen = dataclasses.replace(run, model=dataclasses.replace(BIAS_CFG, moe=dataclasses.replace(BIAS_CFG.moe, bias_update_coeff=0.0)))
+            assert not torch.equal(after[f"layers.{i}.moe.w_router_DE"], before[f"layers.{i}.moe.w_router_DE"])
+    frozen = dataclasses.replace(run, model=dataclasses.replace(
+        BIAS_CFG, moe=dataclasses.replace(BIAS_CFG.moe, bias_update_coeff=0.0)))
     state2, _ = make_train_step(frozen, tx)(init_state(params, tx), [(x, y)])
     assert torch.equal(state2.params["buffers"]["layers"]["1"]["moe"]["router_bias_E"],
                        params["buffers"]["layers"]["1"]["moe"]["router_bias_E"])
@@ -341,13 +349,14 @@ def test_update_router_bias_is_pure():
 
 def test_dense_layers_first_every_nth_and_listed():
     cfg = ModelConfig(vocab_size=64, dim=16, n_layers=7, n_heads=2, n_kv_heads=1, ffn_hidden=24,
-                      moe=MoEConfig(n_experts=4, top_k=1, expert_hidden=8, first_k_dense=2, dense_layers=(5,), moe_every=2))
+                      moe=MoEConfig(n_experts=4, top_k=1, expert_hidden=8, first_k_dense=2, dense_layers=(5,),
+                                    moe_every=2))
     layers = leaf_inits(cfg)["layers"]
     assert [i for i in range(7) if "moe" in layers[str(i)]] == [3]  # i >= 2, i != 5, (i + 1) % 2 == 0
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, first_k_dense=0, dense_layers=(), moe_every=3))
     assert [i for i in range(7) if cfg.is_moe_layer(i)] == [2, 5]
     logits, aux = forward(init_params(cfg), torch.randint(0, 64, (1, 5)), cfg)
-    assert aux["expert_counts_LE"].shape == (2, 4)
+    assert aux["expert_counts_NE"].shape == (2, 4)
 
 
 def test_mla_param_counts_and_flops():
@@ -377,8 +386,10 @@ def test_small_presets_validate_and_train(preset, attn, tmp_path):
     else:
         assert run.model.qk_norm and run.model.moe.score_func == "softmax"
     args = ["train", "--config", str(ROOT / "configs" / f"{preset}.toml"), "--train.steps", "2", "--model.dim", "32",
-            "--model.ffn-hidden", "48", "--model.moe.expert-hidden", "16", "--train.batch-size", "2", "--data.seq-len", "16",
-            "--train.eval-batches", "1", "--train.eval-every", "0", "--train.run-dir", str(tmp_path)]
+            "--model.ffn-hidden", "48", "--model.moe.expert-hidden", "16", "--train.batch-size", "2",
+            "--data.seq-len", "16", "--train.eval-batches", "1", "--train.eval-every", "0",
+            "--train.run-dir", str(tmp_path)]
     assert main(args) == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "loss" in r] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
+    assert ([r["step"] for r in rows if "loss" in r] == [1, 2]
+            and all(math.isfinite(r["loss"]) for r in rows if "loss" in r))

@@ -109,6 +109,30 @@ def test_expert_ids_in_files_are_global(tmp_path):
         assert sorted(covered) == list(range(entry["shape"][0]))
 
 
+def test_a_checkpoint_with_an_earlier_leaf_name_loads_and_resumes(tmp_path):
+    """A checkpoint whose index names the router weight by its earlier name (router_DE, now
+    w_router_DE; fnmoe.params.RENAMED) loads for export and resumes: params and optimizer state."""
+    run = parse_run(SMALL, "fnmoe train")
+    params = init_params(run.model, seed=run.train.seed)
+    tx, _ = optim.from_config(run.optim, run.train.steps)
+    loader = Loader(load_data(run.data, run.model.vocab_size), run.data.seq_len, run.train.batch_size, 1,
+                    run.train.seed)
+    ckpt = checkpoint.write(checkpoint.snapshot(init_state(params, tx), run, loader), tmp_path, keep_last=1)
+    index_file = ckpt / "index.json"
+    index = json.loads(index_file.read_text())
+    for section in ("tensors", "opt_state"):
+        index[section] = {k.replace(".w_router_DE", ".router_DE"): v for k, v in index[section].items()}
+    assert any(k.endswith(".router_DE") for k in index["tensors"])
+    assert any(k.endswith(".router_DE") for k in index["opt_state"])
+    index_file.write_text(json.dumps(index))
+    _, loaded = load_params(ckpt)
+    want = flatten_dict(params)
+    assert flatten_dict(loaded).keys() == want.keys()
+    assert all(torch.equal(flatten_dict(loaded)[k], want[k]) for k in want)
+    state = checkpoint.load_state(ckpt, verify(ckpt), run, tx, loader)
+    assert all(torch.equal(flatten_dict(state.params)[k], want[k]) for k in want)
+
+
 def test_index_lists_files_with_checksums_and_tensors_with_global_shapes(tmp_path):
     summary = train_here(*args(tmp_path, 2))
     ckpt = Path(summary["checkpoint"])

@@ -1,4 +1,4 @@
-"""The CLI: flags of DESIGN.md §3, overrides, run-directory files, errors, Ctrl-C."""
+"""The CLI: flags of docs/design.md §3, overrides, run-directory files, errors, Ctrl-C."""
 import json
 import math
 import os

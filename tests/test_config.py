@@ -27,9 +27,11 @@ def test_toml_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(model=ModelConfig(moe=MoEConfig(n_experts=4, top_k=5))), r"model.moe.top_k=5 must be in 1..model.moe.n_experts=4"),
+    (dict(model=ModelConfig(moe=MoEConfig(n_experts=4, top_k=5))),
+     r"model.moe.top_k=5 must be in 1..model.moe.n_experts=4"),
     (dict(model=ModelConfig(n_heads=4, n_kv_heads=3)), r"model.n_heads=4 must be divisible by model.n_kv_heads=3"),
-    (dict(train=TrainConfig(batch_size=10, grad_accum=4)), r"train.batch_size=10 must be divisible .* train.grad_accum=4"),
+    (dict(train=TrainConfig(batch_size=10, grad_accum=4)),
+     r"train.batch_size=10 must be divisible .* train.grad_accum=4"),
     (dict(model=ModelConfig(vocab_size=100)), r"model.vocab_size=100 is too small for the byte tokenizer"),
     (dict(model=ModelConfig(compute_dtype="float16")), r"model.compute_dtype must be one of"),
     (dict(train=TrainConfig(steps=0)), r"train.steps must be > 0, got 0"),

@@ -99,7 +99,8 @@ def mixtral(seed=0, **kw):
 
 @pytest.mark.parametrize("norm,tied,sparse_step,mlp_only", [(False, True, 1, [1]), (True, False, 2, [])])
 def test_qwen3_moe_logits(norm, tied, sparse_step, mlp_only, tmp_path):
-    model = qwen3(norm_topk_prob=norm, tie_word_embeddings=tied, decoder_sparse_step=sparse_step, mlp_only_layers=mlp_only)
+    model = qwen3(norm_topk_prob=norm, tie_word_embeddings=tied, decoder_sparse_step=sparse_step,
+                  mlp_only_layers=mlp_only)
     cfg, params = roundtrip(model, tmp_path, max_shard_size="20KB")  # sharded, with an index
     assert (tmp_path / hf.INDEX).is_file()
     assert cfg.qk_norm and cfg.moe.norm_topk_prob == norm and cfg.tie_embeddings == tied and ("head" in params) != tied
@@ -203,8 +204,8 @@ def fn_model(kind: str) -> tuple[ModelConfig, dict]:
         cfg = load_config(ROOT / "configs" / "tiny_qwen3.toml").model
         cfg = dataclasses.replace(cfg, **small, moe=dataclasses.replace(cfg.moe, expert_hidden=24, dense_layers=(2,)))
     else:
-        cfg = ModelConfig(**small, n_layers=2, n_heads=4, n_kv_heads=2, moe=MoEConfig(n_experts=6, top_k=2, expert_hidden=24,
-                                                                                      first_k_dense=0))
+        cfg = ModelConfig(**small, n_layers=2, n_heads=4, n_kv_heads=2,
+                          moe=MoEConfig(n_experts=6, top_k=2, expert_hidden=24, first_k_dense=0))
     g = torch.Generator().manual_seed(0)
 
     def scale(path, t):
@@ -287,7 +288,8 @@ def edited(src: Path, dst: Path, config=None, tensors=None) -> Path:
     (lambda c: c | {"attention_bias": True}, None, r"unsupported option 'attention_bias'=True"),
     (lambda c: c | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, None,
      r"unsupported option 'rope_parameters.rope_type'='llama3'"),
-    (lambda c: c | {"use_sliding_window": True, "sliding_window": 16}, None, r"unsupported option 'use_sliding_window'"),
+    (lambda c: c | {"use_sliding_window": True, "sliding_window": 16}, None,
+     r"unsupported option 'use_sliding_window'"),
     (lambda c: c | {"quantization_config": {"quant_method": "bitsandbytes"}}, None,
      r"unsupported option 'quantization_config.quant_method'='bitsandbytes'"),
 ])

@@ -219,10 +219,10 @@ def _check_comm(run, mesh, rank) -> dict:
     predict, so pinning makes the per-rank comparison exact."""
     route = moe.route
 
-    def pinned(x_TD, router_DE, cfg, bias_E=None):
-        T, E = x_TD.shape[0], router_DE.shape[1]
+    def pinned(x_TD, w_router_DE, cfg, bias_E=None):
+        T, E = x_TD.shape[0], w_router_DE.shape[1]
         pin_TE = (torch.arange(T)[:, None] * 5 + torch.arange(E) * 3) % E
-        return route(x_TD, router_DE, cfg, pin_TE.float() * 10)
+        return route(x_TD, w_router_DE, cfg, pin_TE.float() * 10)
 
     out = {}
     moe.route = pinned
@@ -311,7 +311,7 @@ def test_resharding_drops_gathered_weights_from_live_bytes_after_forward(ranks):
 
 
 def test_memory_report_measures_sharded_blocks(ranks):
-    """memory_report.measure runs on a mesh: block_fn gets stored_block with DTensor shards."""
+    """memory_report.measure runs on a mesh: its runner gets stored_block with DTensor shards."""
     for res in ranks:
         rows = _ok(res["report"])["none"]
         assert len(rows) == _run().model.n_layers

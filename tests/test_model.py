@@ -13,13 +13,11 @@ from fnmoe.params import LeafInit, draw_leaf, init_params, leaf_inits
 from fnmoe import cpu_gemm
 from fnmoe.moe import PAD_ROWS, expert_gemm, expert_mlp, grouped_ok, moe_block, padded_slots
 from fnmoe.tree import flatten_dict, map_with_path
+from conftest import rel
 
 SMALL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                     moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, n_shared_experts=1, first_k_dense=1))
 
-
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 # ---------------------------------------------------------------- attention
@@ -75,7 +73,7 @@ def naive_moe(p, x_TD, cfg):
     out = torch.zeros_like(x_TD)
     counts = torch.zeros(m.n_experts, dtype=torch.int64)
     for t in range(x_TD.shape[0]):
-        probs = torch.softmax(x_TD[t] @ p["router_DE"], -1)
+        probs = torch.softmax(x_TD[t] @ p["w_router_DE"], -1)
         w, idx = probs.topk(m.top_k)
         if m.norm_topk_prob:
             w = w / w.sum()
@@ -94,7 +92,7 @@ def test_moe_matches_per_token_loop(norm_topk, scale, shared):
     cfg = dataclasses.replace(SMALL, moe=dataclasses.replace(
         SMALL.moe, norm_topk_prob=norm_topk, routed_scaling_factor=scale, n_shared_experts=shared))
     p = init_params(cfg, seed=2)["layers"]["1"]["moe"]
-    p["router_DE"] = p["router_DE"] * 50  # decisive routing
+    p["w_router_DE"] = p["w_router_DE"] * 50  # decisive routing
     x = torch.randn(3, 7, cfg.dim)
     out, stats = moe_block(p, x, cfg, gemm="loop")
     counts = stats["counts_E"]
@@ -106,8 +104,8 @@ def test_moe_matches_per_token_loop(norm_topk, scale, shared):
 def test_moe_extreme_routing_all_to_one_expert_and_empty_experts():
     cfg = SMALL
     p = init_params(cfg, seed=3)["layers"]["1"]["moe"]
-    p["router_DE"] = torch.zeros_like(p["router_DE"])
-    p["router_DE"][:, 2] = 100.0  # every token prefers expert 2
+    p["w_router_DE"] = torch.zeros_like(p["w_router_DE"])
+    p["w_router_DE"][:, 2] = 100.0  # every token prefers expert 2
     x = torch.rand(2, 5, cfg.dim) + 0.1
     out, stats = moe_block(p, x, cfg, gemm="loop")
     counts = stats["counts_E"]
@@ -206,7 +204,7 @@ def test_forward_shapes_aux_and_bf16_close():
     tokens = torch.randint(0, SMALL.vocab_size, (2, 12))
     logits, aux = forward(params, tokens, SMALL)
     assert logits.shape == (2, 12, SMALL.vocab_size) and logits.dtype == torch.float32
-    counts = aux["expert_counts_LE"]
+    counts = aux["expert_counts_NE"]
     assert counts.shape == (1, 4) and counts.sum() == 2 * 12 * 2
     logits16, _ = forward(params, tokens, dataclasses.replace(SMALL, compute_dtype="bfloat16"))
     assert rel(logits16, logits) < 5e-2
@@ -306,7 +304,7 @@ def test_balance_loss_from_its_definition():
     _, stats = moe_block(p, x, cfg, gemm="loop")
     counts, bl = stats["counts_E"], stats["balance_loss"]
     x_TD = x.reshape(-1, cfg.dim)
-    probs = torch.stack([torch.softmax(x_TD[t] @ p["router_DE"], -1) for t in range(18)])
+    probs = torch.stack([torch.softmax(x_TD[t] @ p["w_router_DE"], -1) for t in range(18)])
     frac = torch.tensor([sum(e in probs[t].topk(2).indices.tolist() for t in range(18)) for e in range(4)]) / 36
     assert torch.equal(counts, (frac * 36).long())
     assert abs(bl - 4 * (frac * probs.mean(0)).sum()) <= 1e-6

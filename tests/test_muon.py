@@ -21,12 +21,10 @@ from fnmoe.model import hidden_states
 from fnmoe.params import init_params
 from fnmoe.train import init_state, make_train_step
 from fnmoe.tree import flatten_dict
+from conftest import rel
 
 SHAPES = {"tall": (64, 24), "wide": (24, 64), "square": (32, 32)}
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def gen(seed: int) -> torch.Generator:
@@ -226,7 +224,7 @@ CLIP_CFGS = {
 
 
 def recorded_max_logits(params, tokens_BL, cfg):
-    return hidden_states(params, tokens_BL, cfg, record_max_logits=True)[1]["max_logits_LH"]
+    return hidden_states(params, tokens_BL, cfg, record_max_logits=True)[1]["max_logits_NH"]
 
 
 def test_max_logits_match_full_scores_and_chunking():

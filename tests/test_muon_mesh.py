@@ -28,6 +28,7 @@ from fnmoe.config import DataConfig, DistConfig, MeshConfig, OptimConfig, RunCon
 from fnmoe.params import init_params
 from fnmoe.train import init_state, make_train_step
 from fnmoe.tree import flatten_dict, map_with_path, tree_flatten, unflatten_dict
+from conftest import rel
 
 from test_sharding import B, CFG, MESHES, TOKENS, assert_same_metrics  # tests/ is on sys.path: pytest's rootdir import
 
@@ -53,9 +54,6 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     t = t.full_tensor() if isinstance(t, DTensor) else t
     return t.reconcile() if hasattr(t, "reconcile") else t
 
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 class CollectiveBytes(TorchDispatchMode):
@@ -126,11 +124,11 @@ def test_communication_is_one_gather_to_owners_and_one_scatter(paths, all_to_all
 
 def test_qk_clip_on_a_mesh_equals_one_process():
     params = init_params(CFG, 0)
-    max_logits_LH = torch.tensor([[3.0, 9.0], [12.0, 1.0]])
-    want = flatten_dict(optim.qk_clip(params, max_logits_LH, CFG, 4.0))
+    max_logits_NH = torch.tensor([[3.0, 9.0], [12.0, 1.0]])
+    want = flatten_dict(optim.qk_clip(params, max_logits_NH, CFG, 4.0))
     with fdist.simulate(4):
         mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
-        got = flatten_dict(optim.qk_clip(sharding.shard_params(params, mesh), max_logits_LH, CFG, 4.0))
+        got = flatten_dict(optim.qk_clip(sharding.shard_params(params, mesh), max_logits_NH, CFG, 4.0))
         for path, w in want.items():
             assert torch.equal(_plain(got[path]), w), path
 
@@ -176,7 +174,7 @@ def test_muon_rows_of_the_mesh_matrix():
             losses, first = _train((f, e), 1)
         assert abs(losses[0] - ref[0]) <= 1e-6 * abs(ref[0]), ((f, e), losses, ref)
         for path, want in ref_first.items():
-            assert _rel(first[path], want) <= 1e-5, ((f, e), path, _rel(first[path], want))
+            assert rel(first[path], want) <= 1e-5, ((f, e), path, rel(first[path], want))
 
 
 # ---------------------------------------------------------------- real processes

@@ -8,6 +8,7 @@ import torch._dynamo.testing
 
 from fnmoe import optim
 from fnmoe.config import OptimConfig
+from conftest import rel
 
 SHAPES = [(64, 32), (17,), (8, 3, 5)]
 
@@ -15,10 +16,6 @@ SHAPES = [(64, 32), (17,), (8, 3, 5)]
 def leaves(tree) -> list:
     return optim.tree_flatten_with_paths(tree)[1]
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| relative to the largest |b|"""
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def model_like() -> dict:

@@ -20,13 +20,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from fnmoe import dist as fdist
-from fnmoe import reshard
-from fnmoe import optim, sharding
-from fnmoe.config import DistConfig, MeshConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig, validate
+from fnmoe import faults, memory, optim, sharding
+from fnmoe.config import (DistConfig, MemoryConfig, MeshConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig,
+                          TrainConfig, validate)
 from fnmoe.model import forward
 from fnmoe.params import init_params
 from fnmoe.train import IGNORE, init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict, tree_flatten, tree_map, value_and_grad
+from conftest import rel
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=48, max_seq_len=16,
@@ -55,9 +56,6 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     t = t.full_tensor() if isinstance(t, DTensor) else t
     return t.reconcile() if hasattr(t, "reconcile") else t
 
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 # ---------------------------------------------------------------- rules (no process group)
@@ -120,7 +118,7 @@ def test_first_step_loss_and_grads_match_one_process_on_every_mesh():
         loss, grads = _first_step(shape)
         assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item()), shape
         for path, g in ref_grads.items():
-            assert _rel(grads[path], g) <= 1e-5, (shape, path, _rel(grads[path], g))
+            assert rel(grads[path], g) <= 1e-5, (shape, path, rel(grads[path], g))
 
 
 def _train(mesh_shape, steps: int, grad_accum: int = 1, reshard: bool = True,
@@ -161,14 +159,15 @@ def test_grad_accumulation_on_2x2_equals_one_big_batch():
         acc, g_acc = 0.0, None
         for m in (x_BL[: B // 2], x_BL[B // 2:]):
             xm = _rank_part(m, 4)
-            (loss, _), g = grad_fn(params, xm[:, :-1], xm[:, 1:], cfg, B * L, block_fn=reshard.resharded)
+            (loss, _), g = grad_fn(params, xm[:, :-1], xm[:, 1:], cfg, B * L,
+                                  runner=memory.block_runner(MemoryConfig(), cfg.n_layers, reshard=True))
             acc, g = acc + loss, flatten_dict(g)
             g_acc = g if g_acc is None else {k: g_acc[k] + g[k] for k in g}
         big, acc = _plain(sharding.all_sum(big)), _plain(sharding.all_sum(acc))
         g_big = flatten_dict(g_big)
         assert abs(big.item() - acc.item()) <= 1e-6 * abs(big.item())
         for path, g in g_big.items():
-            assert _rel(_plain(g_acc[path]), _plain(g)) <= 1e-6, path
+            assert rel(_plain(g_acc[path]), _plain(g)) <= 1e-6, path
 
 
 def test_ignored_labels_count_globally():
@@ -206,7 +205,8 @@ def _forward_backward(resharding: bool, monkeypatch) -> tuple[int, int, int]:
         x = _rank_part(x_BL, 4)
         with CommDebugMode() as comm:
             loss, _ = loss_fn(params, x[:, :-1], x[:, 1:], CFG, B * L,
-                              block_fn=reshard.resharded if resharding else None)
+                              runner=(memory.block_runner(MemoryConfig(), CFG.n_layers, reshard=True)
+                                      if resharding else None))
             gc.collect()
             alive = sum(r() is not None for r in refs)
             loss.backward()
@@ -234,13 +234,13 @@ def test_expert_parallel_with_idle_experts_matches_one_process(mesh_shape):
     x_BL = _tokens(1)[:, :-1]
     ref = _biased(init_params(CFG, 0), [10.0, 5.0, 0.0, 0.0])
     want, aux = forward(ref, x_BL, CFG)
-    assert aux["expert_counts_LE"][0, 2:].sum() == 0
+    assert aux["expert_counts_NE"][0, 2:].sum() == 0
     f, e = mesh_shape
     with fdist.simulate(f * e):
         mesh = sharding.make_mesh(MeshConfig(fsdp=f, ep=e))
         logits, _ = forward(sharding.shard_params(ref, mesh), _rank_part(x_BL, f * e), CFG)
         got = torch.cat([logits._local_tensors[r] for r in range(f * e)])
-    assert _rel(got, want) <= 1e-6
+    assert rel(got, want) <= 1e-6
 
 
 def test_capacity_factor_drops_rows_over_capacity_and_counts_them():
@@ -250,7 +250,7 @@ def test_capacity_factor_drops_rows_over_capacity_and_counts_them():
     _, aux = forward(params, x_BL, cfg)
     T, K, E = B * L, cfg.moe.top_k, cfg.moe.n_experts
     capacity = T * K // E  # experts 0 and 1 get all T rows each, and keep T*K/E of them
-    assert aux["dropped_L"].tolist() == [2 * (T - capacity)]
+    assert aux["dropped_N"].tolist() == [2 * (T - capacity)]
     big = ModelConfig(**{**cfg.__dict__, "moe": MoEConfig(**{**cfg.moe.__dict__, "capacity_factor": 100.0})})
     assert torch.equal(forward(params, x_BL, big)[0], forward(params, x_BL, CFG)[0])  # nothing dropped
 
@@ -327,8 +327,8 @@ def test_slurm_script_parses():
 @pytest.mark.timeout(120)
 def test_one_rank_killed_under_torchrun_ends_the_job(tmp_path):
     """A SIGKILLed rank: its peer fails at the next collective and torchrun ends the job, non-zero."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), FNMOE_TEST_KILL_AT_STEP="1",
-               FNMOE_TEST_KILL_RANK="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               **{faults.KILL_AT_STEP_ENV: "1", faults.KILL_RANK_ENV: "1"})
     start = time.monotonic()
     job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           "-m", "fnmoe", "train", "--train.steps", "50", "--train.batch-size", "4",

@@ -45,7 +45,8 @@ def test_gpu_check_dry_run(tmp_path):
     proc = subprocess.run(["bash", "tools/gpu_check.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=880)
     out = proc.stdout + proc.stderr
-    tail = proc.stdout[proc.stdout.find("GPU CHECK SUMMARY") - 3000:] if "GPU CHECK SUMMARY" in proc.stdout else out[-6000:]
+    tail = (proc.stdout[proc.stdout.find("GPU CHECK SUMMARY") - 3000:] if "GPU CHECK SUMMARY" in proc.stdout
+            else out[-6000:])
     assert proc.returncode == 0, tail
     summary = proc.stdout.split("GPU CHECK SUMMARY", 1)
     assert len(summary) == 2, out[-3000:]

@@ -56,7 +56,8 @@ def hf_checkpoint(out_dir: str, args) -> None:
     hd = args.head_dim
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=2 * args.dim, moe_intermediate_size=args.ffn,
-        num_hidden_layers=args.layers, num_attention_heads=args.dim // hd, num_key_value_heads=max(1, args.dim // hd // 2),
+        num_hidden_layers=args.layers, num_attention_heads=args.dim // hd,
+        num_key_value_heads=max(1, args.dim // hd // 2),
         head_dim=hd, num_experts=args.experts, num_experts_per_tok=args.top_k, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=max(1024, args.seq),
         tie_word_embeddings=False, output_router_logits=False, router_aux_loss_coef=0.0)
@@ -152,7 +153,8 @@ def _run(args) -> dict | None:
         return None
 
     print(f"model forward+backward: fnmoe vs transformers {transformers.__version__} on one Qwen3-MoE checkpoint; "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} "
           "(times are noisy on a shared machine)")
     with tempfile.TemporaryDirectory(prefix="fnmoe-bench-model-") as d:
         hf_checkpoint(d, args)

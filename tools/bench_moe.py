@@ -99,7 +99,7 @@ def make_weights(s: Shape, seed: int = 0) -> dict[str, torch.Tensor]:
     """fp32 master weights in fnmoe's layout; the router is scaled so routing is far from uniform."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *shape, std: torch.randn(*shape, generator=g) * std  # noqa: E731
-    return {"router_DE": r(s.D, s.E, std=s.D ** -0.5), "w_gate_EDF": r(s.E, s.D, s.F, std=s.D ** -0.5),
+    return {"w_router_DE": r(s.D, s.E, std=s.D ** -0.5), "w_gate_EDF": r(s.E, s.D, s.F, std=s.D ** -0.5),
             "w_up_EDF": r(s.E, s.D, s.F, std=s.D ** -0.5), "w_down_EFD": r(s.E, s.F, s.D, std=s.F ** -0.5)}
 
 
@@ -125,7 +125,7 @@ def fnmoe_impl(w: dict, s: Shape, device: str, transposed_storage: bool = False,
             return t.transpose(1, 2).contiguous().requires_grad_(True).transpose(1, 2)
         return t.contiguous().requires_grad_(True)
 
-    p = {k: leaf(v, transposed_storage and k != "router_DE") for k, v in w.items()}
+    p = {k: leaf(v, transposed_storage and k != "w_router_DE") for k, v in w.items()}
     gemm = expert_gemm(cfg, torch.bfloat16, device)
     fn = fcompile.compiled(block)
     leaves = [v for v in p.values()]
@@ -166,7 +166,7 @@ def torchtitan_module(w: dict, s: Shape, device: str):
         ex.w1_EFD.copy_(w["w_gate_EDF"].transpose(1, 2))
         ex.w3_EFD.copy_(w["w_up_EDF"].transpose(1, 2))
         ex.w2_EDF.copy_(w["w_down_EFD"].transpose(1, 2))
-        m.router.gate.weight.copy_(w["router_DE"].T)
+        m.router.gate.weight.copy_(w["w_router_DE"].T)
     m = m.to(device=device, dtype=torch.bfloat16)
     if device == "cpu":  # CPU autocast ignores dtype=float32: run the gate in fp32 as it runs on a GPU
         gate = m.router.gate
@@ -208,9 +208,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def grads_by_name(impl: Impl, grads: tuple) -> dict[str, torch.Tensor]:
     """Gradients in fnmoe's names and layouts."""
     if impl.name.startswith("fnmoe"):
-        return dict(zip(["x", "router_DE", "w_gate_EDF", "w_up_EDF", "w_down_EFD"], grads))
+        return dict(zip(["x", "w_router_DE", "w_gate_EDF", "w_up_EDF", "w_down_EFD"], grads))
     x, w1, w2, w3, gate = grads  # MoE.parameters(): w1_EFD, w2_EDF, w3_EFD, router.gate.weight
-    return {"x": x, "router_DE": gate.T, "w_gate_EDF": w1.transpose(1, 2), "w_up_EDF": w3.transpose(1, 2),
+    return {"x": x, "w_router_DE": gate.T, "w_gate_EDF": w1.transpose(1, 2), "w_up_EDF": w3.transpose(1, 2),
             "w_down_EFD": w2.transpose(1, 2)}
 
 
@@ -368,10 +368,12 @@ def bench_shape(s: Shape, args) -> dict:
 
 
 def print_result(res: dict, s: Shape, verbose: bool) -> None:
-    print(f"  {'impl':<20} {'median ms':>10} {'(min..max)':>16} {'GFLOP/s':>9}   split of the median (profiler self-time shares)")
+    print(f"  {'impl':<20} {'median ms':>10} {'(min..max)':>16} {'GFLOP/s':>9}   "
+          "split of the median (profiler self-time shares)")
     for name, r in res["impls"].items():
         rng = f"({r['min_ms']:.0f}..{r['max_ms']:.0f})"
-        print(f"  {name:<20} {r['ms']:10.1f} {rng:>16} {r['gflops']:9.1f}   {format_split(r['split']) if r['split'] else ''}")
+        print(f"  {name:<20} {r['ms']:10.1f} {rng:>16} {r['gflops']:9.1f}   "
+              f"{format_split(r['split']) if r['split'] else ''}")
         if verbose and r["top"]:
             print("      top ops (profiled ms/run): " + ", ".join(f"{k} {v:.1f}" for k, v in r["top"]))
     impls = res["impls"]
@@ -379,8 +381,8 @@ def print_result(res: dict, s: Shape, verbose: bool) -> None:
         for name in impls:
             if name.startswith("fnmoe"):
                 ratio = impls[name]["ms"] / impls["torchtitan"]["ms"]
-                print(f"  ratio {name} / torchtitan = {ratio:.2f}  ({1 / ratio:.2f}x {'faster' if ratio < 1 else 'slower'}"
-                      " than torchtitan)")
+                print(f"  ratio {name} / torchtitan = {ratio:.2f}  "
+                      f"({1 / ratio:.2f}x {'faster' if ratio < 1 else 'slower'} than torchtitan)")
                 res.setdefault("ratio", {})[name] = ratio
 
 
@@ -410,8 +412,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _run(args) -> list[dict]:
     print(f"MoE block forward+backward, bf16, compiled; device {args.device}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; median of {args.iters} after {args.warmup} warm-up runs (times are noisy "
-          "on a shared machine)")
+          f"torch {torch.__version__}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; "
+          f"median of {args.iters} after {args.warmup} warm-up runs (times are noisy on a shared machine)")
     results = []
     for spec in args.shapes:
         s = Shape.parse(spec)

@@ -46,7 +46,7 @@ sys.path[:0] = [str(ROOT), str(TOOLS)]
 SECTIONS = {"correctness": "1 correctness", "moe": "2 moe bench", "model": "3 model 16B-cut",
             "determinism": "4 determinism"}
 STEPS = list(SECTIONS)
-PEAK_TFLOPS = 989.0  # H100/H200/GH200 bf16 dense (DESIGN.md §7)
+PEAK_TFLOPS = 989.0  # H100/H200/GH200 bf16 dense (docs/design.md §7)
 NOTES: list[str] = []
 DEADLINE = float("inf")  # time.monotonic() by which this step must end (--timeout)
 
@@ -332,7 +332,8 @@ def check_memory_policies(rec: Recorder, device: str, dry: bool, base: list | No
                 rec.row(f"memory {label}", f"not offered here: {why}", "skip")
             continue
         e = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(got, base))
-        rec.row(f"memory {label} vs none on {device} ({steps} fp32 steps)", f"max rel loss diff {e:.1e}", status(e < 1e-5))
+        rec.row(f"memory {label} vs none on {device} ({steps} fp32 steps)", f"max rel loss diff {e:.1e}",
+                status(e < 1e-5))
     if offload_variant() is None:
         names = ", ".join(f.name for f in dataclasses.fields(MemoryConfig))
         rec.row("offload policy", f"not offered by MemoryConfig (fields: {names})", "skip")
@@ -385,16 +386,19 @@ def step_moe(rec: Recorder, device: str, dry: bool) -> None:
     argv += ["--iters", "2", "--warmup", "1", "--profile-iters", "1"] if dry else ["--iters", "20", "--warmup", "3",
                                                                                   "--profile-iters", "3"]
     for spec in DRY_SHAPES if dry else GPU_SHAPES:
-        res = rec.guarded(f"moe bench {spec}", bm.main, argv + ["--shapes", spec] + ([] if have_tt else ["--no-torchtitan"]))
+        res = rec.guarded(f"moe bench {spec}", bm.main,
+                          argv + ["--shapes", spec] + ([] if have_tt else ["--no-torchtitan"]))
         if not res:
             continue
         r = res[0]
         for name, v in r["impls"].items():
-            split = " ".join(f"{k.split('+')[0]} {100 * x / v['ms']:.0f}%" for k, x in v["split"].items()) if v["split"] else ""
+            split = (" ".join(f"{k.split('+')[0]} {100 * x / v['ms']:.0f}%" for k, x in v["split"].items())
+                     if v["split"] else "")
             rec.row(f"{r['shape']} {name}", f"{v['ms']:.2f} ms, {v['gflops']:.0f} GFLOP/s; {split}")
         for name, ratio in r.get("ratio", {}).items():
             # a timing, not a correctness check: "slower" is reported, never a failure
-            rec.row(f"{r['shape']} {name}/torchtitan", f"{ratio:.2f} (<1: fnmoe faster)", "ok" if ratio <= 1.0 else "slower")
+            rec.row(f"{r['shape']} {name}/torchtitan", f"{ratio:.2f} (<1: fnmoe faster)",
+                    "ok" if ratio <= 1.0 else "slower")
         for name, problems in r["parity"].items():
             if problems:
                 rec.row(f"{r['shape']} parity vs {name}", "; ".join(problems)[:200], "FAIL")
@@ -526,7 +530,8 @@ def step_model(rec: Recorder, device: str, dry: bool) -> None:
             why = refused(e)
             if why is None:
                 traceback.print_exc()
-                rec.row(f"memory {label}", f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}", "FAIL")
+                rec.row(f"memory {label}", f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}",
+                        "FAIL")
             else:
                 rec.row(f"memory {label}", f"not offered here: {why}", "skip")
             continue
@@ -630,8 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     fcompile.setup_cache()  # TORCHINDUCTOR_CACHE_DIR when set, else the checkout's compile_cache/
     rec = Recorder(results, args.step)
     t0 = time.perf_counter()
-    print(f"== gpu_check step {args.step} on {device}" + (f" ({torch.cuda.get_device_name(0)})" if device == "cuda" else ""),
-          flush=True)
+    print(f"== gpu_check step {args.step} on {device}"
+          + (f" ({torch.cuda.get_device_name(0)})" if device == "cuda" else ""), flush=True)
     {"correctness": step_correctness, "moe": step_moe, "model": step_model, "determinism": step_determinism}[args.step](
         rec, device, args.dry_run)
     print(f"== step {args.step} done in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -16,7 +16,7 @@ from fnmoe import dist as fdist
 from fnmoe.checkpoint.format import CONFIG, INDEX, SECTIONS, ST_DTYPES, CheckpointError, _whole, read_index
 from fnmoe.checkpoint.procs import _first_error, _job
 from fnmoe.config import RunConfig, load_config
-from fnmoe.params import shape_mismatches
+from fnmoe.params import current_path, shape_mismatches
 from fnmoe.tree import Tree, unflatten_dict
 
 
@@ -149,7 +149,8 @@ def load_params(ckpt: str | Path) -> tuple[RunConfig, Tree]:
     """(the saved RunConfig, the params tree) of a checkpoint, verified first (for export, eval)."""
     ckpt = Path(ckpt)
     index = verify(ckpt)
-    run, params = saved_config(ckpt), unflatten_dict(_read_section(ckpt, index, "tensors"))
+    tensors = {current_path(p): t for p, t in _read_section(ckpt, index, "tensors").items()}
+    run, params = saved_config(ckpt), unflatten_dict(tensors)
     diff = shape_mismatches(params, run.model)
     if diff:
         raise CheckpointError(f"{ckpt}: its tensors do not fit the model of its {CONFIG}: {'; '.join(diff)}")

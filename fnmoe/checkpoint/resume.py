@@ -16,7 +16,7 @@ from fnmoe.checkpoint.procs import _job
 from fnmoe.checkpoint.shards import rng_states
 from fnmoe.config import RunConfig, to_dict
 from fnmoe.data import Loader
-from fnmoe.params import init_params
+from fnmoe.params import current_path, init_params
 from fnmoe.train import TrainState
 from fnmoe.tree import Tree, tree_flatten_with_paths
 
@@ -133,12 +133,14 @@ def load_state(ckpt: Path, index: dict, run: RunConfig, tx: optim.GradientTransf
         log.warning("the data differ from the checkpoint's (corpus fingerprint %s, now %s): samples after step "
                     "%d are not those the saved run would have seen", data["corpus_fingerprint"],
                     loader.data.fingerprint, index["step"])
+    # an earlier release's leaf names (params.RENAMED) read as today's
+    entries = {**index, **{s: {current_path(p): e for p, e in index[s].items()} for s in ("tensors", "opt_state")}}
     with _opened(ckpt) as get:
         def reader(section: str) -> Reader:
-            return lambda path, idx: _read_region(get, index[section][path], idx, f"{ckpt}: {section} '{path}'")
-        params = _restore_params(init_params(run.model, device="meta"), index["tensors"], reader("tensors"), mesh,
+            return lambda path, idx: _read_region(get, entries[section][path], idx, f"{ckpt}: {section} '{path}'")
+        params = _restore_params(init_params(run.model, device="meta"), entries["tensors"], reader("tensors"), mesh,
                                  ckpt)
-        opt_state = _restore_opt_state(tx.init(params), index["opt_state"], reader("opt_state"), ckpt)
+        opt_state = _restore_opt_state(tx.init(params), entries["opt_state"], reader("opt_state"), ckpt)
         _restore_rng(index["rng"], reader("rng"))
     return TrainState(params, opt_state, index["step"])
 

@@ -1,4 +1,4 @@
-"""Run configuration: frozen dataclasses, TOML presets and validation (DESIGN.md §3).
+"""Run configuration: frozen dataclasses, TOML presets and validation (docs/design.md §3).
 
 A `RunConfig` is the whole run; `forward` and `hf` take only its `ModelConfig`. Presets are
 TOML files whose tables mirror the dataclass tree; `load_config` reads one and validates it.

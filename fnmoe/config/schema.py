@@ -1,4 +1,4 @@
-"""The frozen dataclasses of the config tree (DESIGN.md §3) and the Literal aliases of their choices.
+"""The frozen dataclasses of the config tree (docs/design.md §3) and the Literal aliases of their choices.
 
 The dataclass defaults are the tiny CPU preset (configs/tiny.toml states the same values).
 Derived values are properties, never stored. The CLI (tyro) reads each field's annotation and
@@ -194,7 +194,7 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """Activation memory (fnmoe/memory.py, DESIGN.md §6). `recompute` and `offload` act on whole
+    """Activation memory (fnmoe/memory.py, docs/design.md §6). `recompute` and `offload` act on whole
     blocks; attention / moe / mlp act on one region each, inside blocks that `recompute` leaves alone."""
 
     recompute: Literal["none", "full"] = "none"
@@ -219,7 +219,7 @@ class MemoryConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Checkpoints go to <run-dir>/checkpoints/step_<N> (fnmoe/checkpoint.py); resume with --resume auto."""
+    """Checkpoints go to <run-dir>/checkpoints/step_<N> (fnmoe/checkpoint/); resume with --resume auto."""
 
     every: int = 0
     """save every N steps (0: only the final save, and one on Ctrl-C)"""

@@ -67,8 +67,10 @@ def _rope_fields(hf: dict, default_theta: float) -> dict[str, Any]:
     return {"rope_theta": theta, "rope_scaling": "yarn",
             "yarn_factor": float(params.get("factor") or max_pos / orig),
             "yarn_original_max_seq_len": orig,
-            "yarn_beta_fast": float(params.get("beta_fast") or 32), "yarn_beta_slow": float(params.get("beta_slow") or 1),
-            "yarn_mscale": float(params.get("mscale") or 0), "yarn_mscale_all_dim": float(params.get("mscale_all_dim") or 0),
+            "yarn_beta_fast": float(params.get("beta_fast") or 32),
+            "yarn_beta_slow": float(params.get("beta_slow") or 1),
+            "yarn_mscale": float(params.get("mscale") or 0),
+            "yarn_mscale_all_dim": float(params.get("mscale_all_dim") or 0),
             "yarn_attention_factor": float(params.get("attention_factor") or 0),
             "yarn_truncate": bool(params.get("truncate", True))}
 
@@ -79,7 +81,8 @@ def _common_fields(hf: dict, default_theta: float) -> dict[str, Any]:
     _require(hf, "mlp_bias", (False,), False)
     return {"vocab_size": _get(hf, "vocab_size"), "dim": _get(hf, "hidden_size"),
             "n_layers": _get(hf, "num_hidden_layers"), "n_heads": _get(hf, "num_attention_heads"),
-            "norm_eps": float(_get(hf, "rms_norm_eps", 1e-6)), "tie_embeddings": bool(_get(hf, "tie_word_embeddings", False)),
+            "norm_eps": float(_get(hf, "rms_norm_eps", 1e-6)),
+            "tie_embeddings": bool(_get(hf, "tie_word_embeddings", False)),
             "max_seq_len": _get(hf, "max_position_embeddings"), "init_std": float(_get(hf, "initializer_range", 0.02)),
             **_rope_fields(hf, default_theta)}
 
@@ -93,10 +96,12 @@ def _gqa_fields(hf: dict) -> dict[str, Any]:
 
 def _qwen3_config(hf: dict) -> ModelConfig:
     if hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
-        raise ValueError(f"config.json: unsupported option 'use_sliding_window'=true (sliding_window={hf['sliding_window']})")
+        raise ValueError(f"config.json: unsupported option 'use_sliding_window'=true "
+                         f"(sliding_window={hf['sliding_window']})")
     n_experts = _get(hf, "num_experts", None) or _get(hf, "num_local_experts", 0)
     moe = MoEConfig(n_experts=n_experts, top_k=_get(hf, "num_experts_per_tok"),
-                    expert_hidden=_get(hf, "moe_intermediate_size"), norm_topk_prob=bool(_get(hf, "norm_topk_prob", False)),
+                    expert_hidden=_get(hf, "moe_intermediate_size"),
+                    norm_topk_prob=bool(_get(hf, "norm_topk_prob", False)),
                     first_k_dense=0, dense_layers=tuple(sorted(_get(hf, "mlp_only_layers", []))),
                     moe_every=_get(hf, "decoder_sparse_step", 1),
                     aux_loss_coeff=float(_get(hf, "router_aux_loss_coef", 0.001)))
@@ -179,7 +184,8 @@ def hf_architecture(cfg: ModelConfig) -> str:
         checks = [(m.score_func == "sigmoid", "model.moe.score_func must be 'sigmoid'"),
                   (m.router_bias, "model.moe.router_bias must be true"),
                   (m.n_experts > 0, "model.moe.n_experts must be > 0"),
-                  (dense == list(range(len(dense))), "the dense layers must be the first ones (model.moe.dense_layers, moe_every)")]
+                  (dense == list(range(len(dense))),
+                   "the dense layers must be the first ones (model.moe.dense_layers, moe_every)")]
         arch = "DeepseekV3ForCausalLM"
     elif cfg.qk_norm:
         checks = [(m.score_func == "softmax", "model.moe.score_func must be 'softmax'"),

@@ -123,7 +123,8 @@ def save(hf_dir: str | Path, params: Tree, cfg: ModelConfig, max_shard_bytes: in
                 save_file(shard, tmp / name, metadata={"format": "pt"})
             weight_map = {key: name for name, shard in zip(names, shards) for key in shard}
             total = sum(t.numel() * t.element_size() for t in tensors.values())
-            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=1))
         dtype = flatten_dict(params)["embed.w_VD"].dtype
         (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, arch, dtype), indent=1) + "\n")
     return Path(hf_dir)

@@ -44,7 +44,8 @@ def _source(path: str, ndim: int, cfg: ModelConfig, arch: str) -> tuple[str, tup
         return "copy", (f"model.layers.{parts[2]}.mlp.gate.e_score_correction_bias",)
     layer, group, name = f"model.layers.{parts[1]}.", parts[2], parts[-1]
     if group in ("attn_norm", "mlp_norm"):
-        return "copy", (layer + ("input_layernorm" if group == "attn_norm" else "post_attention_layernorm") + ".weight",)
+        return "copy", (layer + ("input_layernorm" if group == "attn_norm" else "post_attention_layernorm")
+                        + ".weight",)
     if group == "attn":
         names = MLA_NAMES if cfg.attention == "mla" else GQA_NAMES
         return how, (f"{layer}self_attn.{names[name]}.weight",)

@@ -76,7 +76,8 @@ def _resolve(tree_or_fn: PerLeaf, tree: Tree) -> list[Any]:
     paths = tree_flatten_with_paths(tree)[0]
     by_path = dict(zip(*tree_flatten_with_paths(ann)[:2]))
     if by_path.keys() != set(paths):
-        raise ValueError(f"labels/mask tree does not match the params tree at {sorted(by_path.keys() ^ set(paths))[:5]}")
+        raise ValueError(f"labels/mask tree does not match the params tree at "
+                         f"{sorted(by_path.keys() ^ set(paths))[:5]}")
     return [by_path[p] for p in paths]
 
 

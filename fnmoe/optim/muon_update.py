@@ -1,4 +1,4 @@
-"""Muon: momentum, then Newton-Schulz orthogonalisation of every weight matrix (DESIGN.md §5).
+"""Muon: momentum, then Newton-Schulz orthogonalisation of every weight matrix (docs/design.md §5).
 
 torch.optim.Muon is the reference: for a weight W_IO (y = x @ W) we give the update that
 torch.optim.Muon gives its [out, in] parameter W_IO.T, transposed back. Momentum buffers and
@@ -149,7 +149,8 @@ def _owner_step(recv_Z: Tensor, mine: list[tuple[tuple[int, int], int]], n_ranks
     flat = recv_Z.split([math.prod(p[s]) for s in range(n_ranks) for p in pieces])
     whole = [torch.cat([flat[s * len(mine) + j].view(p[s]) for s in range(n_ranks)], dim=d)
              for j, (p, (_, d)) in enumerate(zip(pieces, mine))]
-    cut = [O.split([q[d] for q in p], dim=d) for O, p, (_, d) in zip(_orthogonalize(whole, steps, eps, dtype), pieces, mine)]
+    cut = [O.split([q[d] for q in p], dim=d)
+           for O, p, (_, d) in zip(_orthogonalize(whole, steps, eps, dtype), pieces, mine)]
     return torch.cat([c[s].flatten() for s in range(n_ranks) for c in cut])
 
 

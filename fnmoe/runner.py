@@ -1,0 +1,46 @@
+"""The seam between the model and the memory policies: how hidden_states runs each block.
+
+hidden_states calls `runner(i, fn, p, x_BLD, *rest)` for block i, where fn(p, x_BLD, *rest) is the
+block (p its params, x_BLD its input), and the block runs each of its regions (attention, MoE,
+dense MLP) through `runner.region(i, name, fn, compile, *args)`. A runner decides what the block
+keeps for backward (fnmoe.memory.Runner: recompute, offload, resharding); PLAIN runs everything as
+it is, which is what a plain forward does.
+
+Legend: B batch, L sequence, D model.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+from fnmoe import compile as fcompile
+
+
+class BlockRunner(Protocol):
+    offloads: bool
+    """blocks take their params already cast to the compute dtype: offload tells a block's params
+    from its activations by their storages, and casts inside a compiled region would be saved
+    (and copied to the host) as activations"""
+    prefetch: bool
+    """the next block's weights may be gathered while this block computes (false when backward
+    recomputes blocks: a gather issued one block early is not among the ops recompute replays)"""
+
+    def __call__(self, i: int, fn: Callable, p: dict, x_BLD, *rest) -> Any:
+        """Block i: fn(p, x_BLD, *rest) under this runner's policy for blocks."""
+
+    def region(self, i: int, name: str, fn: Callable, compile: bool, *args) -> Any:
+        """Region `name` of block i: fn(*args), compiled when compile, under its region policy."""
+
+
+class Plain:
+    """Every block and region as it is (regions compiled when asked)."""
+    offloads = False
+    prefetch = True
+
+    def __call__(self, i: int, fn: Callable, p: dict, x_BLD, *rest):
+        return fn(p, x_BLD, *rest)
+
+    def region(self, i: int, name: str, fn: Callable, compile: bool, *args):
+        return (fcompile.compiled(fn) if compile else fn)(*args)
+
+
+PLAIN: BlockRunner = Plain()
