@@ -243,3 +243,10 @@ def test_an_earlier_leaf_name_loads_as_todays(tmp_path):
     from fnmoe.params import LeafInit, draw_leaf
     init = LeafInit((run.model.dim, run.model.moe.n_experts), run.model.init_std)
     assert torch.equal(draw_leaf(init, 0, "layers.1.moe.w_router_DE"), draw_leaf(init, 0, "layers.1.moe.router_DE"))
+
+
+def test_the_tree_is_clean_under_ruff():
+    """pyproject.toml's [tool.ruff] rules hold for fnmoe, tests and tools (ruff comes with the test extra)."""
+    ruff = subprocess.run([sys.executable, "-m", "ruff", "check", "fnmoe", "tests", "tools"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert ruff.returncode == 0, ruff.stdout[-3000:] + ruff.stderr[-1000:]
