@@ -2,12 +2,23 @@
 import os
 import tempfile
 
+import pytest
+
 # OpenMP's busy-waiting threads starve each other when test processes (torchrun ranks, CLI
 # subprocesses) share 2 cores; passive waiting costs nothing when a core is free.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"fnmoe-test-inductor-{os.getuid()}"))
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every test starts from the same global RNG state: inputs drawn without an explicit generator
+    are the same on every run and in any test order, so a failure can be reproduced."""
+    import torch  # here, not at the top: the cache directory above is set before torch loads
+
+    torch.manual_seed(0)
 
 
 def rel(a, b) -> float:

@@ -200,14 +200,16 @@ def test_expert_gemm_choice(monkeypatch, caplog):
 # ---------------------------------------------------------------- whole model
 
 def test_forward_shapes_aux_and_bf16_close():
+    """bf16 compute tracks fp32: measured on this CPU 4.8e-3..6.8e-3 relative over 8 token seeds
+    (6.2e-3 for seed 0), bound 1.5e-2; logits of other params differ by ~1.5."""
     params = init_params(SMALL, seed=0)
-    tokens = torch.randint(0, SMALL.vocab_size, (2, 12))
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     logits, aux = forward(params, tokens, SMALL)
     assert logits.shape == (2, 12, SMALL.vocab_size) and logits.dtype == torch.float32
     counts = aux["expert_counts_NE"]
     assert counts.shape == (1, 4) and counts.sum() == 2 * 12 * 2
     logits16, _ = forward(params, tokens, dataclasses.replace(SMALL, compute_dtype="bfloat16"))
-    assert rel(logits16, logits) < 5e-2
+    assert rel(logits16, logits) < 1.5e-2
 
 
 def test_forward_is_causal():
