@@ -109,7 +109,7 @@ def default_cache_dir() -> Path:
 
 
 def user_cache_dir() -> str | None:
-    """TORCHINDUCTOR_CACHE_DIR when someone chose it: importing torch._dynamo sets it to
+    """TORCHINDUCTOR_CACHE_DIR when someone chose it: importing dynamo sets it to
     inductor's own default (a temp directory), which must not hide compile_cache/."""
     env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     return None if env is None or os.path.abspath(env) == os.path.abspath(_torch.inductor_default_cache_dir()) else env

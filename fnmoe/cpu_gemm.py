@@ -6,7 +6,7 @@ One ragged grouped GEMM runs as one OpenMP parallel region: each thread takes an
 rows and multiplies every expert piece in it single-threaded. torch's CPU `_grouped_mm` wakes the
 threads once per expert, and a bmm over [E, C] slabs multiplies padding (C is the largest count:
 1.4-2.0x the rows at a fresh model's routing). Measured here (2 cores, bf16, R=4096, D=F=256,
-E=16, one skewed layer): this 0.73 ms, padded bmm 1.20 ms, torch._grouped_mm 1.66 ms, one dense
+E=16, one skewed layer): this 0.73 ms, padded bmm 1.20 ms, torch's grouped_mm 1.66 ms, one dense
 matmul of the same rows 0.61 ms.
 
 The extension builds with torch's cpp_extension (a C++ compiler and ninja; ~17 s once) into

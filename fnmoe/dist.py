@@ -15,7 +15,7 @@ agent holds, so a stopped rank cannot block the question). On NCCL the watchdog 
 itself, with its own message. `exit_worker` ends a worker that finished without the interpreter's
 finalization, which a gloo thread still freeing a collective's tensors can abort.
 
-The private torch APIs used for that (torch.distributed._local_tensor, the fake process group,
+The private torch APIs used for that (LocalTensor, the fake process group,
 the default group's store) come from fnmoe._torch.
 """
 from __future__ import annotations

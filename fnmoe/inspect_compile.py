@@ -139,7 +139,7 @@ def gemm_note(cfg: ModelConfig) -> str:
     gemm = expert_gemm(cfg, DTYPE[cfg.compute_dtype])
     why = {"padded": ": it reads the largest expert count on the host, once per MoE layer (its slab "
                      "size; free on CPU; impl='auto' picks grouped, which reads nothing)",
-           "grouped": ": one ragged grouped GEMM (fnmoe.cpu_gemm here, torch._grouped_mm on CUDA), "
+           "grouped": ": one ragged grouped GEMM (fnmoe.cpu_gemm here, torch's grouped_mm on CUDA), "
                       "no host reads"}.get(gemm, "")
     return f"note: MoE expert GEMMs {gemm!r} (model.moe.impl={cfg.moe.impl!r}, on CPU){why}"
 

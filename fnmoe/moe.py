@@ -8,7 +8,7 @@ fixed and no shape depends on routing (a compiled region never recompiles as cou
 model.moe.capacity_factor rows over an expert's capacity are dropped (`over_capacity`).
 
 Expert GEMM paths (`expert_gemm` picks one): grouped runs all experts as one ragged grouped GEMM:
-`torch._grouped_mm` on CUDA (bf16, dims aligned to 16 bytes), fnmoe.cpu_gemm's op on CPU (any float
+torch's grouped_mm (`_torch.grouped_mm`) on CUDA (bf16, dims aligned to 16 bytes), fnmoe.cpu_gemm's op on CPU (any float
 dtype; one parallel region, no padding). Padded puts each expert's rows in a slab of C rows, C the
 step's largest count rounded up to 16 (P = E·C slots), and runs batched matmuls: CPU's path when
 fnmoe.cpu_gemm cannot build (torch's CPU `_grouped_mm` wakes the threads once per expert: slower
@@ -154,7 +154,7 @@ def unpermute(y_RD: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor
 
 
 def grouped_ok(x: torch.Tensor, *dims: int) -> bool:
-    """torch._grouped_mm needs bf16 (under compile) and 16-byte-aligned row strides."""
+    """torch's grouped_mm needs bf16 (under compile) and 16-byte-aligned row strides."""
     return (_grouped_mm is not None and x.dtype == torch.bfloat16
             and all(d * x.element_size() % 16 == 0 for d in dims))
 

@@ -52,7 +52,7 @@ class MoEConfig:
     z_loss_coeff: float = 0.0
     """weight of the router z-loss, mean over tokens of logsumexp(router logits)^2 (ST-MoE)"""
     impl: Literal["auto", "grouped", "padded", "loop"] = "auto"
-    """expert GEMMs: grouped (CUDA: torch._grouped_mm, bf16, 16-byte aligned dims; CPU: fnmoe's C++
+    """expert GEMMs: grouped (CUDA: torch's grouped_mm, bf16, 16-byte aligned dims; CPU: fnmoe's C++
     grouped GEMM, any float dtype), padded (batched matmuls over per-expert slabs padded to the
     largest count; one host read of that count per layer) or a loop; auto: grouped where it runs,
     else padded in bf16 with aligned dims, else the loop"""
