@@ -165,10 +165,13 @@ def test_compiled_gradients_match_eager():
     ref = grads()
     eager = grads(compute_dtype="bfloat16")
     compiled = grads(compute_dtype="bfloat16", compile=True)
+    # per leaf, |difference| / |fp32 gradient|; worst leaf measured on these inputs (the router of
+    # layer 1 both times): bf16 vs fp32 1.08e-2, compiled vs eager 7.56e-3 (over 3 more seeds
+    # <= 1.25e-2 and <= 8.8e-3, but for one seed where bf16 flips a top-4 choice: 0.105 on the router)
     for r, e, c in zip(ref, eager, compiled):
         scale = r.norm() + 1e-12
-        assert (e - r).norm() / scale < 0.05
-        assert (c - e).norm() / scale < 0.05
+        assert (e - r).norm() / scale < 2e-2
+        assert (c - e).norm() / scale < 1.5e-2
 
 
 def _padded_mlp_kernels() -> int:
