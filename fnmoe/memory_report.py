@@ -32,7 +32,7 @@ from fnmoe._torch import TorchDispatchMode, is_traceable_wrapper_subclass
 from fnmoe.config import MemoryConfig, RunConfig
 from fnmoe.memory import HostPool, Runner
 from fnmoe.model import hidden_states
-from fnmoe.tree import Tree, tree_leaves
+from fnmoe.tree import Tree, tree_leaves, tree_map
 
 COLUMNS = ("saved", "kept", "offloaded", "recomputed")
 
@@ -99,6 +99,9 @@ def _measure(run: RunConfig, params: Tree, batch: tuple, mem: MemoryConfig) -> l
     # as memory.train_runner: on a mesh with resharding, gathered weights are gathered again in backward
     regather = run.mesh.world > 1 and run.mesh.reshard_after_forward
     measured = _Measured(Runner(mem, run.model.n_layers, pool, reshard=regather))
+    # the params as value_and_grad gives them to the training loss: requiring grad, so each matmul
+    # saves its input for the weight's gradient (without, a block's saved bytes were a third short)
+    params = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), params)
     hidden_states(params, inputs_BL, run.model, measured, positions_BL=positions[0] if positions else None)
     return measured.rows
 
