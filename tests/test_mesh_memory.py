@@ -48,7 +48,7 @@ from fnmoe.config import DistConfig, MemoryConfig, MeshConfig, load_config
 from fnmoe.memory import train_runner
 from fnmoe.memory_report import NewStorages, plain_tensors
 from fnmoe.params import init_params, leaf_inits
-from fnmoe.plan import comm_bytes
+from fnmoe.plan import block_activations, comm_bytes, tokens_per_rank
 from fnmoe.train import init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict, tree_flatten, tree_map
 
@@ -310,23 +310,42 @@ def test_resharding_drops_gathered_weights_from_live_bytes_after_forward(ranks):
         assert abs(dropped - off["gathered"]) <= 0.1 * off["gathered"], (dropped, off["gathered"])
 
 
+def _planned_saved(n_ranks: int = WORLD) -> list[int]:
+    """Per block, fnmoe.plan's saved bytes under policy none (balanced routing) times the ranks: the
+    independent reference for memory_report's `saved`, summed over the ranks (each rank's experts
+    receive a different number of rows, but all ranks together receive every rank's T·K)."""
+    run = _run()
+    return [n_ranks * block_activations(run, i, tokens_per_rank(run))["device"] for i in range(run.model.n_layers)]
+
+
 def test_memory_report_measures_sharded_blocks(ranks):
-    """memory_report.measure runs on a mesh: its runner gets stored_block with DTensor shards."""
-    for res in ranks:
-        rows = _ok(res["report"])["none"]
-        assert len(rows) == _run().model.n_layers
-        # policy none keeps what it saves, to the byte
-        assert all(row["saved"] > 0 and row["kept"] == row["saved"] and row["offloaded"] == 0 for row in rows), rows
+    """memory_report.measure runs on a mesh: its runner gets stored_block with DTensor shards. Its
+    saved bytes per block, summed over the ranks, reach 90% of the planner's (measured 92.3% for the
+    dense block, 93.4% for the MoE ones: the planner counts the block input, which the report leaves
+    to the block before, and one more fp32 [T, D] tensor); a report measuring with params that did
+    not require grad (as it did) saw 61.6% and 80.2%, missing the matmul inputs kept for weight grads."""
+    rows = [_ok(res["report"])["none"] for res in ranks]
+    assert all(len(r) == _run().model.n_layers for r in rows)
+    for res_rows in rows:  # policy none keeps what it saves, to the byte
+        assert all(row["saved"] > 0 and row["kept"] == row["saved"] and row["offloaded"] == 0 for row in res_rows)
+    saved = [sum(r[i]["saved"] for r in rows) for i in range(len(rows[0]))]
+    planned = _planned_saved()
+    print("saved / planned per block, over the ranks: " + ", ".join(f"{s / p:.4f}" for s, p in zip(saved, planned)))
+    assert all(0.9 * p <= s <= p for s, p in zip(saved, planned)), (saved, planned)
 
 
 def test_offload_on_2x2_keeps_under_a_tenth_of_saved_bytes(ranks):
-    """Resharding on: the device-resident saved bytes of the offloaded blocks (0..n-2) fall by >= 90%."""
-    for res in ranks:
-        report = _ok(res["report"])
+    """Resharding on: the device-resident saved bytes of the offloaded blocks (0..n-2) fall by >= 90%,
+    of saved bytes bounded below by the planner's (a meter that counted nothing would not pass)."""
+    reports = [_ok(res["report"]) for res in ranks]
+    for report in reports:
         assert "offload_error" not in report, report["offload_error"]
         rows = report["offload"][:-1]  # the last block stays
         assert sum(r["kept"] for r in rows) <= 0.1 * sum(r["saved"] for r in rows), rows
         assert all(r["offloaded"] > 0 for r in rows)
+    n = len(reports[0]["offload"]) - 1
+    saved = sum(r["offload"][i]["saved"] for r in reports for i in range(n))
+    assert saved >= 0.9 * sum(_planned_saved()[:n]), (saved, _planned_saved())
 
 
 def test_full_recompute_with_ep_does_not_grow_live_bytes(ranks):
@@ -341,9 +360,10 @@ def test_full_recompute_with_ep_does_not_grow_live_bytes(ranks):
 
 def test_comm_bytes_match_the_planner_per_rank(ranks):
     """fnmoe.plan.comm_bytes against bytes counted on one eager bf16 step: FSDP gathers in bf16 and
-    reduce-scatters in fp32, EP all-to-alls in bf16, within 10% per category on every rank. (Measured
+    reduce-scatters in fp32, EP all-to-alls in bf16, within 0.1% per category on every rank. (Measured
     here: exact but for resharding, where the routers are not gathered again in backward, since
-    autograd saves their fp32 copy rather than the gathered weight: 0.06% under the plan.)"""
+    autograd saves their fp32 copy rather than the gathered weight: fsdp 0.062% under the plan,
+    7,402,560 B against 7,407,168.)"""
     for r, res in enumerate(ranks):
         for name, m in _ok(res["comm"]).items():
             if name == "time_s":
@@ -357,8 +377,8 @@ def test_comm_bytes_match_the_planner_per_rank(ranks):
             other = sum(v for k, v in got.items() if not k.startswith(("fsdp", "ep all_to_all")))
             print(f"rank {r} {name}: fsdp {fsdp} B (planned {plan['fsdp']}, ratio {fsdp / plan['fsdp']:.4f}), "
                   f"ep {ep} B (planned {plan['ep']}, ratio {ep / plan['ep']:.4f}), not planned {other} B")
-            assert abs(fsdp / plan["fsdp"] - 1) <= 0.10, (name, got, plan)
-            assert abs(ep / plan["ep"] - 1) <= 0.10, (name, got, plan)
+            assert abs(fsdp / plan["fsdp"] - 1) <= 1e-3, (name, got, plan)
+            assert abs(ep / plan["ep"] - 1) <= 1e-3, (name, got, plan)
             assert other <= 0.001 * (fsdp + ep)  # counts and scalar all-reduces: what the planner leaves out
 
 
