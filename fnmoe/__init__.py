@@ -3,7 +3,7 @@
 Parameters are a plain tree of tensors; the model, the optimizer and the training step are
 pure functions over it. The names below are the public API (docs/design.md §3).
 """
-from fnmoe import checkpoint, hf, optim
+from fnmoe import checkpoint, func, hf, optim
 from fnmoe.caches import clear_caches
 from fnmoe.config import (
     CheckpointConfig,
@@ -29,5 +29,5 @@ __all__ = [
     "CheckpointConfig", "DataConfig", "DistConfig", "MemoryConfig", "MeshConfig", "ModelConfig",
     "MoEConfig", "OptimConfig", "PlanConfig", "ProfileConfig", "RunConfig", "TrainConfig",
     "TrainState", "forward", "init_params", "init_state", "load_config", "loss_fn",
-    "checkpoint", "clear_caches", "hf", "make_train_step", "optim", "value_and_grad",
+    "checkpoint", "clear_caches", "func", "hf", "make_train_step", "optim", "value_and_grad",
 ]

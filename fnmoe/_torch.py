@@ -124,6 +124,30 @@ TorchDispatchMode, is_traceable_wrapper_subclass = _names(
 grouped_mm: Callable | None = getattr(torch, "_grouped_mm", None)
 check: Callable = _attr(torch, "_check", "torch._check")
 
+# -- torch.func: which transforms are active around a call, and the tensor under their wrappers
+# (fnmoe.transforms, fnmoe.model)
+_functorch_C = _attr(torch, "_C._functorch", "torch._C._functorch")
+_interpreter_stack: Callable = _attr(_functorch_C, "get_interpreter_stack", "functorch's interpreter stack")
+_is_wrapped: Callable = _attr(_functorch_C, "is_functorch_wrapped_tensor", "functorch's wrapped-tensor test")
+_get_unwrapped: Callable = _attr(_functorch_C, "get_unwrapped", "functorch's unwrap")
+_forward_ad = _module("torch.autograd.forward_ad")
+
+
+def functorch_transforms() -> tuple[str, ...]:
+    """The torch.func transforms active around this call, outermost first ("vmap", "jvp", "grad",
+    "functionalize"), plus "forward_ad" inside a torch.autograd.forward_ad dual level."""
+    stack = _interpreter_stack() or []
+    names = tuple(i.key().name.lower() for i in stack)
+    return names + (("forward_ad",) if _attr(_forward_ad, "_current_level", "the forward-AD level") >= 0 else ())
+
+
+def unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under torch.func's wrappers (a vmap's whole batch); t itself when unwrapped."""
+    while _is_wrapped(t):
+        t = _get_unwrapped(t)
+    return t
+
+
 # -- compile: dynamo/functorch flags, trace-time hooks, counters (fnmoe.compile)
 dynamo = _module("torch._dynamo")
 dynamo_config = _module("torch._dynamo.config")

@@ -138,15 +138,33 @@ def sdpa(q_BHLA, k_BGKA, v_BGKU, mask=None, scale: float | None = None) -> torch
     return flex_attention(q_BHLA, k_BGKA, v_BGKU, block_mask=mask, scale=scale, enable_gqa=gqa)
 
 
+def math_attention(q_BHLA, k_BGKA, v_BGKU, mask=None, scale: float | None = None) -> torch.Tensor:
+    """sdpa as plain ops (scores and softmax in fp32 at least): what torch.func's vmap and forward AD
+    take, since they have rules for every op here. Head h reads kv head h // R, as enable_gqa."""
+    B, H, L, _ = q_BHLA.shape
+    G, K = k_BGKA.shape[1], k_BGKA.shape[2]
+    s_BGRLK = torch.einsum("bgrla,bgka->bgrlk", upcast(q_BHLA).unflatten(1, (G, H // G)), upcast(k_BGKA))
+    s_BGRLK = s_BGRLK * (q_BHLA.shape[-1] ** -0.5 if scale is None else scale)
+    keep = torch.ones(L, K, dtype=torch.bool, device=q_BHLA.device).tril() if mask is None else mask
+    if keep.dim() == 4:  # doc_mask's [B, 1, L, K]
+        keep = keep[:, :, None]
+    p_BGRLK = torch.softmax(s_BGRLK.masked_fill(~keep, float("-inf")), dim=-1).to(v_BGKU.dtype)
+    return torch.einsum("bgrlk,bgku->bgrlu", p_BGRLK, v_BGKU).flatten(1, 2)
+
+
 def causal_attention(q_BLHA, k_BLGA, v_BLGU, cfg: ModelConfig, mask=None, scale: float | None = None
                      ) -> torch.Tensor:
     """Causal attention [B, L, H, U] through cfg.attention_impl: fnmoe's CPU kernel
-    (fnmoe.cpu_attention) or SDPA (see sdpa). model.block resolves "auto" before a compiled region."""
+    (fnmoe.cpu_attention), SDPA (see sdpa) or math_attention. model.block resolves "auto" before a
+    compiled region."""
     impl = cfg.attention_impl
     if impl == "auto":
         impl = cpu_attention.choice(cfg, *q_BLHA.shape[:2], q_BLHA.dtype, q_BLHA.device, mask)
     if impl == "cpu":
         return cpu_attention.attention(q_BLHA, k_BLGA, v_BLGU, q_BLHA.shape[-1] ** -0.5 if scale is None else scale)
+    if impl == "math":
+        q_BHLA, k_BGKA, v_BGKU = q_BLHA.transpose(1, 2), k_BLGA.transpose(1, 2), v_BLGU.transpose(1, 2)
+        return math_attention(q_BHLA, k_BGKA, v_BGKU, mask, scale).transpose(1, 2)
     return sdpa(q_BLHA.transpose(1, 2), k_BLGA.transpose(1, 2), v_BLGU.transpose(1, 2), mask, scale).transpose(1, 2)
 
 

@@ -57,10 +57,10 @@ def unsupported(dtype: torch.dtype, device: torch.device, n_heads: int, n_kv_hea
 
 
 def choice(cfg: ModelConfig, B: int, L: int, dtype: torch.dtype, device: torch.device, mask=None) -> str:
-    """"cpu" or "sdpa" for cfg.attention_impl on [B, L] rows: auto takes the kernel where it applies,
-    rows are short and every thread gets a (batch, kv head) task. Runs outside compiled code."""
-    if cfg.attention_impl == "sdpa":
-        return "sdpa"
+    """"cpu", "sdpa" or "math" for cfg.attention_impl on [B, L] rows: auto takes the kernel where it
+    applies, rows are short and every thread gets a (batch, kv head) task. Runs outside compiled code."""
+    if cfg.attention_impl in ("sdpa", "math"):
+        return cfg.attention_impl
     kv_heads = cfg.n_heads if cfg.attention == "mla" else cfg.n_kv_heads
     why = unsupported(dtype, device, cfg.n_heads, kv_heads, mask)
     if cfg.attention_impl == "cpu":

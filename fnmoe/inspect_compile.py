@@ -147,7 +147,8 @@ def gemm_note(cfg: ModelConfig) -> str:
 def attention_note(cfg: ModelConfig, B: int = 2, L: int = 64) -> str:
     """Which attention the attention region traces with here (CPU, [B, L] rows)."""
     impl = cpu_attention.choice(cfg, B, L, DTYPE[cfg.compute_dtype], torch.device("cpu"))
-    what = {"cpu": "fnmoe's CPU kernel (fnmoe.cpu_attention)", "sdpa": "SDPA"}[impl]
+    what = {"cpu": "fnmoe's CPU kernel (fnmoe.cpu_attention)", "sdpa": "SDPA",
+            "math": "softmax(q·k) as plain ops"}[impl]
     return f"note: attention {impl!r} (model.attention_impl={cfg.attention_impl!r}, [{B}, {L}] rows on CPU): {what}"
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from fnmoe import _torch, transforms
 from fnmoe import compile as fcompile
 from fnmoe import cpu_attention
 from fnmoe import reshard
@@ -79,9 +80,11 @@ def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=N
 
 def check_tokens(tokens_BL: torch.Tensor, vocab_size: int) -> None:
     """Raise ValueError naming the first id outside the vocabulary. Only on CPU, where it is free:
-    on an accelerator it would sync every step, and the data loader validates ids already."""
+    on an accelerator it would sync every step, and the data loader validates ids already. Under
+    torch.func's vmap it checks the whole batch (positions count in it)."""
     if tokens_BL.device.type != "cpu":
         return
+    tokens_BL = _torch.unwrapped(tokens_BL)
     bad = (tokens_BL < 0) | (tokens_BL >= vocab_size)
     if bad.any():
         pos = bad.nonzero()[0].tolist()
@@ -161,10 +164,13 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     and with record_max_logits max_logits_NH (per layer and head, fp32; MuonClip's input).
 
     runner (fnmoe.runner.BlockRunner; memory.Runner under a memory policy) runs each block and
-    each of its regions: recompute in backward, offload, resharding.
+    each of its regions: recompute in backward, offload, resharding. Under torch.func's transforms
+    it runs the paths fnmoe.transforms picks.
     positions_BL marks packed documents (positions restart at 0 where one starts): RoPE uses them
     and attention stays within each document; None is one sequence per row.
     """
+    cfg = transforms.model_config(cfg)
+    transforms.check_params(params["embed"]["w_VD"])
     dtype = DTYPE[cfg.compute_dtype]
     L = tokens_BL.shape[1]
     if L > cfg.max_seq_len:
@@ -176,7 +182,7 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
             raise ValueError(f"positions {tuple(positions_BL.shape)} must have the shape of the tokens "
                              f"{tuple(tokens_BL.shape)}")
         cos_LP, sin_LP = rope(cfg, positions_BL)
-        mask = doc_mask(positions_BL, block_sparse=tokens_BL.is_cuda and cfg.compile)
+        mask = doc_mask(positions_BL, block_sparse=tokens_BL.is_cuda and cfg.compile and cfg.attention_impl != "math")
     gather = gather_fn(params)
     # F.embedding's CPU backward is deterministic; indexing's (a threaded index_put) is not
     x_BLD = F.embedding(tokens_BL, gather(params["embed"], dtype)["w_VD"])

@@ -64,7 +64,10 @@ def limit_groups(choice_TE: torch.Tensor, n_group: int, topk_group: int) -> torc
 
 class _RepeatRows(torch.autograd.Function):
     """x_RD = x_TD[order_R // K]: each token K times, in expert order. Its backward gathers the
-    rows back into token order and sums each token's K, where indexing's would scatter-add."""
+    rows back into token order and sums each token's K, where indexing's would scatter-add.
+    vmap batches it through its ops (generate_vmap_rule). No custom jvp: dynamo does not trace an
+    autograd.Function that has one, and forward AD runs the dense path (fnmoe.transforms)."""
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(x_TD, order_R, inverse_R, K: int):
@@ -98,7 +101,9 @@ class _GatherRows(torch.autograd.Function):
     """x[index] for an index map that reads each row of x exactly once (a permutation, or rows into
     padded slots and back), given `back`, the map of the other direction: the backward is the
     gather g[back], deterministic and without the scatter-add indexing's backward would run.
-    With zero (back_zero), an index equal to the row count reads a zero row (an empty slot)."""
+    With zero (back_zero), an index equal to the row count reads a zero row (an empty slot).
+    vmap batches it through its ops (generate_vmap_rule); no custom jvp (as _RepeatRows)."""
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(x, index, back, zero: bool, back_zero: bool):
@@ -129,9 +134,14 @@ def permute(x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int):
     flat_R = idx_TK.reshape(-1)
     order_R = torch.argsort(flat_R, stable=True)
     inverse_R = torch.argsort(order_R)  # a permutation's inverse, without an in-place write
-    counts_E = torch.zeros(n_experts, dtype=torch.int64, device=x_TD.device)
-    counts_E = counts_E.scatter_add(0, flat_R, torch.ones_like(flat_R))
-    return _RepeatRows.apply(x_TD, order_R, inverse_R, K), counts_E, order_R, inverse_R
+    return _RepeatRows.apply(x_TD, order_R, inverse_R, K), expert_counts(idx_TK, n_experts), order_R, inverse_R
+
+
+def expert_counts(idx_TK: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Rows routed to each expert, int64 [E]."""
+    flat_R = idx_TK.reshape(-1)
+    counts_E = torch.zeros(n_experts, dtype=torch.int64, device=idx_TK.device)
+    return counts_E.scatter_add(0, flat_R, torch.ones_like(flat_R))
 
 
 def over_capacity(counts_E: torch.Tensor, capacity: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +154,15 @@ def over_capacity(counts_E: torch.Tensor, capacity: int, n_rows: int) -> tuple[t
     kept_R = (rank_R < capacity).nonzero().squeeze(1)
     size_hint(kept_R.shape[0], capacity * E)  # every expert full
     return counts_E.clamp(max=capacity), kept_R
+
+
+def kept_TK(idx_TK: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
+    """over_capacity's choice as a bool [T, K] mask in token order, with no data-dependent shape
+    (what torch.func's vmap takes): a row stays while it is among the first `capacity` rows of its
+    expert, counted in token order."""
+    hit_RE = idx_TK.reshape(-1, 1) == torch.arange(n_experts, device=idx_TK.device)
+    rank_R = (hit_RE.cumsum(0) * hit_RE).sum(-1) - 1
+    return (rank_R < capacity).view(idx_TK.shape)
 
 
 def unpermute(y_RD: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
@@ -193,6 +212,14 @@ def padded_expert_mlp(x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, counts_E) -> torch
     return _GatherRows.apply(torch.bmm(h_ECF, w_down_EFD).view(E * C, D), slot_R, src_P, False, True)
 
 
+def dense_expert_mlp(x_TD, gate_TE, w_gate_EDF, w_up_EDF, w_down_EFD) -> torch.Tensor:
+    """Every expert's SwiGLU of every token, summed with the routing weights gate_TE (zero for
+    experts a token does not reach): E/K times the routed FLOPs, [T, E, F] in memory, and no ragged
+    group or host read, so torch.func's vmap and forward AD take it (moe.impl="dense")."""
+    h_TEF = F.silu(torch.einsum("td,edf->tef", x_TD, w_gate_EDF)) * torch.einsum("td,edf->tef", x_TD, w_up_EDF)
+    return (gate_TE.to(h_TEF.dtype)[:, :, None] * h_TEF).flatten(1) @ w_down_EFD.flatten(0, 1)
+
+
 def expert_mlp(x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, counts_E, gemm: str) -> torch.Tensor:
     """SwiGLU of each row with its expert's weights; rows are sorted by expert. gemm: "grouped",
     "padded" or "loop" (see expert_gemm)."""
@@ -224,7 +251,7 @@ def expert_gemm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
     where it runs (CPU: fnmoe.cpu_gemm built; CUDA: grouped_ok), else padded where grouped_ok holds
     (bf16, aligned dims), else the loop."""
     impl = cfg.moe.impl
-    if impl in ("loop", "padded"):
+    if impl in ("loop", "padded", "dense"):
         return impl
     aligned = grouped_ok(torch.empty(0, dtype=dtype), cfg.dim, cfg.moe.expert_hidden)
     ok = cpu_gemm.available() if torch.device(device).type == "cpu" else aligned
@@ -286,20 +313,10 @@ def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str):
     B, L, D = x_BLD.shape
     x_TD = x_BLD.reshape(B * L, D)
     w_TK, idx_TK, scores_TE, logits_TE = route(x_TD, p["w_router_DE"], cfg, p.get("router_bias_E"))
-    x_RD, counts_E, order_R, inverse_R = permute(x_TD, idx_TK, m.n_experts)
-    kept_E, keep_R = counts_E, None
-    if m.capacity_factor:
-        kept_E, keep_R = over_capacity(counts_E, math.ceil(m.capacity_factor * x_RD.shape[0] / m.n_experts),
-                                       x_RD.shape[0])
-        x_RD = x_RD[keep_R]
-    if "ep_group" in p:  # expert parallel: the stacks hold this ep rank's experts only
-        y_RD = ep_expert_mlp(expert_mlp, x_RD, kept_E, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"],
-                             p["ep_group"], gemm)
+    if gemm == "dense":
+        out_TD, counts_E, kept_E = _dense_routed(p, x_TD, w_TK, idx_TK, cfg)
     else:
-        y_RD = expert_mlp(x_RD, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"], kept_E, gemm)
-    if keep_R is not None:  # dropped rows add nothing to their token's output
-        y_RD = y_RD.new_zeros(order_R.shape[0], y_RD.shape[1]).index_put((keep_R,), y_RD)
-    out_TD = unpermute(y_RD, order_R, inverse_R, w_TK)
+        out_TD, counts_E, kept_E = _sparse_routed(p, x_TD, w_TK, idx_TK, cfg, gemm)
     if "shared" in p:
         out_TD = out_TD + swiglu(p["shared"], x_TD)
     probs_TE = _balance_probs(scores_TE, m.score_func)
@@ -310,6 +327,45 @@ def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str):
     if m.z_loss_coeff:
         stats["z_loss"] = z_loss(logits_TE)
     return out_TD.view(B, L, D), stats
+
+
+def _capacity(cfg: ModelConfig, n_rows: int) -> int:
+    return math.ceil(cfg.moe.capacity_factor * n_rows / cfg.moe.n_experts)
+
+
+def _sparse_routed(p: dict, x_TD, w_TK, idx_TK, cfg: ModelConfig, gemm: str):
+    """(routed experts' output_TD, counts_E, kept_E): each row through its expert only."""
+    x_RD, counts_E, order_R, inverse_R = permute(x_TD, idx_TK, cfg.moe.n_experts)
+    kept_E, keep_R = counts_E, None
+    if cfg.moe.capacity_factor:
+        kept_E, keep_R = over_capacity(counts_E, _capacity(cfg, x_RD.shape[0]), x_RD.shape[0])
+        x_RD = x_RD[keep_R]
+    if "ep_group" in p:  # expert parallel: the stacks hold this ep rank's experts only
+        y_RD = ep_expert_mlp(expert_mlp, x_RD, kept_E, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"],
+                             p["ep_group"], gemm)
+    else:
+        y_RD = expert_mlp(x_RD, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"], kept_E, gemm)
+    if keep_R is not None:  # dropped rows add nothing to their token's output
+        y_RD = y_RD.new_zeros(order_R.shape[0], y_RD.shape[1]).index_put((keep_R,), y_RD)
+    return unpermute(y_RD, order_R, inverse_R, w_TK), counts_E, kept_E
+
+
+def _dense_routed(p: dict, x_TD, w_TK, idx_TK, cfg: ModelConfig):
+    """_sparse_routed through dense_expert_mlp: the same output and counts, no shape or host read
+    that depends on the routing."""
+    if "ep_group" in p:
+        raise ValueError("model.moe.impl='dense' runs every expert on every token: it takes no expert "
+                         "parallelism (mesh.ep > 1)")
+    E = cfg.moe.n_experts
+    counts_E = expert_counts(idx_TK, E)
+    if cfg.moe.capacity_factor:
+        keep_TK = kept_TK(idx_TK, E, _capacity(cfg, idx_TK.numel()))
+        w_TK = w_TK * keep_TK
+        kept_E = expert_counts(idx_TK.masked_fill(~keep_TK, E), E + 1)[:E]  # dropped rows go to a spare bin
+    else:
+        kept_E = counts_E
+    gate_TE = (w_TK[:, :, None] * (idx_TK[:, :, None] == torch.arange(E, device=idx_TK.device))).sum(1)
+    return dense_expert_mlp(x_TD, gate_TE, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"]), counts_E, kept_E
 
 
 def update_router_bias(params: dict, counts_NE: torch.Tensor | None, cfg: ModelConfig) -> dict:

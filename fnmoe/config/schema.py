@@ -51,11 +51,12 @@ class MoEConfig:
     """weight of DeepSeek-V3's sequence-wise balance loss (per sequence, averaged over sequences)"""
     z_loss_coeff: float = 0.0
     """weight of the router z-loss, mean over tokens of logsumexp(router logits)^2 (ST-MoE)"""
-    impl: Literal["auto", "grouped", "padded", "loop"] = "auto"
+    impl: Literal["auto", "grouped", "padded", "loop", "dense"] = "auto"
     """expert GEMMs: grouped (CUDA: torch's grouped_mm, bf16, 16-byte aligned dims; CPU: fnmoe's C++
     grouped GEMM, any float dtype), padded (batched matmuls over per-expert slabs padded to the
     largest count; one host read of that count per layer) or a loop; auto: grouped where it runs,
-    else padded in bf16 with aligned dims, else the loop"""
+    else padded in bf16 with aligned dims, else the loop. dense runs every expert on every token,
+    weighted by the routing (E/K times the FLOPs; what torch.func's vmap and jvp take)"""
     capacity_factor: float = 0.0
     """0: dropless. c > 0: an expert takes at most ceil(c*T*K/E) of the T*K rows a rank routes in a
     micro-batch (first come, in token order); the rest are dropped (zero expert output) and
@@ -76,10 +77,11 @@ class ModelConfig:
     """per-head RMSNorm on queries and keys (Qwen3)"""
     attention: Literal["gqa", "mla"] = "gqa"
     """grouped-query attention, or DeepSeek's multi-head latent attention"""
-    attention_impl: Literal["auto", "sdpa", "cpu"] = "auto"
+    attention_impl: Literal["auto", "sdpa", "cpu", "math"] = "auto"
     """sdpa: torch's scaled_dot_product_attention (flex attention for block-sparse document masks);
     cpu: fnmoe's C++ kernel (bf16 on CPU, causal rows without document masks); auto: cpu where it
-    applies, rows are <= 1024 long and every thread gets a (batch, kv head), else sdpa"""
+    applies, rows are <= 1024 long and every thread gets a (batch, kv head), else sdpa; math:
+    softmax(q·k) as plain ops, [B, H, L, L] scores in memory (what torch.func's vmap and jvp take)"""
     q_lora_rank: int = 0
     """MLA: rank of the low-rank query projection; 0 projects queries directly"""
     kv_lora_rank: int = 0
