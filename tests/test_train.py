@@ -1,5 +1,4 @@
 """Training math: value_and_grad vs torch.func, grad accumulation, chunked CE, skipped steps, goldens."""
-import dataclasses
 import json
 from pathlib import Path
 
@@ -136,19 +135,30 @@ def test_every_label_ignored_is_an_error():
         make_train_step(run, tx)(init_state(init_params(SMALL, 0), tx), [(x, torch.full_like(y, IGNORE))])
 
 
-def test_golden_tiny_losses(tmp_path):
-    """The first 20 losses of the tiny preset (fp32, eager) match the committed golden file."""
-    from fnmoe.config import load_config
+DEFAULT_RUN_STEPS = 60
+
+
+@pytest.mark.timeout(300)
+def test_the_default_run_follows_the_goldens_and_its_loss_falls(tmp_path, monkeypatch):
+    """`fnmoe train` with no flags (the tiny preset: fp32, eager, 800 steps), stopped by a Ctrl-C
+    after step 60 (so its lr follows the 800-step schedule): its first 20 losses match the committed
+    golden file (tools/make_goldens.py, whose 20-step run is still in the 50-step warmup) and, as the
+    README says the loss falls from ~5.6 to ~1.5 over the whole run, the mean of steps 51..60 is
+    under 2.85 (measured 2.749, from 5.580 at step 1 and 3.644 at step 20, the golden's last)."""
+    from fnmoe import faults
+    from fnmoe.cli import parse_run
     from fnmoe.loop import train
 
+    def ctrl_c(step: int, rank: int) -> None:
+        if step == DEFAULT_RUN_STEPS:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(faults, "after_step", ctrl_c)
+    run = parse_run(["--train.run-dir", str(tmp_path)], "fnmoe train")
+    assert run.train.steps == 800 and run.model.compute_dtype == "float32" and not run.model.compile
+    assert train(run)["steps"] == DEFAULT_RUN_STEPS
+    losses = [r["loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == DEFAULT_RUN_STEPS
     golden = json.loads((ASSETS / "golden_tiny_fp32.json").read_text())
-    run = load_config(Path(__file__).resolve().parent.parent / "configs" / "tiny.toml")
-    assert run.model.compute_dtype == "float32" and not run.model.compile
-    run = dataclasses.replace(run, train=dataclasses.replace(
-        run.train, steps=golden["steps"], run_dir=str(tmp_path), eval_every=0))
-    train(run)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in rows if "loss" in r]
-    assert len(losses) == len(golden["losses"])
-    for step, (got, want) in enumerate(zip(losses, golden["losses"]), 1):
+    for step, (got, want) in enumerate(zip(losses, golden["losses"], strict=False), 1):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs golden {want}"
+    assert sum(losses[-10:]) / 10 <= 2.85, losses
