@@ -18,6 +18,7 @@ from safetensors import safe_open
 from fnmoe import checkpoint, optim
 from fnmoe.checkpoint import CheckpointError, load_params, verify
 from fnmoe.cli import main, parse_run
+from fnmoe.config import load_config
 from fnmoe.data import Loader, load_data
 from fnmoe.faults import KILL_AT_STEP_ENV, SAVE_DELAY_ENV
 from fnmoe.loop import train
@@ -149,6 +150,15 @@ def test_index_lists_files_with_checksums_and_tensors_with_global_shapes(tmp_pat
     assert run.model.dim == 32 and run.train.steps == 2
     assert all(torch.equal(a, b) for a, b in zip(flatten_dict(params).values(),
                                                   flatten_dict(summary["params"]).values()))
+
+
+def test_keep_last_defaults_to_three(tmp_path):
+    """README: a run keeps the newest --checkpoint.keep-last checkpoints, 3 unless told: the default of
+    the flag and of the tiny preset, and what 5 saves (one a step) leave."""
+    assert parse_run([], "fnmoe train").checkpoint.keep_last == 3
+    assert load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml").checkpoint.keep_last == 3
+    train_here(*args(tmp_path, 5, "--checkpoint.every", "1"))
+    assert ckpts(tmp_path) == ["step_3", "step_4", "step_5"]
 
 
 # ---------------------------------------------------------------- resume

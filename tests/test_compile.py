@@ -92,6 +92,31 @@ def test_inspect_of_a_capacity_factor_sees_the_graph_training_compiles(capsys):
         assert re.search(r"^  host sync: call_method nonzero: u\d+ hinted \d+$", out, re.M), out
 
 
+@pytest.mark.timeout(300)
+def test_inspect_exits_1_when_a_region_breaks(tmp_path):
+    """README: `fnmoe inspect` exits 1 when a region breaks (the process's exit status, for CI): a
+    fresh `python -m fnmoe inspect` whose dense MLP region has a graph break (dense layers only, so
+    two regions to compile) reports BREAKS for it and ends with status 1."""
+    script = tmp_path / "broken_mlp.py"
+    script.write_text(
+        "import runpy, torch\n"
+        "from fnmoe import inspect_compile\n"
+        "mlp = inspect_compile._mlp_region\n"
+        "def broken(*args):\n"
+        "    y = mlp(*args)\n"
+        "    torch._dynamo.graph_break()  # a graph on each side of it\n"
+        "    return y * 2\n"
+        "inspect_compile._mlp_region = broken\n"
+        "runpy.run_module('fnmoe', run_name='__main__')\n")
+    r = subprocess.run([sys.executable, str(script), "inspect", "--config", str(ROOT / "configs/tiny.toml"),
+                        "--model.moe.n-experts", "0", "--model.n-layers", "1", *SMALL],
+                       cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                       timeout=280)
+    assert re.search(r"^mlp\s+2\s+1\s.*BREAKS$", r.stdout, re.M), r.stdout + r.stderr[-3000:]
+    assert re.search(r"^attention\s.*\sok$", r.stdout, re.M), r.stdout
+    assert r.returncode == 1, r.stderr[-3000:]
+
+
 def test_inspect_flags_breaks_and_host_syncs():
     def leaky(x):
         y = x * 2

@@ -378,6 +378,26 @@ def test_convert_a_training_checkpoint_to_hf(tmp_path):
     assert (ours - theirs).abs().max() <= 1e-4 * ours.abs().max()
 
 
+def test_convert_refuses_a_corrupt_training_checkpoint(tmp_path, capsys):
+    """README: a training checkpoint is verified before export. One flipped byte in its params file:
+    `convert --to-hf` exits 2 naming the file and its checksum, and writes no model."""
+    from fnmoe.cli import main
+
+    assert main(["train", "--train.steps", "1", "--model.dim", "32", "--model.ffn-hidden", "64",
+                 "--model.moe.expert-hidden", "32", "--train.batch-size", "2", "--data.seq-len", "16",
+                 "--train.eval-batches", "1", "--train.run-dir", str(tmp_path / "run")]) == 0
+    ckpt = tmp_path / "run" / "checkpoints" / "step_1"
+    params_file = ckpt / "params-rank00000.safetensors"
+    data = bytearray(params_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    params_file.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["convert", "--to-hf", str(ckpt), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"fnmoe convert: error: {params_file} does not match its sha256" in err, err
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
+
+
 def test_load_on_a_mesh_reads_only_each_ranks_experts(tmp_path, monkeypatch):
     from torch.distributed.tensor import DTensor
 
