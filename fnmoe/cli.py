@@ -73,9 +73,9 @@ def _parse_run_and(argv: list[str], prog: str, flag: str, spec: dict, usage: str
 
 
 def cmd_train(argv: list[str]) -> int:
+    run = parse_run(argv, "fnmoe train")  # every flag and config value checked before the loop is imported
     from fnmoe.loop import train
 
-    run = parse_run(argv, "fnmoe train")
     summary = train(run)
     return 130 if summary["interrupted"] else 0
 

@@ -79,10 +79,24 @@ def test_train_writes_the_run_files_in_a_fresh_process(tmp_path):
     (["--plan.matmul-tflops", "0"], "plan.matmul_tflops must be > 0"),
     (["--plan.network-gbps", "-1"], "plan.network_gbps must be > 0"),
     (["--optim.ns-steps", "0"], "optim.ns_steps must be >= 1"),
+    (["--train.threads", "-1"], "invalid config: train.threads must be >= 0, got -1"),
+    (["--optim.lr", "inf"], "invalid config: optim.lr must be finite, got inf"),
+    (["--optim.beta2", "nan"], "invalid config: optim.beta2 must be finite, got nan"),
+    (["--config", "."], "config . is a directory; it must name a TOML file"),
 ])
 def test_bad_configs_are_named(args, message, capsys, tmp_path):
     assert main(["train", "--train.run-dir", str(tmp_path), *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [("--model.dim", "2.5"), ("--model.dim", "x"), ("--optim.lr", "x"),
+                                        ("--model.qk-norm", "1"), ("--model.moe.dense-layers", "a")])
+def test_flags_are_typed_before_anything_is_created(flag, value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--train.run-dir", str(tmp_path / "run"), flag, value])
+    assert e.value.code == 2 and not (tmp_path / "run").exists()
+    err = capsys.readouterr().err
+    assert (flag in err or "Unrecognized options" in err) and value in err
 
 
 def test_bad_flag_is_rejected(capsys):

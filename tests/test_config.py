@@ -1,10 +1,15 @@
 """Configs: presets, the built-in default, TOML round trip, validation errors naming fields."""
 import dataclasses
+import math
+import re
+import typing
 from pathlib import Path
+from typing import Annotated, Literal
 
 import pytest
 
 from fnmoe.config import ModelConfig, MoEConfig, RunConfig, TrainConfig, load_config, to_toml, validate
+from fnmoe.config.schema import Range
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,3 +63,98 @@ def test_unknown_key_and_bad_file(tmp_path):
         load_config(p)
     with pytest.raises(FileNotFoundError, match="nope.toml"):
         load_config(tmp_path / "nope.toml")
+
+
+# ---------------------------------------------------------------- every field typed, ranged and finite
+
+def leaf_fields(cls, where=""):
+    """(dotted name, annotation) of every leaf field of a config dataclass and those nested in it:
+    a field added to the schema is covered here without a word in this file."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from leaf_fields(hints[f.name], f"{where}{f.name}.")
+        else:
+            yield f"{where}{f.name}", hints[f.name]
+
+
+def _base(hint):
+    """(type without Annotated, its Range or None, the type's name as errors say it)."""
+    base, rng = hint, None
+    if typing.get_origin(hint) is Annotated:
+        base, *extras = typing.get_args(hint)
+        rng = next(x for x in extras if isinstance(x, Range))
+    if typing.get_origin(base) is Literal:
+        return str, rng, "str"
+    return base, rng, getattr(base, "__name__", "")
+
+
+def wrong_types(name, hint):
+    """(TOML value, the one error line's tail) for values not of the field's type."""
+    base, _, word = _base(hint)
+    if typing.get_origin(base) is tuple:
+        return [('["a"]', f'{name}[0] = "a" is a str, expected int'),
+                ("3", f"{name} = 3 is an int, expected a list of int")]
+    cases = {int: ['"1"', "2.5", "true"], float: ['"1.0"', "true"], bool: ['"1"', "0", "1"], str: ["5", "[1]"]}[base]
+    kinds = {'"': "a str", "2": "a float", "t": "a bool", "0": "an int", "1": "an int", "5": "an int", "[": "a list"}
+    return [(v, f"{name} = {v} is {kinds[v[0]]}, expected {word}") for v in cases]
+
+
+def out_of_range(name, hint):
+    """(TOML value, the error line) for values outside the field's Range, and non-finite floats."""
+    base, rng, _ = _base(hint)
+    out = [(v, f"{name} must be finite, got {v}") for v in ("nan", "inf")] if base is float else []
+    step = 1 if base is int else 0.5
+    if rng is not None and math.isfinite(rng.lo):
+        out.append(rng.lo if rng.lo_open else rng.lo - step)
+    if rng is not None and math.isfinite(rng.hi):
+        out.append(rng.hi if rng.hi_open else rng.hi + step)
+    return [o if isinstance(o, tuple) else (repr(base(o)), f"{name} must be {rng}, got {base(o)}") for o in out]
+
+
+def toml_with(name, value):
+    table, _, key = name.rpartition(".")
+    return f"[{table}]\n{key} = {value}\n" if table else f"{key} = {value}\n"
+
+
+def test_every_field_refuses_a_wrong_type_or_range_through_the_cli(tmp_path, capsys):
+    """Each field of the config tree, set in a TOML preset to a value of another type, out of its
+    range or (floats) not finite: exit 2 and one line naming the file, field, value and expected
+    type, before anything is created. The cases come from the annotations."""
+    from fnmoe.cli import main
+
+    path, run_dir, failures, n = tmp_path / "x.toml", tmp_path / "run", [], 0
+    for name, hint in leaf_fields(RunConfig):
+        cases = [(v, f"{path}: {line}") for v, line in wrong_types(name, hint)] + out_of_range(name, hint)
+        for value, line in cases:
+            path.write_text(toml_with(name, value))
+            code, err = main(["train", "--config", str(path), "--train.run-dir", str(run_dir)]), capsys.readouterr().err
+            n += 1
+            if code != 2 or not err.endswith(f"{line}\n") or err.count("\n") != 1 or run_dir.exists():
+                failures.append(f"{name} = {value}: exit {code}, {err!r}")
+    assert not failures, "\n".join(failures)
+    assert n > 300  # the tree has ~110 leaves
+
+
+@pytest.mark.parametrize("text,line", [
+    (b'name = "\xff"\n', "not UTF-8 text (byte 8)"),
+])
+def test_a_toml_that_is_no_utf8_names_the_file(tmp_path, text, line):
+    (tmp_path / "x.toml").write_bytes(text)
+    with pytest.raises(ValueError, match=f"config {tmp_path / 'x.toml'}: {re.escape(line)}"):
+        load_config(tmp_path / "x.toml")
+    with pytest.raises(ValueError, match=f"config {tmp_path} is a directory"):
+        load_config(tmp_path)
+
+
+def test_float_fields_take_ints_as_floats(tmp_path):
+    (tmp_path / "x.toml").write_text("[optim]\nlr = 1\n")
+    lr = load_config(tmp_path / "x.toml").optim.lr
+    assert lr == 1.0 and isinstance(lr, float)
+
+
+def test_configs_made_in_code_are_checked_by_type():
+    with pytest.raises(ValueError, match=r'invalid config: model.dim = "128" is a str, expected int'):
+        validate(RunConfig(model=ModelConfig(dim="128")))
+    with pytest.raises(ValueError, match=r"model.moe.dense_layers\[1\] = 2.5 is a float, expected int"):
+        validate(RunConfig(model=ModelConfig(moe=MoEConfig(dense_layers=(0, 2.5)))))

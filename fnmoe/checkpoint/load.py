@@ -137,12 +137,13 @@ def _read_section(ckpt: Path, index: dict, section: str) -> dict[str, torch.Tens
 
 
 def saved_config(ckpt: Path) -> RunConfig:
-    """The RunConfig a checkpoint was saved with (validated when it was written)."""
+    """The RunConfig a checkpoint was saved with (validated when it was written; each value's type
+    is checked as it is read)."""
     path = Path(ckpt) / CONFIG
     try:
         return load_config(path, validate_config=False)
-    except (FileNotFoundError, ValueError) as e:
-        raise CheckpointError(f"{path}: {e}") from None
+    except (FileNotFoundError, ValueError) as e:  # each names the file
+        raise CheckpointError(str(e)) from None
 
 
 def load_params(ckpt: str | Path) -> tuple[RunConfig, Tree]:

@@ -3,7 +3,8 @@
 A `RunConfig` is the whole run; `forward` and `hf` take only its `ModelConfig`. Presets are
 TOML files whose tables mirror the dataclass tree; `load_config` reads one and validates it.
 
-  schema.py   the dataclasses (their fields, defaults, help and derived properties)
+  schema.py   the dataclasses (their fields, defaults, help and derived properties), Range
+  types.py    each field's own check from its annotation: type, choices, range, finiteness
   check.py    validate_model, validate: every problem at once, by field name
   toml.py     from_dict, to_dict, to_toml, load_config
 

@@ -2,54 +2,84 @@
 
 The dataclass defaults are the tiny CPU preset (configs/tiny.toml states the same values).
 Derived values are properties, never stored. The CLI (tyro) reads each field's annotation and
-the docstring right after it as a flag and its help, and check.py reads each Literal annotation
-as the one list of that field's choices.
+the docstring right after it as a flag and its help, and check.py reads each annotation as the
+one statement of that field's type, each Literal as the one list of its choices and each `Range`
+(in an `Annotated` type) as the one statement of its bounds.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 Dtype = Literal["float32", "bfloat16", "float64"]
 RegionPolicy = Literal["none", "full", "selective", "offload"]
 
 
 @dataclass(frozen=True)
+class Range:
+    """The values a number field takes, stated once in its `Annotated` type; check.py reads it
+    (a float field must also be finite, with or without a range)."""
+
+    lo: float = -math.inf
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, v: float) -> bool:
+        above = v > self.lo if self.lo_open else v >= self.lo
+        below = v < self.hi if self.hi_open else v <= self.hi
+        return above and below
+
+    def __str__(self) -> str:
+        if self.hi == math.inf:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+
+PositiveInt = Annotated[int, Range(0, lo_open=True)]
+Count = Annotated[int, Range(0)]
+"""an int >= 0"""
+PositiveFloat = Annotated[float, Range(0, lo_open=True)]
+NonNegativeFloat = Annotated[float, Range(0)]
+
+
+@dataclass(frozen=True)
 class MoEConfig:
-    n_experts: int = 8
+    n_experts: Count = 8
     """routed experts per MoE layer (0 makes every layer dense)"""
-    top_k: int = 2
-    expert_hidden: int = 256
+    top_k: PositiveInt = 2
+    expert_hidden: PositiveInt = 256
     """hidden size F of one routed expert"""
-    n_shared_experts: int = 0
+    n_shared_experts: Count = 0
     """shared experts, fused into one SwiGLU of hidden n_shared_experts * expert_hidden"""
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     """router scores: softmax over experts (Qwen3, Mixtral) or per-expert sigmoid (DeepSeek-V3)"""
     norm_topk_prob: bool = True
     """renormalise the top-k weights to sum to one"""
-    routed_scaling_factor: float = 1.0
+    routed_scaling_factor: PositiveFloat = 1.0
     """multiplies the routed experts' weights (after renormalisation)"""
-    n_group: int = 1
+    n_group: PositiveInt = 1
     """expert groups for group-limited routing (DeepSeek-V3); 1 disables it"""
-    topk_group: int = 1
+    topk_group: PositiveInt = 1
     """groups a token may route into; a group's score is the sum of its top-2 choice scores"""
     router_bias: bool = False
     """a per-expert score-correction bias (buffers.layers.<i>.moe.router_bias_E) added to the
     scores for top-k selection only; the expert weights come from the unbiased scores"""
-    bias_update_coeff: float = 0.0
+    bias_update_coeff: NonNegativeFloat = 0.0
     """aux-loss-free balancing (DeepSeek-V3): after each optimizer step
     bias += coeff * sign(mean count - count) per expert; 0 keeps the bias fixed"""
-    first_k_dense: int = 1
+    first_k_dense: Count = 1
     """the first k layers use the dense MLP instead of MoE"""
     dense_layers: tuple[int, ...] = ()
     """explicit extra dense layer indices"""
-    moe_every: int = 1
+    moe_every: Annotated[int, Range(1)] = 1
     """only layers i with (i + 1) % moe_every == 0 are MoE (Qwen's decoder_sparse_step)"""
-    aux_loss_coeff: float = 0.01
+    aux_loss_coeff: NonNegativeFloat = 0.01
     """weight of the Switch-style load-balancing loss (per micro-batch, averaged over MoE layers)"""
-    seq_aux_loss_coeff: float = 0.0
+    seq_aux_loss_coeff: NonNegativeFloat = 0.0
     """weight of DeepSeek-V3's sequence-wise balance loss (per sequence, averaged over sequences)"""
-    z_loss_coeff: float = 0.0
+    z_loss_coeff: NonNegativeFloat = 0.0
     """weight of the router z-loss, mean over tokens of logsumexp(router logits)^2 (ST-MoE)"""
     impl: Literal["auto", "grouped", "padded", "loop", "dense"] = "auto"
     """expert GEMMs: grouped (CUDA: torch's grouped_mm, bf16, 16-byte aligned dims; CPU: fnmoe's C++
@@ -57,7 +87,7 @@ class MoEConfig:
     largest count; one host read of that count per layer) or a loop; auto: grouped where it runs,
     else padded in bf16 with aligned dims, else the loop. dense runs every expert on every token,
     weighted by the routing (E/K times the FLOPs; what torch.func's vmap and jvp take)"""
-    capacity_factor: float = 0.0
+    capacity_factor: NonNegativeFloat = 0.0
     """0: dropless. c > 0: an expert takes at most ceil(c*T*K/E) of the T*K rows a rank routes in a
     micro-batch (first come, in token order); the rest are dropped (zero expert output) and
     counted in metrics as dropped_tokens"""
@@ -65,13 +95,13 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 264
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
+    vocab_size: PositiveInt = 264
+    dim: PositiveInt = 128
+    n_layers: PositiveInt = 4
+    n_heads: PositiveInt = 4
+    n_kv_heads: PositiveInt = 2
     """key/value heads of GQA (MLA ignores it: every head has its own keys and values)"""
-    head_dim: int = 0
+    head_dim: Count = 0
     """GQA head dim; 0 means dim // n_heads"""
     qk_norm: bool = False
     """per-head RMSNorm on queries and keys (Qwen3)"""
@@ -82,41 +112,41 @@ class ModelConfig:
     cpu: fnmoe's C++ kernel (bf16 on CPU, causal rows without document masks); auto: cpu where it
     applies, rows are <= 1024 long and every thread gets a (batch, kv head), else sdpa; math:
     softmax(q·k) as plain ops, [B, H, L, L] scores in memory (what torch.func's vmap and jvp take)"""
-    q_lora_rank: int = 0
+    q_lora_rank: Count = 0
     """MLA: rank of the low-rank query projection; 0 projects queries directly"""
-    kv_lora_rank: int = 0
+    kv_lora_rank: Count = 0
     """MLA: rank of the compressed key/value latent"""
-    qk_nope_head_dim: int = 0
+    qk_nope_head_dim: Count = 0
     """MLA: per-head query/key dims without RoPE"""
-    qk_rope_head_dim: int = 0
+    qk_rope_head_dim: Count = 0
     """MLA: per-head query/key dims with RoPE (the rotary key is shared by all heads)"""
-    v_head_dim: int = 0
+    v_head_dim: Count = 0
     """MLA: per-head value dim"""
-    ffn_hidden: int = 512
+    ffn_hidden: PositiveInt = 512
     """hidden size of the dense SwiGLU MLP"""
-    rope_theta: float = 10000.0
+    rope_theta: PositiveFloat = 10000.0
     rope_interleave: bool = False
     """RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of (x_i, x_i+A/2)"""
     rope_scaling: Literal["none", "yarn"] = "none"
-    yarn_factor: float = 1.0
+    yarn_factor: PositiveFloat = 1.0
     """YaRN: context extension factor"""
-    yarn_original_max_seq_len: int = 4096
+    yarn_original_max_seq_len: PositiveInt = 4096
     """YaRN: the pre-extension context length"""
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
-    yarn_mscale: float = 0.0
+    yarn_mscale: NonNegativeFloat = 0.0
     """YaRN: with yarn_mscale_all_dim, sets the cos/sin factor mscale(mscale) / mscale(mscale_all_dim);
     0 (either) means mscale(1) = 0.1 ln(factor) + 1"""
-    yarn_mscale_all_dim: float = 0.0
+    yarn_mscale_all_dim: NonNegativeFloat = 0.0
     """YaRN: MLA multiplies its softmax scale by mscale(mscale_all_dim)^2 (DeepSeek-V3); 0: no change"""
-    yarn_attention_factor: float = 0.0
+    yarn_attention_factor: NonNegativeFloat = 0.0
     """YaRN: explicit cos/sin factor; 0 derives it from the mscales"""
     yarn_truncate: bool = True
     """YaRN: round the correction range to whole dims"""
-    norm_eps: float = 1e-6
+    norm_eps: NonNegativeFloat = 1e-6
     tie_embeddings: bool = False
-    max_seq_len: int = 1024
-    init_std: float = 0.02
+    max_seq_len: PositiveInt = 1024
+    init_std: NonNegativeFloat = 0.02
     moe: MoEConfig = field(default_factory=MoEConfig)
     compute_dtype: Dtype = "float32"
     """float64 serves gradient checks"""
@@ -149,8 +179,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    fsdp: int = 1
-    ep: int = 1
+    fsdp: PositiveInt = 1
+    ep: PositiveInt = 1
     reshard_after_forward: bool = True
     """re-gather a block's params in backward instead of keeping them (ZeRO-3)"""
 
@@ -162,25 +192,25 @@ class MeshConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     name: Literal["adamw", "muon"] = "adamw"
-    lr: float = 3e-3
+    lr: PositiveFloat = 3e-3
     """peak learning rate (Muon: the Muon lr; AdamW leaves use adamw_lr)"""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: Annotated[float, Range(0, 1)] = 0.1
     """final lr as a fraction of the peak"""
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    warmup_steps: int = 50
-    decay_fraction: float = 0.2
+    warmup_steps: Count = 50
+    decay_fraction: Annotated[float, Range(0, 1, lo_open=True)] = 0.2
     """wsd: fraction of the steps spent in the final decay"""
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    clip_norm: float = 1.0
+    weight_decay: NonNegativeFloat = 0.1
+    beta1: Annotated[float, Range(0, 1, hi_open=True)] = 0.9
+    beta2: Annotated[float, Range(0, 1, hi_open=True)] = 0.95
+    eps: NonNegativeFloat = 1e-8
+    clip_norm: NonNegativeFloat = 1.0
     """global gradient-norm clip; 0 disables"""
-    momentum: float = 0.95
+    momentum: Annotated[float, Range(0, 1, hi_open=True)] = 0.95
     nesterov: bool = True
-    ns_steps: int = 5
+    ns_steps: Annotated[int, Range(1)] = 5
     adjust_lr: Literal["original", "match_rms_adamw", "spectral"] = "match_rms_adamw"
-    adamw_lr: float = 0.0
+    adamw_lr: NonNegativeFloat = 0.0
     """Muon only: lr of the AdamW leaves; 0 means the same as lr"""
     momentum_dtype: Literal["float32", "bfloat16"] = "float32"
     """Muon only: dtype of the momentum buffers (bfloat16 halves Muon's state)"""
@@ -190,7 +220,7 @@ class OptimConfig:
     qk_clip: bool = False
     """MuonClip (Kimi K2), for any optimizer: after each step, rescale the query/key weights of
     heads whose max attention logit on the step's batch exceeded qk_clip_tau (costs a QK pass per layer)"""
-    qk_clip_tau: float = 100.0
+    qk_clip_tau: PositiveFloat = 100.0
     """the max-logit threshold tau of qk_clip (Kimi K2 used 100)"""
 
 
@@ -211,9 +241,9 @@ class MemoryConfig:
     """MoE regions (router top-k outputs are saved under every policy, so routing never changes)"""
     mlp: RegionPolicy = "none"
     """dense MLP regions"""
-    offload_min_bytes: int = 1024
+    offload_min_bytes: Count = 1024
     """saved tensors smaller than this stay on the device (not worth a copy)"""
-    max_inflight_bytes: int = 1 << 30
+    max_inflight_bytes: PositiveInt = 1 << 30
     """bound on staging bytes being copied at once (CUDA side stream; on CPU copies are synchronous)"""
     report: bool = False
     """print kept / offloaded / recomputed saved bytes per block after the first step"""
@@ -223,9 +253,9 @@ class MemoryConfig:
 class CheckpointConfig:
     """Checkpoints go to <run-dir>/checkpoints/step_<N> (fnmoe/checkpoint/); resume with --resume auto."""
 
-    every: int = 0
+    every: Count = 0
     """save every N steps (0: only the final save, and one on Ctrl-C)"""
-    keep_last: int = 3
+    keep_last: Annotated[int, Range(1)] = 3
     """keep the newest K complete checkpoints; older ones are deleted after each save"""
     async_save: bool = False
     """copy tensors to CPU and write on a background thread while training goes on (one write in flight)"""
@@ -237,8 +267,8 @@ class DataConfig:
     """'bundled' (the English corpus shipped with fnmoe), a .jsonl[.gz] / text file, or a directory
     written by `fnmoe prepare`"""
     tokenizer: Literal["byte"] = "byte"
-    seq_len: int = 128
-    val_fraction: float = 0.05
+    seq_len: PositiveInt = 128
+    val_fraction: Annotated[float, Range(0, 1, lo_open=True, hi_open=True)] = 0.05
     """the last fraction of documents is held out for validation"""
     doc_mask: bool = False
     """packing with document masks: attention and RoPE positions restart at each document inside a
@@ -251,22 +281,22 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 800
+    steps: PositiveInt = 800
     seed: int = 0
-    batch_size: int = 16
+    batch_size: PositiveInt = 16
     """global batch in sequences per optimizer step (all ranks, all micro-batches)"""
-    grad_accum: int = 1
-    ce_chunks: int = 1
+    grad_accum: PositiveInt = 1
+    ce_chunks: PositiveInt = 1
     """cross-entropy computed in this many token chunks, logits recomputed in backward"""
     run_dir: str = ""
     """default ./runs/<config stem>"""
-    log_every: int = 20
-    eval_every: int = 200
+    log_every: PositiveInt = 20
+    eval_every: Count = 200
     """validation every N steps (0: only at the end)"""
-    eval_batches: int = 8
-    peak_tflops: float = 0.0
+    eval_batches: PositiveInt = 8
+    peak_tflops: NonNegativeFloat = 0.0
     """accelerator peak for MFU (989 for H100/H200 bf16); 0 reports n/a"""
-    threads: int = 0
+    threads: Count = 0
     """torch intra-op threads (0: torch's default)"""
     tensorboard: bool = False
     """also write TensorBoard scalars and expert-load histograms to <run-dir>/tensorboard (needs the
@@ -281,7 +311,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DistConfig:
-    timeout_s: float = 600.0
+    timeout_s: PositiveFloat = 600.0
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
 
@@ -293,25 +323,25 @@ class ProfileConfig:
 
 @dataclass(frozen=True)
 class PlanConfig:
-    imbalance: float = 1.0
+    imbalance: Annotated[float, Range(1)] = 1.0
     """assumed max/mean expert load when planning memory"""
     state_dtype: Literal["float32", "bfloat16"] = "float32"
     """optimizer-state dtype the planner assumes (moments / momentum)"""
-    hbm_gb: float = 96.0
+    hbm_gb: NonNegativeFloat = 96.0
     """device memory per GPU in GB (GH200: 96)"""
-    host_gb: float = 480.0
+    host_gb: NonNegativeFloat = 480.0
     """host memory per GPU in GB usable for offload (GH200: 480 LPDDR5X per superchip)"""
-    matmul_tflops: float = 989.0 * 0.55
+    matmul_tflops: PositiveFloat = 989.0 * 0.55
     """sustained bf16 GEMM rate per GPU assumed by the step-time model (TFLOP/s)"""
-    attention_tflops: float = 989.0 * 0.4
+    attention_tflops: PositiveFloat = 989.0 * 0.4
     """sustained flash-attention rate per GPU (TFLOP/s)"""
-    nvlink_gbps: float = 150.0
+    nvlink_gbps: PositiveFloat = 150.0
     """per-GPU bandwidth of collectives inside a node (GB/s, one direction, achieved)"""
-    network_gbps: float = 25.0
+    network_gbps: PositiveFloat = 25.0
     """per-GPU bandwidth of collectives across nodes (GB/s, one direction: 200 Gb/s InfiniBand)"""
-    gpus_per_node: int = 4
+    gpus_per_node: Annotated[int, Range(1)] = 4
     """GPUs sharing fast links (GH200 NVL4 nodes: 4)"""
-    host_link_gbps: float = 150.0
+    host_link_gbps: PositiveFloat = 150.0
     """device<->host bandwidth per GPU for offload (GB/s; NVLink-C2C measures 300+)"""
 
 

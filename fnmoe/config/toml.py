@@ -1,6 +1,7 @@
 """TOML presets <-> config dataclasses: read a preset (`load_config`), write a resolved config (`to_toml`).
 
-A preset's tables mirror the dataclass tree; an unknown key is an error naming it.
+A preset's tables mirror the dataclass tree; an unknown key, or a value not of its field's type
+(fnmoe/config/types.py), is an error naming the file and the field.
 """
 from __future__ import annotations
 
@@ -9,27 +10,46 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from fnmoe.config import types
 from fnmoe.config.check import validate
 from fnmoe.config.schema import RunConfig
 
 
-def from_dict(cls: type, d: dict[str, Any], where: str = "") -> Any:
-    """Build a dataclass from a nested dict; unknown keys are errors naming the key."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+def from_dict(cls: type, d: dict[str, Any], where: str = "", source: str = "config") -> Any:
+    """Build a dataclass from a nested dict read from `source` (a file's name). An unknown key or a
+    value of the wrong type is an error naming source, field, value and expected type; every such
+    problem at once, before anything is built."""
+    errors: list[str] = []
+    cfg = _build(cls, d, where, errors)
+    if errors:
+        raise ValueError("\n".join(f"{source}: {e}" for e in errors))
+    return cfg
+
+
+def _build(cls: type, d: dict[str, Any], where: str, errors: list[str]) -> Any:
+    fields = types.hints(cls)
     kwargs = {}
     for key, value in d.items():
         name = key.replace("-", "_")
         if name not in fields:
-            raise ValueError(f"config: unknown key '{where}{key}' (known: {', '.join(sorted(fields))})")
-        ftype = fields[name].default_factory if fields[name].default_factory is not dataclasses.MISSING else None
-        if dataclasses.is_dataclass(ftype):
-            if not isinstance(value, dict):
-                raise ValueError(f"config: '{where}{key}' must be a table, got {value!r}")
-            value = from_dict(ftype, value, f"{where}{key}.")
-        elif isinstance(value, list):
-            value = tuple(value)
-        kwargs[name] = value
-    return cls(**kwargs)
+            errors.append(f"unknown key '{where}{key}' (known: {', '.join(sorted(fields))})")
+        elif dataclasses.is_dataclass(fields[name]):
+            if isinstance(value, dict):
+                kwargs[name] = _build(fields[name], value, f"{where}{key}.", errors)
+            else:
+                errors.append(f"{where}{key} = {types.show(value)} is {types.kind(value)}, expected a table")
+        elif problems := types.type_errors(value, fields[name], f"{where}{key}"):
+            errors += problems
+        else:
+            kwargs[name] = _normal(value, fields[name])
+    return None if errors else cls(**kwargs)
+
+
+def _normal(value: Any, hint: Any) -> Any:
+    """A checked value as the dataclass holds it: lists as tuples, a float field's int as a float."""
+    if isinstance(value, list):
+        return tuple(value)
+    return float(value) if types.split(hint)[0] is float else value
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -73,14 +93,21 @@ def _toml_value(v: Any) -> str:
 
 
 def load_config(path: str | Path, validate_config: bool = True) -> RunConfig:
-    """Read a TOML preset into a RunConfig (named after the file's stem) and validate it."""
+    """Read a TOML preset into a RunConfig (named after the file's stem), every value checked
+    against its field's type, and validate it."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"config {path} is a directory; it must name a TOML file")
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     try:
-        d = tomllib.loads(path.read_text())
+        d = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config {path}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config {path}: invalid TOML: {e}") from None
+    except OSError as e:
+        raise ValueError(f"config {path}: cannot read ({e.strerror})") from None
     d.setdefault("name", path.stem)
-    cfg = from_dict(RunConfig, d)
+    cfg = from_dict(RunConfig, d, source=str(path))
     return validate(cfg) if validate_config else cfg
