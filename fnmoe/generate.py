@@ -15,9 +15,9 @@ import torch
 
 from fnmoe.attention import gqa_qk, mla_qkv, mla_softmax_scale, rms_norm, rope
 from fnmoe.config import ModelConfig
-from fnmoe.model import DTYPE, _mlp_region, _moe_region, check_tokens, head_weight, layer_params
+from fnmoe.model import DTYPE, _mlp_region, _moe_region, check_inputs, head_weight, layer_params
 from fnmoe.moe import expert_gemm
-from fnmoe.tree import Tree
+from fnmoe.tree import Tree, flatten_dict
 
 
 def _qkv(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig):
@@ -106,8 +106,12 @@ def sample(logits_BV: torch.Tensor, temperature: float, top_p: float, gen: torch
 def generate(params: Tree, prompt_BL: torch.Tensor, cfg: ModelConfig, max_new_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, stop_id: int | None = None) -> torch.Tensor:
     """prompt_BL followed by up to max_new_tokens sampled tokens [B, L + new] (stops early when
-    every row has produced stop_id)."""
-    check_tokens(prompt_BL, cfg.vocab_size)
+    every row has produced stop_id). params are checked first: cfg's leaves and shapes, finite values."""
+    check_inputs(params, prompt_BL, cfg)
+    broken = [path for path, t in flatten_dict(params).items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if broken:
+        raise ValueError(f"the model's weights hold non-finite values (NaN or inf) in {len(broken)} leaves, e.g. "
+                         f"{broken[:3]}: they cannot generate text (a diverged run, or a damaged file)")
     B, L = prompt_BL.shape
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")

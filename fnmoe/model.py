@@ -22,6 +22,7 @@ from fnmoe import reshard
 from fnmoe.attention import attention, doc_mask, max_logits_H, rms_norm, rope, upcast
 from fnmoe.config import ModelConfig
 from fnmoe.moe import EXPERT_STACKS, expert_gemm, moe_block, swiglu
+from fnmoe.params import check_config, check_params
 from fnmoe import sharding
 from fnmoe.runner import PLAIN, BlockRunner
 from fnmoe.tree import Tree, flatten_dict, tree_map, unflatten_dict
@@ -78,10 +79,17 @@ def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=N
     return x_BLD + run("mlp", _mlp_region, cfg.compile, dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg), None
 
 
-def check_tokens(tokens_BL: torch.Tensor, vocab_size: int) -> None:
-    """Raise ValueError naming the first id outside the vocabulary. Only on CPU, where it is free:
-    on an accelerator it would sync every step, and the data loader validates ids already. Under
+def check_tokens(tokens_BL: torch.Tensor, vocab_size: int, what: str = "tokens") -> None:
+    """Raise unless tokens_BL is a non-empty 2-D integer tensor [batch, seq] of ids in the
+    vocabulary, naming the first id outside it. The ids are read only on CPU, where it is free: on
+    an accelerator it would sync every step, and the data loader validates ids already. Under
     torch.func's vmap it checks the whole batch (positions count in it)."""
+    if not isinstance(tokens_BL, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor of token ids [batch, seq], got {type(tokens_BL).__name__}")
+    if tokens_BL.dim() != 2 or tokens_BL.numel() == 0:
+        raise ValueError(f"{what} must be a non-empty 2-D tensor [batch, seq], got shape {tuple(tokens_BL.shape)}")
+    if tokens_BL.dtype.is_floating_point or tokens_BL.dtype.is_complex or tokens_BL.dtype == torch.bool:
+        raise TypeError(f"{what} must be an integer tensor of token ids, got {tokens_BL.dtype}")
     if tokens_BL.device.type != "cpu":
         return
     tokens_BL = _torch.unwrapped(tokens_BL)
@@ -90,6 +98,13 @@ def check_tokens(tokens_BL: torch.Tensor, vocab_size: int) -> None:
         pos = bad.nonzero()[0].tolist()
         raise ValueError(f"token id {tokens_BL[tuple(pos)].item()} at position {pos} is outside "
                          f"0..model.vocab_size-1={vocab_size - 1}")
+
+
+def check_inputs(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig) -> None:
+    """The public entry points' checks (forward, loss_fn): no host sync beyond check_tokens' on CPU."""
+    check_config(cfg)
+    check_params(params, cfg)
+    check_tokens(tokens_BL, cfg.vocab_size)
 
 
 def cast(tree: Tree, dtype: torch.dtype) -> Tree:
@@ -231,7 +246,8 @@ def head_weight(params: Tree, cfg: ModelConfig) -> torch.Tensor:
 
 def forward(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig, positions_BL: torch.Tensor | None = None):
     """(logits_BLV fp32, aux): aux["expert_counts_NE"] holds tokens per expert per MoE layer;
-    positions_BL marks packed documents (see hidden_states)."""
-    check_tokens(tokens_BL, cfg.vocab_size)
+    positions_BL marks packed documents (see hidden_states). Its inputs are checked first: cfg as the
+    CLI validates it, params against cfg's leaves and shapes, tokens (check_tokens)."""
+    check_inputs(params, tokens_BL, cfg)
     h_BLD, aux = hidden_states(params, tokens_BL, cfg, positions_BL=positions_BL)
     return upcast(h_BLD @ head_weight(params, cfg).to(h_BLD.dtype)), aux

@@ -22,7 +22,7 @@ from fnmoe.attention import upcast
 from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.data import IGNORE
 from fnmoe.memory import train_runner
-from fnmoe.model import check_tokens, head_weight, hidden_states
+from fnmoe.model import check_inputs, check_tokens, head_weight, hidden_states
 from fnmoe.moe import balance_loss_part, update_router_bias
 from fnmoe.runner import BlockRunner
 from fnmoe.sharding import all_sum
@@ -53,6 +53,14 @@ def ce_loss_sum(h_BLD: torch.Tensor, w_DV: torch.Tensor, labels_BL: torch.Tensor
     return torch.stack(parts).sum()
 
 
+def _check_labels(labels_BL: torch.Tensor, inputs_BL: torch.Tensor) -> None:
+    if not isinstance(labels_BL, torch.Tensor) or labels_BL.shape != inputs_BL.shape:
+        got = tuple(labels_BL.shape) if isinstance(labels_BL, torch.Tensor) else type(labels_BL).__name__
+        raise ValueError(f"labels must be a tensor of the inputs' shape {tuple(inputs_BL.shape)}, got {got}")
+    if labels_BL.dtype.is_floating_point or labels_BL.dtype.is_complex or labels_BL.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor (token ids, {IGNORE} to ignore), got {labels_BL.dtype}")
+
+
 def loss_fn(params: Tree, inputs_BL: torch.Tensor, labels_BL: torch.Tensor, cfg: ModelConfig,
             n_global: torch.Tensor | int, ce_chunks: int = 1, runner: BlockRunner | None = None,
             record_max_logits: bool = False, positions_BL: torch.Tensor | None = None):
@@ -63,6 +71,8 @@ def loss_fn(params: Tree, inputs_BL: torch.Tensor, labels_BL: torch.Tensor, cfg:
     the cross-entropy part alone; with record_max_logits, aux["max_logits_NH"] feeds MuonClip;
     positions_BL marks packed documents (model.hidden_states).
     """
+    check_inputs(params, inputs_BL, cfg)
+    _check_labels(labels_BL, inputs_BL)
     h_BLD, aux = hidden_states(params, inputs_BL, cfg, runner, record_max_logits, positions_BL)
     ce = ce_loss_sum(h_BLD, head_weight(params, cfg), labels_BL, ce_chunks) / n_global
     aux["ce_loss"] = ce.detach()
@@ -136,13 +146,20 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
         params = update_router_bias(params, counts, cfg)
         if qk_clip:
             params = optim.qk_clip(params, max_logits_NH, cfg, run.optim.qk_clip_tau)
+        # finite gradients can still write non-finite params (a huge learning rate, a QK-clip of
+        # non-finite logits): the new params' norm (one read of them, every rank) guards those too
+        updated = torch.isfinite(optim.global_norm(params))
+        ok = finite & updated
         # a non-finite step leaves params and optimizer state bitwise as they were; chosen on the
         # device, so nothing waits for the flag before the metrics read it with the loss below
-        params = optim.select(finite, params, state.params)
-        opt_state = optim.select(finite, opt_state, state.opt_state)
-        loss_f, grad_norm_f, finite_f = torch.stack([loss, grad_norm.to(loss), finite.to(loss)]).tolist()
-        metrics = {"loss": loss_f, "grad_norm": grad_norm_f, "skipped": int(not finite_f),
+        params = optim.select(ok, params, state.params)
+        opt_state = optim.select(ok, opt_state, state.opt_state)
+        loss_f, grad_norm_f, finite_f, updated_f = torch.stack(
+            [loss, grad_norm.to(loss), finite.to(loss), updated.to(loss)]).tolist()
+        metrics = {"loss": loss_f, "grad_norm": grad_norm_f, "skipped": int(not (finite_f and updated_f)),
                    "n_tokens": n_global, "expert_counts_NE": counts}
+        if not finite_f or not updated_f:
+            metrics["skipped_why"] = "non-finite loss or gradients" if not finite_f else "non-finite update"
         if cfg.moe.capacity_factor:  # routed (token, expert) rows over capacity, all ranks
             metrics["dropped_tokens"] = int(all_sum(torch.as_tensor(dropped), "the dropped-token count"))
         return TrainState(params, opt_state, state.step + 1), metrics

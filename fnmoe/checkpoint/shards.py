@@ -116,6 +116,20 @@ def _merge(parts: list[dict[str, dict[str, dict]]]) -> dict[str, dict[str, dict]
     return out
 
 
+def _refuse_non_finite(params: dict[str, dict[int, torch.Tensor]], step: int) -> None:
+    """Raise on every rank if any rank holds a non-finite parameter value: a checkpoint never
+    stores a broken model (training skips such steps; this catches params that arrived broken)."""
+    bad = [path for path, by_rank in params.items()
+           if any(v.is_floating_point() and not bool(torch.isfinite(v).all()) for v in by_rank.values())]
+    total = len(bad)
+    if not fdist.simulated():  # real ranks agree, so that all of them raise together
+        device = next(iter(next(iter(params.values())).values())).device
+        total = int(sharding.all_sum(torch.tensor(total, device=device), "the count of non-finite params"))
+    if total:
+        where = f"params {bad[:4]}" if bad else "params of another rank"
+        raise CheckpointError(f"refusing to save step {step}: non-finite values (NaN or inf) in {where}")
+
+
 def snapshot(state: TrainState, run: RunConfig, loader: Loader, copy: bool = False) -> Snapshot:
     """This process's part of the checkpoint of `state`: the shards its rank writes (every simulated
     rank's in a simulation). copy=True stages fresh CPU copies (for a write that runs while training
@@ -124,6 +138,7 @@ def snapshot(state: TrainState, run: RunConfig, loader: Loader, copy: bool = Fal
     flat = {"tensors": flatten_dict(state.params), "opt_state": _flat_opt_state(state.opt_state)}
     local = {section: {path: fdist.rank_values(t.to_local() if isinstance(t, DTensor) else t)
                        for path, t in leaves.items()} for section, leaves in flat.items()}
+    _refuse_non_finite(local["tensors"], state.step)
     files: dict[str, dict[str, torch.Tensor]] = {}
     writers: dict[str, int] = {}
     parts = []
