@@ -68,13 +68,18 @@ def load_tree(tree_dir: str | Path) -> tuple[ModelConfig, Tree]:
     tree_dir = Path(tree_dir)
     if not (tree_dir / INDEX).is_file():
         raise FileNotFoundError(f"{tree_dir}: no {INDEX} (not an fnmoe tree directory)")
-    index = json.loads((tree_dir / INDEX).read_text())
+    try:
+        index = json.loads((tree_dir / INDEX).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{tree_dir / INDEX}: not valid JSON ({e})") from None
+    if not isinstance(index, dict):
+        raise ValueError(f"{tree_dir / INDEX}: expected a JSON object, got {type(index).__name__}")
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise ValueError(f"{tree_dir / INDEX}: format {index.get('format')!r} version {index.get('version')!r}, "
                          f"expected {FORMAT!r} version {VERSION}")
     if not isinstance(index.get("model"), dict) or not isinstance(index.get("tensors"), dict):
         raise ValueError(f"{tree_dir / INDEX}: needs a 'model' config and a 'tensors' table")
-    cfg = from_dict(ModelConfig, index["model"], "model.")
+    cfg = from_dict(ModelConfig, index["model"], "model.", source=str(tree_dir / INDEX))
     errors = validate_model(cfg)
     if errors:
         raise ValueError(f"{tree_dir / INDEX}: invalid model config:\n  " + "\n  ".join(errors))

@@ -453,3 +453,72 @@ def test_train_starts_from_a_hugging_face_checkpoint(tmp_path, capsys):
     assert main(["train", "--train.init-from-hf", str(src), "--train.steps", "1",
                  "--train.run-dir", str(tmp_path / "bad")]) == 2
     assert "does not match the config's" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- config.json fields are typed
+
+NOT_READ = {"model_type", "dtype"}
+"""fields config_to_hf writes that fnmoe does not read back"""
+
+
+def json_leaves(d, where=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from json_leaves(v, f"{where}{k}.")
+        elif v is not None and k not in NOT_READ:
+            yield f"{where}{k}", v
+
+
+def with_value(d, path, value):
+    d = json.loads(json.dumps(d))
+    *tables, key = path.split(".")
+    inner = d
+    for t in tables:
+        inner = inner[t]
+    inner[key] = value
+    return d
+
+
+def wrong_json_values(v):
+    """(a value of another type, its type as errors say it, the expected type) for a field's value v."""
+    if isinstance(v, bool):
+        return [(1, "an int", "bool"), ("true", "a str", "bool")]
+    if isinstance(v, int):
+        return [(2.5, "a float", "int"), ("1", "a str", "int")]
+    if isinstance(v, float):
+        return [("1.0", "a str", "float"), (True, "a bool", "float")]
+    if isinstance(v, str):
+        return [(5, "an int", "str")]
+    return [("x", "a str", f"a list of {type(v[0]).__name__}")]
+
+
+@pytest.mark.parametrize("kind,arch", [("mla", "DeepseekV3ForCausalLM"), ("qwen3", "Qwen3MoeForCausalLM"),
+                                       ("mixtral", "MixtralForCausalLM")])
+def test_every_config_json_field_is_typed(kind, arch, tmp_path):
+    """Every field of a config.json fnmoe reads (those config_to_hf writes, and the optional ones),
+    set to a value of another type: one error naming the file, the field, the value and the
+    expected type, before any weights are opened (the directory holds none)."""
+    cfg, _ = fn_model(kind)
+    good = hf.config_to_hf(cfg, arch, torch.float32) | {
+        "partial_rotary_factor": 1.0, "quantization_config": {"quant_method": "fp8", "weight_block_size": [2, 2]},
+        "mlp_bias": False}
+    if arch == "DeepseekV3ForCausalLM":
+        good |= {"seq_aux": True, "aux_loss_alpha": 0.001, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                 "moe_layer_freq": 1}
+    path, failures, n = tmp_path / "config.json", [], 0
+    path.write_text(json.dumps(good))
+    assert hf.config_from_hf(good)[0].dim == cfg.dim and hf.fp8_block(good) == (2, 2)
+    for field, v in json_leaves(good):
+        for bad, is_a, expected in wrong_json_values(v):
+            path.write_text(json.dumps(with_value(good, field, bad)))
+            line = f"{path}: {field} = {json.dumps(bad)} is {is_a}, expected {expected}"
+            try:
+                hf.load(tmp_path)
+            except FileNotFoundError:  # passed config.json, went on to the weights
+                failures.append(f"{field} = {bad!r}: accepted")
+            except ValueError as e:
+                n += 1
+                if str(e) != line:
+                    failures.append(f"{field} = {bad!r}: {e}")
+    assert not failures, "\n".join(failures)
+    assert n >= 40

@@ -75,9 +75,7 @@ def _fits(value: Any, base: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if base is str:
         return isinstance(value, str)
-    if base is type(None):
-        return value is None
-    return True  # a type the config tree does not use
+    return isinstance(value, base) if isinstance(base, type) else True  # dict, list, None
 
 
 def type_errors(value: Any, hint: Any, name: str) -> list[str]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fnmoe.config import ModelConfig, MoEConfig, validate_model
+from fnmoe.config import ModelConfig, MoEConfig, types, validate_model
 
 MODEL_TYPES = {"Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
                "MixtralForCausalLM": "mixtral"}
@@ -21,58 +21,70 @@ ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position
 
 
 # ---------------------------------------------------------------- config.json -> ModelConfig
+# Every field is read through _get with the type fnmoe needs, so a value of another type is one
+# error naming the field, the value and the type (config_from_hf adds the file) rather than a
+# TypeError deep inside. Floats take ints (JSON writes 10000 for 1e4); ints take no floats.
 
-def _get(hf: dict, key: str, default: Any = ...) -> Any:
-    if key in hf and hf[key] is not None:
-        return hf[key]
-    if default is ...:
-        raise ValueError(f"config.json: missing '{key}'")
-    return default
+def _get(hf: dict, key: str, default: Any = ..., kind: Any = int, where: str = "") -> Any:
+    """hf[key] checked to be of type kind (a float as float); default when absent or null."""
+    if key not in hf or hf[key] is None:
+        if default is ...:
+            raise ValueError(f"missing '{where}{key}'")
+        return default
+    problems = types.type_errors(hf[key], kind, f"{where}{key}")
+    if problems:
+        raise ValueError(problems[0])
+    return float(hf[key]) if kind is float else hf[key]
+
+
+def _table(hf: dict, key: str) -> dict | None:
+    """A nested object of config.json (rope_scaling, quantization_config), or None when absent."""
+    return _get(hf, key, None, dict)
 
 
 def _require(hf: dict, key: str, allowed: tuple, default: Any, where: str = "") -> None:
-    value = hf.get(key, default)
+    """hf[key] (default when absent) is of the allowed values' type and one of them."""
+    value = _get(hf, key, default, type(allowed[0]), where)
     if value not in allowed:
-        raise ValueError(f"config.json: unsupported option '{where}{key}'={value!r} (fnmoe supports {list(allowed)})")
+        raise ValueError(f"unsupported option '{where}{key}'={value!r} (fnmoe supports {list(allowed)})")
 
 
 def architecture(hf: dict) -> str:
-    archs = hf.get("architectures") or []
+    archs = _get(hf, "architectures", [], tuple[str, ...])
     known = [a for a in archs if a in MODEL_TYPES]
     if len(archs) != 1 or not known:
-        raise ValueError(f"config.json: unknown 'architectures'={archs!r} (fnmoe loads one of {sorted(MODEL_TYPES)})")
+        raise ValueError(f"unknown 'architectures'={archs!r} (fnmoe loads one of {sorted(MODEL_TYPES)})")
     return known[0]
 
 
 def _rope_fields(hf: dict, default_theta: float) -> dict[str, Any]:
     """ModelConfig's RoPE fields from either dialect."""
-    params = hf.get("rope_parameters")
-    where = "rope_parameters"
+    params = _table(hf, "rope_parameters")
+    where = "rope_parameters."
     if params is None:  # the hub dialect: top-level rope_theta, rope_scaling with "type"
-        params = dict(hf.get("rope_scaling") or {}, rope_theta=hf.get("rope_theta", default_theta))
-        where = "rope_scaling"
+        params = dict(_table(hf, "rope_scaling") or {}, rope_theta=_get(hf, "rope_theta", default_theta, float))
+        where = "rope_scaling."
     unknown = sorted(set(params) - ROPE_KEYS)
     if unknown:
-        raise ValueError(f"config.json: unsupported option '{where}.{unknown[0]}'")
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"config.json: unsupported option 'partial_rotary_factor'={hf['partial_rotary_factor']}")
-    kind = params.get("rope_type", params.get("type", "default"))
-    theta = float(_get(params, "rope_theta", default_theta))
+        raise ValueError(f"unsupported option '{where}{unknown[0]}'")
+    if _get(hf, "partial_rotary_factor", 1.0, float) != 1.0:
+        raise ValueError(f"unsupported option 'partial_rotary_factor'={hf['partial_rotary_factor']}")
+    kind = _get(params, "rope_type", None, str, where) or _get(params, "type", "default", str, where)
+    theta = _get(params, "rope_theta", default_theta, float, where)
     if kind == "default":
         return {"rope_theta": theta}
     if kind != "yarn":
-        raise ValueError(f"config.json: unsupported option '{where}.rope_type'={kind!r} (fnmoe supports default, yarn)")
+        raise ValueError(f"unsupported option '{where}rope_type'={kind!r} (fnmoe supports default, yarn)")
     max_pos = _get(hf, "max_position_embeddings")
-    orig = int(params.get("original_max_position_embeddings") or max_pos)
-    return {"rope_theta": theta, "rope_scaling": "yarn",
-            "yarn_factor": float(params.get("factor") or max_pos / orig),
-            "yarn_original_max_seq_len": orig,
-            "yarn_beta_fast": float(params.get("beta_fast") or 32),
-            "yarn_beta_slow": float(params.get("beta_slow") or 1),
-            "yarn_mscale": float(params.get("mscale") or 0),
-            "yarn_mscale_all_dim": float(params.get("mscale_all_dim") or 0),
-            "yarn_attention_factor": float(params.get("attention_factor") or 0),
-            "yarn_truncate": bool(params.get("truncate", True))}
+    orig = _get(params, "original_max_position_embeddings", 0, int, where) or max_pos
+
+    def num(key: str, default: float) -> float:  # 0 and null mean the default, as transformers reads them
+        return _get(params, key, 0.0, float, where) or default
+    return {"rope_theta": theta, "rope_scaling": "yarn", "yarn_factor": num("factor", max_pos / orig),
+            "yarn_original_max_seq_len": orig, "yarn_beta_fast": num("beta_fast", 32.0),
+            "yarn_beta_slow": num("beta_slow", 1.0), "yarn_mscale": num("mscale", 0.0),
+            "yarn_mscale_all_dim": num("mscale_all_dim", 0.0), "yarn_attention_factor": num("attention_factor", 0.0),
+            "yarn_truncate": _get(params, "truncate", True, bool, where)}
 
 
 def _common_fields(hf: dict, default_theta: float) -> dict[str, Any]:
@@ -81,64 +93,64 @@ def _common_fields(hf: dict, default_theta: float) -> dict[str, Any]:
     _require(hf, "mlp_bias", (False,), False)
     return {"vocab_size": _get(hf, "vocab_size"), "dim": _get(hf, "hidden_size"),
             "n_layers": _get(hf, "num_hidden_layers"), "n_heads": _get(hf, "num_attention_heads"),
-            "norm_eps": float(_get(hf, "rms_norm_eps", 1e-6)),
-            "tie_embeddings": bool(_get(hf, "tie_word_embeddings", False)),
-            "max_seq_len": _get(hf, "max_position_embeddings"), "init_std": float(_get(hf, "initializer_range", 0.02)),
+            "norm_eps": _get(hf, "rms_norm_eps", 1e-6, float),
+            "tie_embeddings": _get(hf, "tie_word_embeddings", False, bool),
+            "max_seq_len": _get(hf, "max_position_embeddings"), "init_std": _get(hf, "initializer_range", 0.02, float),
             **_rope_fields(hf, default_theta)}
 
 
 def _gqa_fields(hf: dict) -> dict[str, Any]:
     dim, heads = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
-    head_dim = _get(hf, "head_dim", dim // heads)
+    head_dim = _get(hf, "head_dim", dim // heads if heads > 0 else 0)
     return {"n_kv_heads": _get(hf, "num_key_value_heads", heads),
-            "head_dim": 0 if dim % heads == 0 and head_dim == dim // heads else head_dim}
+            "head_dim": 0 if heads > 0 and dim % heads == 0 and head_dim == dim // heads else head_dim}
 
 
 def _qwen3_config(hf: dict) -> ModelConfig:
-    if hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
-        raise ValueError(f"config.json: unsupported option 'use_sliding_window'=true "
-                         f"(sliding_window={hf['sliding_window']})")
+    if _get(hf, "use_sliding_window", False, bool) and _get(hf, "sliding_window", None) is not None:
+        raise ValueError(f"unsupported option 'use_sliding_window'=true (sliding_window={hf['sliding_window']})")
     n_experts = _get(hf, "num_experts", None) or _get(hf, "num_local_experts", 0)
     moe = MoEConfig(n_experts=n_experts, top_k=_get(hf, "num_experts_per_tok"),
                     expert_hidden=_get(hf, "moe_intermediate_size"),
-                    norm_topk_prob=bool(_get(hf, "norm_topk_prob", False)),
-                    first_k_dense=0, dense_layers=tuple(sorted(_get(hf, "mlp_only_layers", []))),
+                    norm_topk_prob=_get(hf, "norm_topk_prob", False, bool),
+                    first_k_dense=0, dense_layers=tuple(sorted(_get(hf, "mlp_only_layers", [], tuple[int, ...]))),
                     moe_every=_get(hf, "decoder_sparse_step", 1),
-                    aux_loss_coeff=float(_get(hf, "router_aux_loss_coef", 0.001)))
+                    aux_loss_coeff=_get(hf, "router_aux_loss_coef", 0.001, float))
     return ModelConfig(**_common_fields(hf, 10000.0), **_gqa_fields(hf), qk_norm=True,
                        ffn_hidden=_get(hf, "intermediate_size"), moe=moe)
 
 
 def _mixtral_config(hf: dict) -> ModelConfig:
-    if hf.get("sliding_window") is not None:
-        raise ValueError(f"config.json: unsupported option 'sliding_window'={hf['sliding_window']}")
-    _require(hf, "router_jitter_noise", (0, 0.0), 0.0)
+    if _get(hf, "sliding_window", None) is not None:
+        raise ValueError(f"unsupported option 'sliding_window'={hf['sliding_window']}")
+    _require(hf, "router_jitter_noise", (0.0,), 0.0)
     n_experts = _get(hf, "num_local_experts", None) or _get(hf, "num_experts")
     moe = MoEConfig(n_experts=n_experts, top_k=_get(hf, "num_experts_per_tok"),
                     expert_hidden=_get(hf, "intermediate_size"), norm_topk_prob=True, first_k_dense=0,
-                    aux_loss_coeff=float(_get(hf, "router_aux_loss_coef", 0.001)))
+                    aux_loss_coeff=_get(hf, "router_aux_loss_coef", 0.001, float))
     return ModelConfig(**_common_fields(hf, 1e6), **_gqa_fields(hf), ffn_hidden=_get(hf, "intermediate_size"), moe=moe)
 
 
 def _deepseek_config(hf: dict) -> ModelConfig:
     heads = _get(hf, "num_attention_heads")
     if _get(hf, "num_key_value_heads", heads) != heads:
-        raise ValueError(f"config.json: unsupported option 'num_key_value_heads'={hf['num_key_value_heads']} "
+        raise ValueError(f"unsupported option 'num_key_value_heads'={hf['num_key_value_heads']} "
                          f"(MLA needs num_attention_heads={heads})")
     _require(hf, "scoring_func", ("sigmoid",), "sigmoid")
     _require(hf, "topk_method", ("noaux_tc",), "noaux_tc")
     _require(hf, "moe_layer_freq", (1,), 1)
-    seq_aux = float(_get(hf, "aux_loss_alpha", 0.0)) if hf.get("seq_aux") else 0.0
+    _get(hf, "num_nextn_predict_layers", 0)  # read by keys.py: its MTP layers are skipped
+    seq_aux = _get(hf, "aux_loss_alpha", 0.0, float) if _get(hf, "seq_aux", False, bool) else 0.0
     moe = MoEConfig(n_experts=_get(hf, "n_routed_experts"), top_k=_get(hf, "num_experts_per_tok"),
                     expert_hidden=_get(hf, "moe_intermediate_size"), n_shared_experts=_get(hf, "n_shared_experts", 0),
-                    score_func="sigmoid", norm_topk_prob=bool(_get(hf, "norm_topk_prob", True)),
-                    routed_scaling_factor=float(_get(hf, "routed_scaling_factor", 1.0)),
+                    score_func="sigmoid", norm_topk_prob=_get(hf, "norm_topk_prob", True, bool),
+                    routed_scaling_factor=_get(hf, "routed_scaling_factor", 1.0, float),
                     n_group=_get(hf, "n_group", 1), topk_group=_get(hf, "topk_group", 1), router_bias=True,
                     first_k_dense=_get(hf, "first_k_dense_replace", 0), aux_loss_coeff=0.0, seq_aux_loss_coeff=seq_aux)
     return ModelConfig(**_common_fields(hf, 10000.0), n_kv_heads=heads, attention="mla",
                        q_lora_rank=_get(hf, "q_lora_rank", 0), kv_lora_rank=_get(hf, "kv_lora_rank"),
                        qk_nope_head_dim=_get(hf, "qk_nope_head_dim"), qk_rope_head_dim=_get(hf, "qk_rope_head_dim"),
-                       v_head_dim=_get(hf, "v_head_dim"), rope_interleave=bool(_get(hf, "rope_interleave", True)),
+                       v_head_dim=_get(hf, "v_head_dim"), rope_interleave=_get(hf, "rope_interleave", True, bool),
                        ffn_hidden=_get(hf, "intermediate_size"), moe=moe)
 
 
@@ -146,32 +158,36 @@ CONFIG_READERS = {"Qwen3MoeForCausalLM": _qwen3_config, "DeepseekV3ForCausalLM":
                   "MixtralForCausalLM": _mixtral_config}
 
 
-def config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
-    """(ModelConfig, architecture) of a config.json dict; compute_dtype float32, compile off."""
+def config_from_hf(hf: dict, source: str = "config.json") -> tuple[ModelConfig, str]:
+    """(ModelConfig, architecture) of a config.json dict read from source; compute_dtype float32,
+    compile off. Errors name source and the field."""
     if not isinstance(hf, dict):
-        raise ValueError(f"config.json: expected an object of fields, got {type(hf).__name__}")
-    arch = architecture(hf)
+        raise ValueError(f"{source}: expected an object of fields, got {type(hf).__name__}")
     try:
+        arch = architecture(hf)
         cfg = CONFIG_READERS[arch](hf)
-    except (TypeError, AttributeError) as e:  # e.g. "hidden_size": "128"
-        raise ValueError(f"config.json: a field has the wrong type ({e})") from None
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
     errors = validate_model(cfg)
     if errors:
-        raise ValueError("config.json gives an invalid model:\n  " + "\n  ".join(errors))
+        raise ValueError(f"{source} gives an invalid model:\n  " + "\n  ".join(errors))
     return cfg, arch
 
 
-def fp8_block(hf: dict) -> tuple[int, int] | None:
+def fp8_block(hf: dict, source: str = "config.json") -> tuple[int, int] | None:
     """The (rows, cols) block of block-FP8 weights, or None when the checkpoint is unquantized."""
-    q = hf.get("quantization_config")
-    if q is None:
-        return None
-    _require(q, "quant_method", ("fp8",), None, "quantization_config.")
-    block = q.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2):
-        raise ValueError(f"config.json: unsupported option 'quantization_config.weight_block_size'={block!r} "
+    try:
+        q = _table(hf, "quantization_config")
+        if q is None:
+            return None
+        _require(q, "quant_method", ("fp8",), None, "quantization_config.")
+        block = _get(q, "weight_block_size", [], tuple[int, ...], "quantization_config.")
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    if len(block) != 2:
+        raise ValueError(f"{source}: unsupported option 'quantization_config.weight_block_size'={block!r} "
                          "(fnmoe dequantizes 2-D block FP8)")
-    return int(block[0]), int(block[1])
+    return block[0], block[1]
 
 
 # ---------------------------------------------------------------- ModelConfig -> config.json

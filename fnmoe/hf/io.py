@@ -73,10 +73,11 @@ def load(hf_dir: str | Path, mesh=None) -> tuple[ModelConfig, Tree]:
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir}: no config.json (not a Hugging Face checkpoint directory)")
     hf = read_json(hf_dir / "config.json")
-    cfg, arch = config_from_hf(hf)
+    cfg, arch = config_from_hf(hf, str(hf_dir / "config.json"))
+    block = fp8_block(hf, str(hf_dir / "config.json"))
     inits = flatten_dict(leaf_inits(cfg))
     with contextlib.ExitStack() as stack:
-        reader = _Reader(_open(hf_dir, stack), fp8_block(hf))
+        reader = _Reader(_open(hf_dir, stack), block)
         keys = key_map(cfg, arch)
         if mesh is None:
             flat = {path: _leaf(reader, how, k, inits[path].shape) for path, (how, k) in keys.items()}
