@@ -64,7 +64,8 @@ def _first(lines: list, pattern: str):
 @pytest.mark.timeout(240)
 def test_one_rank_stopped_mid_step_makes_the_others_name_it_and_the_collective(tmp_path):
     """Rank 1 stops (SIGSTOP) as step 2 starts: rank 0 times out in that step's first collective,
-    names it and rank 1 within the timeout + 30 s, and torchrun then ends the job (killing rank 1)."""
+    names it and rank 1 within the timeout + 10 s (+ 5 s of slack), and torchrun then ends the job
+    (killing rank 1)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
                **{STOP_AT_STEP_ENV: "2", STOP_RANK_ENV: "1"})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -93,6 +94,10 @@ def test_one_rank_stopped_mid_step_makes_the_others_name_it_and_the_collective(t
     assert error, out[-3000:]
     assert "the last one this rank entered: all-reduce of the step's label count over every rank" in error.group(0)
     assert "unresponsive: rank 1 " in error.group(0), error.group(0)
-    assert failed_at - stopped_at < TIMEOUT_S + 30, out[-3000:]
+    print(f"rank 0 named the stopped rank {failed_at - stopped_at:.1f} s after it stopped; the job ended "
+          f"{end - failed_at:.1f} s later")
+    # README: within about the timeout + 10 s, the 10 being the wait for the others' answers
+    # (fdist.PROBE_S); measured 20.3 and 20.9 s here (timeout 10 s), 5 s allowed for a loaded machine
+    assert TIMEOUT_S <= failed_at - stopped_at < TIMEOUT_S + fdist.PROBE_S + 5, out[-3000:]
     # torchrun sends the stopped rank SIGTERM, which waits for a SIGCONT, and 30 s later SIGKILL
     assert end - failed_at < 30 + 15, out[-3000:]
