@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fnmoe import optim
 from fnmoe.attention import attention, mla_softmax_scale, rope, yarn_inv_freq
@@ -391,5 +392,17 @@ def test_small_presets_validate_and_train(preset, attn, tmp_path):
             "--train.run-dir", str(tmp_path)]
     assert main(args) == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert ([r["step"] for r in rows if "loss" in r] == [1, 2]
-            and all(math.isfinite(r["loss"]) for r in rows if "loss" in r))
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    # step 1's logged loss is the cross-entropy of the initial params on the run's first batch,
+    # computed here by forward and F.cross_entropy (the router losses are not part of the logged loss)
+    from fnmoe.cli import parse_run
+    from fnmoe.data import Loader, load_data
+
+    run = parse_run(args[1:], "fnmoe train")
+    inputs_BL, labels_BL = Loader(load_data(run.data, run.model.vocab_size), run.data.seq_len, run.train.batch_size,
+                                  1, run.train.seed).batch_at(0, 0, 1, 0)
+    logits_BLV, _ = forward(init_params(run.model, run.train.seed), inputs_BL, run.model)
+    want = F.cross_entropy(logits_BLV.flatten(0, 1), labels_BL.flatten(), ignore_index=-100).item()
+    assert abs(losses[0] - want) <= 1e-5 * want, (losses, want)
+    assert math.isfinite(losses[1]) and losses[1] != losses[0]

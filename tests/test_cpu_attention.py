@@ -138,12 +138,17 @@ def test_explicit_cpu_kernel_refuses_fp32_in_the_model():
         forward(init_params(cfg, seed=0), torch.zeros(1, 8, dtype=torch.long), cfg)
 
 
-def test_causal_attention_resolves_auto_when_called_directly():
+def test_causal_attention_resolves_auto_when_called_directly(monkeypatch):
+    """auto on [4, 32] bf16 rows with 2 kv heads (8 tasks) takes the kernel while the threads are at
+    most 8 and SDPA beyond: its output is, bit for bit, the path it chose (the two differ)."""
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(4, 32, h, 16, generator=gen).bfloat16() for h in (4, 2, 2))
     cfg = ModelConfig(n_heads=4, n_kv_heads=2)
-    auto = causal_attention(q, k, v, cfg)
+    kernel = causal_attention(q, k, v, dataclasses.replace(cfg, attention_impl="cpu"))
     sdpa = causal_attention(q, k, v, dataclasses.replace(cfg, attention_impl="sdpa"))
-    assert auto.shape == sdpa.shape == (4, 32, 4, 16)
-    assert (auto.float() - sdpa.float()).abs().max() < 3e-2
+    assert kernel.shape == sdpa.shape == (4, 32, 4, 16) and not torch.equal(kernel, sdpa)
+    assert (kernel.float() - sdpa.float()).abs().max() < 3e-2
+    for threads, want in ((8, kernel), (9, sdpa)):  # the rule's thread count, not the machine's
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
+        assert torch.equal(causal_attention(q, k, v, cfg), want), threads
 

@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fnmoe.checkpoint import load_params
 from fnmoe.config import load_config
+from fnmoe.data import EOS_ID, ByteTokenizer
 from fnmoe.generate import generate, init_cache, sample, step_logits
 from fnmoe.model import forward
 from fnmoe.params import init_params
@@ -68,14 +70,33 @@ def test_generation_limits_are_named():
         generate(params, torch.zeros(1, 2, dtype=torch.long), cfg, max_new_tokens=-1)
 
 
-def test_generate_command_from_a_run_directory(tmp_path, capsys):
+def test_generate_command_from_a_run_directory(tmp_path, capsys, monkeypatch):
+    from fnmoe import generate as generate_module
     from fnmoe.cli import main
 
     small = ["--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
              "--train.batch-size", "4", "--data.seq-len", "32", "--train.eval-batches", "1"]
     assert main(["train", "--train.steps", "2", "--train.run-dir", str(tmp_path), *small]) == 0
     capsys.readouterr()
-    assert main(["generate", "--from", str(tmp_path), "--prompt", "Hello", "--max-new-tokens", "8",
-                 "--temperature", "0.7", "--top-p", "0.9"]) == 0
-    assert capsys.readouterr().out.startswith("Hello")
+    # greedy (the default): the continuation of an independent decode loop over the run's last
+    # checkpoint, each token the argmax of a full forward of the sequence so far, up to EOS; token
+    # ids compared too (the text shows every byte that is not UTF-8 as the same U+FFFD)
+    made = []
+    monkeypatch.setattr(generate_module, "generate", lambda *a, **k: made.append(generate(*a, **k)) or made[-1])
+    assert main(["generate", "--from", str(tmp_path), "--prompt", "Hello", "--max-new-tokens", "12"]) == 0
+    run, params = load_params(tmp_path / "checkpoints" / "step_2")
+    tok = ByteTokenizer()
+    seq_BL = torch.tensor([tok.encode("Hello")])
+    for _ in range(12):
+        logits_BLV, _ = forward(params, seq_BL, run.model)
+        seq_BL = torch.cat([seq_BL, logits_BLV[:, -1].argmax(-1, keepdim=True)], dim=1)
+        if seq_BL[0, -1] == EOS_ID:
+            break
+    assert torch.equal(made[0], seq_BL)
+    assert capsys.readouterr().out == "Hello" + tok.decode(seq_BL[0, 5:].tolist()) + "\n"
+    # sampled: the same --seed draws the same text
+    sampled = ["generate", "--from", str(tmp_path), "--prompt", "Hello", "--max-new-tokens", "8",
+               "--temperature", "0.7", "--top-p", "0.9", "--seed", "3"]
+    outs = [main(sampled) == 0 and capsys.readouterr().out for _ in range(2)]
+    assert outs[0] == outs[1] and outs[0].startswith("Hello")
     assert main(["generate", "--from", str(tmp_path / "nowhere"), "--prompt", "x"]) == 2

@@ -388,8 +388,48 @@ def test_compiled_regions_on_2x2_with_the_ep_exchange_inside_match_eager(tmp_pat
             assert rel(grads_c[path], g) <= 3e-2, (path, rel(grads_c[path], g))
 
 
-def test_slurm_script_parses():
-    assert subprocess.run(["bash", "-n", str(ROOT / "tools" / "slurm_train.sh")], timeout=30).returncode == 0
+def _slurm_launch(tmp_path: Path, **env_extra: str) -> tuple[list[str], str]:
+    """(srun's argv, OMP_NUM_THREADS as srun saw it) of tools/slurm_train.sh run as SLURM runs it on a
+    2-node job (nodes gpu01, gpu02; 8 GPUs each), with stubs of `srun` (records and exits) and
+    `scontrol` (expands the node list) first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$STUB_OUT/argv"\n'
+                                  'printf "%s" "$OMP_NUM_THREADS" > "$STUB_OUT/omp"\n')
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n'
+                                      '[ "$*" = "show hostnames gpu[01-02]" ] && printf "gpu01\\ngpu02\\n"\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NPROC_PER_NODE", "RDZV_PORT",
+                                                            "MAX_RESTARTS")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", STUB_OUT=str(tmp_path), SLURM_JOB_NODELIST="gpu[01-02]",
+               SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="4242", SLURM_GPUS_ON_NODE="8", **env_extra)
+    r = subprocess.run(["bash", str(ROOT / "tools" / "slurm_train.sh"), "--config", "configs/tiny.toml",
+                        "--mesh.fsdp", "2", "--mesh.ep", "8"], env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return (tmp_path / "argv").read_text().split("\0")[:-1], (tmp_path / "omp").read_text()
+
+
+def test_slurm_script_launches_one_torchrun_agent_per_node(tmp_path):
+    """README's multi-node recipe as tools/slurm_train.sh runs it: srun starts the torchrun agent with
+    the job's node count, the node's GPUs, a c10d rendezvous on the first node, and fnmoe train with
+    the script's arguments; torchrun's own parser reads that command line as meant."""
+    from torch.distributed.run import get_args_parser
+
+    argv, omp = _slurm_launch(tmp_path)
+    assert argv == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", "gpu01:29500", "--rdzv-id", "4242", "--max-restarts", "0",
+                    "-m", "fnmoe", "train", "--config", "configs/tiny.toml", "--mesh.fsdp", "2", "--mesh.ep", "8"]
+    assert omp == "1"
+    args = get_args_parser().parse_args(argv[1:])
+    assert (args.nnodes, args.nproc_per_node, args.rdzv_endpoint, args.module, args.training_script) == (
+        "2", "8", "gpu01:29500", True, "fnmoe")
+    assert args.training_script_args == ["train", "--config", "configs/tiny.toml", "--mesh.fsdp", "2", "--mesh.ep", "8"]
+    # the environment overrides the script documents
+    argv, omp = _slurm_launch(tmp_path, NPROC_PER_NODE="4", RDZV_PORT="29600", MAX_RESTARTS="2", OMP_NUM_THREADS="3")
+    assert argv[3:5] == ["--nproc-per-node", "4"] and argv[8] == "gpu01:29600"
+    assert argv[11:13] == ["--max-restarts", "2"]
+    assert omp == "3"
 
 
 @pytest.mark.timeout(120)

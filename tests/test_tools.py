@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,8 +81,7 @@ def test_gpu_check_helpers():
     assert gc.recompute_policies()[0] == "none"
     policies = gc.memory_policies()
     assert policies[0] == ("none", {}) and ("recompute=full", {"recompute": "full"}) in policies
-    found = gc.offload_variant()
-    assert found is None or isinstance(found[0], dict)
+    assert gc.offload_variant() == ({"offload": True}, "offload=True")  # MemoryConfig.offload, a bool
     bm = load_tool("bench_moe")
     assert bm.classify("aten::mm") == "gemm"
     assert bm.classify("aten::_grouped_mm") == "gemm"
@@ -103,7 +104,7 @@ def test_bench_moe_tiny(capsys):
     assert set(impls["fnmoe"]["split"]) == set(bm.CATEGORIES)
     if has_torchtitan():
         assert "torchtitan" in impls and res[0]["parity"]["torchtitan"] == []
-        assert res[0]["ratio"]["fnmoe"] > 0
+        assert res[0]["ratio"]["fnmoe"] == impls["fnmoe"]["ms"] / impls["torchtitan"]["ms"] > 0
         assert "ratio fnmoe / torchtitan" in capsys.readouterr().out
     assert torch._inductor.config.cpp.enable_kernel_profile == kernel_profile  # the benchmark restores it
 
@@ -126,7 +127,7 @@ def test_bench_model_tiny(capsys):
                      "--no-compile"])
     out = capsys.readouterr().out
     assert res is not None, out
-    assert res["ms"]["transformers fp32"] > 0 and res["ratio"]["fnmoe bf16 eager"] > 0
+    assert res["ratio"]["fnmoe bf16 eager"] == res["ms"]["transformers fp32"] / res["ms"]["fnmoe bf16 eager"] > 0
     assert "MISMATCH" not in out, out
     for name in ("transformers fp32", "fnmoe bf16 eager"):
         assert res["gflops"][name] > 0 and set(res["split"][name]) == set(bmod.bench_moe.CATEGORIES)
@@ -141,7 +142,17 @@ def test_bench_model_skips_without_fnmoe_hf(monkeypatch, capsys):
 
 
 @pytest.mark.timeout(300)
-def test_bench_compile_harness():
+def test_bench_compile_harness(capsys):
+    """The two sides of the benchmark run the same training step (their step-1 rows have the same
+    loss and grad norm), the time to step 1 is within each process's time, and the ratio is the one
+    of the reported times. How long anything takes is not this test's to judge."""
     bc = load_tool("bench_compile")
-    res = bc.main(["--repeats", "1", "--eager", "--extra", "--train.batch-size 2 --data.seq-len 32"])
-    assert res["cold"] > 0 and res["warm"] > 0 and res["ratio"] > 0
+    res = bc.main(["--repeats", "1", "--eager", "--keep", "--extra", "--train.batch-size 2 --data.seq-len 32"])
+    kept = Path(re.search(r"^  kept (.+)$", capsys.readouterr().out, re.M).group(1))
+    try:
+        cold, warm = (bc.step1_row(kept / f"run_{kind}0" / "metrics.jsonl") for kind in ("cold", "warm"))
+        assert (cold["loss"], cold["grad_norm"]) == (warm["loss"], warm["grad_norm"])
+    finally:
+        shutil.rmtree(kept)
+    assert 0 < res["cold"] <= res["process_cold"] and 0 < res["warm"] <= res["process_warm"]
+    assert res["ratio"] == res["warm"] / res["cold"]
