@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import time
+from typing import Callable
 
 log = logging.getLogger("fnmoe")
 
@@ -21,6 +22,13 @@ KILL_RANK_ENV = "FNMOE_TEST_KILL_RANK"
 STOP_AT_STEP_ENV = "FNMOE_TEST_STOP_AT_STEP"
 """with STOP_RANK_ENV, that rank stops itself (SIGSTOP) as this step starts (tests/test_failures.py)"""
 STOP_RANK_ENV = "FNMOE_TEST_STOP_RANK"
+SIGNAL_AT_STEP_ENV = "FNMOE_TEST_SIGNAL_AT_STEP"
+"""after this step, rank SIGNAL_RANK_ENV (default 0) sends the signal SIGNAL_ENV names (default SIGINT)
+to SIGNAL_TO_ENV ("self", the default, or "parent": torchrun's agent, which forwards it to every
+worker) and waits until it arrives, so the run stops after exactly this step (tests/test_signals.py)"""
+SIGNAL_ENV = "FNMOE_TEST_SIGNAL"
+SIGNAL_TO_ENV = "FNMOE_TEST_SIGNAL_TO"
+SIGNAL_RANK_ENV = "FNMOE_TEST_SIGNAL_RANK"
 
 
 def save_delay() -> None:
@@ -43,3 +51,18 @@ def after_step(step: int, rank: int) -> None:
     if (os.environ.get(KILL_AT_STEP_ENV) == str(step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
             and os.environ.get(KILL_RANK_ENV, str(rank)) == str(rank)):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def signal_after(step: int, rank: int, arrived: Callable[[], bool]) -> None:
+    """Sends the signal FNMOE_TEST_SIGNAL after step FNMOE_TEST_SIGNAL_AT_STEP (see SIGNAL_AT_STEP_ENV)
+    and waits, up to 30 s, until `arrived()`: the other ranks wait meanwhile at the step boundary's
+    stop flag, so every rank stops after this step whatever the signal's delay."""
+    if os.environ.get(SIGNAL_AT_STEP_ENV) != str(step) or os.environ.get(SIGNAL_RANK_ENV, "0") != str(rank):
+        return
+    sig = signal.Signals[os.environ.get(SIGNAL_ENV, "SIGINT")]
+    target = os.getppid() if os.environ.get(SIGNAL_TO_ENV) == "parent" else os.getpid()
+    log.warning("test hook: rank %d sends %s to pid %d after step %d", rank, sig.name, target, step)
+    os.kill(target, sig)
+    deadline = time.monotonic() + 30
+    while not arrived() and time.monotonic() < deadline:
+        time.sleep(0.01)

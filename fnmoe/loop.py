@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fnmoe import checkpoint, faults, optim, sharding
+from fnmoe import checkpoint, faults, optim, rundir, sharding, stop
 from fnmoe import dist as fdist
+from fnmoe.checkpoint.procs import _from_lead
 from fnmoe.compile import cache_stats, save_artifacts, warm_start
 from fnmoe.config import RunConfig, to_toml
 from fnmoe.data import Loader, load_data, val_batches
@@ -124,10 +125,20 @@ def _profile_window(run: RunConfig, run_dir: Path, first: int, rank: int):
 def train(run: RunConfig) -> dict:
     """Train run from scratch or from the checkpoint --resume names, saving checkpoints on the way;
     returns a summary (steps done, last loss, final val_loss, the last checkpoint). Under torchrun
-    every rank runs this; rank 0 prints and writes metrics.jsonl and config.toml."""
+    every rank runs this; rank 0 prints and writes metrics.jsonl and config.toml.
+
+    SIGINT, SIGTERM and SIGUSR1 stop every rank after the same step, which is saved (a second signal
+    aborts; fnmoe.stop); the summary then says `interrupted`. One run at a time holds the run
+    directory (fnmoe.rundir)."""
     rank, mesh = _start_ranks(run)
     try:
-        return _train(run, rank, mesh)
+        with stop.on_signals(speak=rank == 0) as request:
+            try:
+                return _train(run, rank, mesh, request)
+            except BaseException:
+                if request.aborted_by is None:
+                    raise
+        return _aborted(run, request.aborted_by)  # out of on_signals: a third signal acts as usual
     except RuntimeError as e:
         if fdist.collective_failed(e):
             raise fdist.CollectiveError(fdist.failure_report(e, run.dist.timeout_s)) from e
@@ -141,6 +152,25 @@ def train(run: RunConfig) -> dict:
     finally:
         if mesh is not None and fdist.launched():
             dist.destroy_process_group()
+
+
+def _aborted(run: RunConfig, signum: int) -> dict:
+    """A second signal cut the stop short: what is on disk is what complete checkpoints hold."""
+    run_dir = run_dir_of(run)
+    found = checkpoint.list_checkpoints(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else []
+    where = (f"the newest checkpoint is {found[0][1]}; continue with --resume auto" if found
+             else "there is no checkpoint")
+    log.warning("%s again while stopping: aborted without saving (a save in progress was removed); %s",
+                stop.name(signum), where)
+    return {"steps": found[0][0] if found else 0, "interrupted": True, "aborted": True, "run_dir": str(run_dir)}
+
+
+def _job_verdict(error: str | None, rank: int) -> None:
+    """Raise rank 0's error on every rank: what rank 0 alone does (the lock, config.toml,
+    metrics.jsonl) ends every rank alike, instead of leaving the others waiting in a collective."""
+    error = _from_lead(error)
+    if error:
+        raise rundir.RunDirError(error if rank == 0 else f"rank 0: {error}")
 
 
 class OutOfMemory(RuntimeError):
@@ -205,7 +235,40 @@ def _to(tree, device: torch.device):
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t, tree)
 
 
-def _train(run: RunConfig, rank: int, mesh) -> dict:
+def _train(run: RunConfig, rank: int, mesh, request: stop.Request) -> dict:
+    """The run, holding its directory's lock (rank 0 takes it) from before anything in it is read
+    until every exit: a return, an error, a signal's stop or abort."""
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = rundir.acquire(run_dir_of(run))
+        except rundir.RunDirError as e:
+            error = str(e)
+    try:
+        _job_verdict(error, rank)
+        return _train_locked(run, rank, mesh, request)
+    finally:
+        if lock:
+            lock.release()
+
+
+def _open_outputs(run: RunConfig, run_dir: Path, state: TrainState, resumed: bool, rank: int):
+    """Rank 0's config.toml and metrics writer (the others write nothing), with one verdict for all."""
+    writer, error = _NoOutput(), None
+    if rank == 0:
+        try:
+            rundir.write_text(run_dir / "config.toml", to_toml(run))
+            # alone: the other ranks reach their first save only after rank 0 is past this (a step's collectives)
+            checkpoint.discard_after(run_dir / "checkpoints", state.step)
+            writer = MetricsWriter(_metrics_writer(run_dir / "metrics.jsonl", state.step if resumed else None),
+                                   TensorBoardWriter(run_dir / "tensorboard") if run.train.tensorboard else None)
+        except ValueError as e:  # RunDirError, or no tensorboard package
+            error = str(e)
+    _job_verdict(error, rank)
+    return writer
+
+
+def _train_locked(run: RunConfig, rank: int, mesh, request: stop.Request) -> dict:
     _use_deterministic(run.train.deterministic)
     torch.manual_seed(run.train.seed)
     if run.train.threads:
@@ -228,20 +291,13 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
         state = TrainState(_to(state.params, device), _to(state.opt_state, device), state.step)
     else:
         state = init_state(_initial_params(run, device, mesh), tx)
-    run_dir.mkdir(parents=True, exist_ok=True)
     if state.step >= t.steps:
         log.info("%s is at step %d and train.steps=%d: nothing to train", found[0], state.step, t.steps)
         return {"steps": state.step, "loss": None, "val_loss": None, "run_dir": str(run_dir),
                 "params": state.params, "interrupted": False, "checkpoint": str(found[0])}
-    if rank == 0:
-        (run_dir / "config.toml").write_text(to_toml(run))
-        # alone: the other ranks reach their first save only after rank 0 is past this (a step's collectives)
-        checkpoint.discard_after(ckpt_root, state.step)
+    writer = _open_outputs(run, run_dir, state, bool(found), rank)
     train_step = make_train_step(run, tx)
     fpt = flops_per_token(run.model, L)
-    writer = _NoOutput() if rank else MetricsWriter(
-        _metrics_writer(run_dir / "metrics.jsonl", state.step if found else None),
-        TensorBoardWriter(run_dir / "tensorboard") if t.tensorboard else None)
     saver = checkpoint.Saver(ckpt_root, run.checkpoint, last_step=state.step)  # on every rank: a save is collective
     prof = _profile_window(run, run_dir, state.step + 1, rank)
     log.info("run %s: steps %d..%d x %d sequences x %d tokens -> %s", run.name, state.step + 1, t.steps,
@@ -251,7 +307,10 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
         _memory_report(run, state.params, _to(loader.batch_at(state.step, rank, run.dp_size, 0), device), rank)
     start, tokens, row, first = time.perf_counter(), state.step * t.batch_size * L, {}, state.step + 1
     try:
+        why = stop.agreed(request)  # a signal during the setup stops before the first step
         for step in range(state.step + 1, t.steps + 1):
+            if why:
+                break
             faults.before_step(step, rank)
             if prof and step == prof[0]:
                 prof[2].start()
@@ -270,6 +329,11 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
             if "dropped_tokens" in m:
                 row["dropped_tokens"] = m["dropped_tokens"]
             writer.write(row, m["expert_counts_NE"])
+            faults.signal_after(step, rank, lambda: request.signum is not None)
+            # the step boundary: every rank learns here whether any was signalled or failed to write
+            why = stop.agreed(request, write_failed=getattr(writer, "error", None) is not None)
+            if why == stop.WRITE_FAILED:
+                break
             state = new_state  # only now: a checkpoint of `state` never lacks its metrics row
             if artifacts and step == first and rank == 0:  # all is compiled after the first step; ranks compile alike
                 save_artifacts(artifacts)
@@ -281,14 +345,21 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
                 log.info("profile of steps %d..%d written to %s", prof[0], prof[1], prof[3])
             if step % t.log_every == 0 or step == t.steps:
                 log.info(_progress_line(row, t.steps))
+            if why and step < t.steps:  # at the last step, the run ends as it would have
+                break
+            why = 0
             if t.eval_every and step % t.eval_every == 0 and step < t.steps:
                 writer.write(_val_row(step, eval_loss(state.params, val, run)))
             if run.checkpoint.every and step % run.checkpoint.every == 0 and step < t.steps:
                 saver.save(state, run, loader)
             faults.after_step(step, rank)
+        if why:
+            return _stop(why, writer, saver, state, run, loader, rank)
         saved = saver.save(state, run, loader, blocking=True)
         val_loss = eval_loss(state.params, val, run)
         writer.write(_val_row(t.steps, val_loss))
+        if getattr(writer, "error", None) is not None:
+            raise rundir.RunDirError(f"{writer.error}; the run finished and saved {saved}")
     except KeyboardInterrupt:
         log.warning("interrupted at step %d of %d; %s", state.step, t.steps,
                     _save_on_interrupt(saver, state, run, loader))
@@ -300,6 +371,23 @@ def _train(run: RunConfig, rank: int, mesh) -> dict:
              t.steps, time.perf_counter() - start, row["loss"], val_loss, run_dir / "metrics.jsonl", saved)
     return {"steps": t.steps, "loss": row["loss"], "val_loss": val_loss, "run_dir": str(run_dir),
             "params": state.params, "interrupted": False, "checkpoint": str(saved)}
+
+
+def _stop(why: int, writer, saver: checkpoint.Saver, state: TrainState, run: RunConfig, loader: Loader,
+          rank: int) -> dict:
+    """Every rank stops here, after the last step whose metrics row was written: saved, then a
+    summary (a signal) or a RunDirError (a write failure)."""
+    if why != stop.WRITE_FAILED:
+        where = _save_on_interrupt(saver, state, run, loader)
+        if rank == 0:  # the others said it in their checkpoint lines
+            log.warning("%s: interrupted at step %d of %d; %s", stop.name(why), state.step, run.train.steps, where)
+        return {"steps": state.step, "interrupted": True, "run_dir": str(run_dir_of(run))}
+    what = str(writer.error) if rank == 0 else "rank 0 could not write its files"
+    try:
+        where = _save_on_interrupt(saver, state, run, loader)
+    except checkpoint.CheckpointError as e:
+        where = f"and no checkpoint was saved either: {e}"
+    raise rundir.RunDirError(f"{what}; stopped after step {state.step}: {where}")
 
 
 def _val_row(step: int, val_loss: float) -> dict:

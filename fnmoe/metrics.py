@@ -8,6 +8,7 @@ experts); the second term is causal attention's score and value matmuls, forward
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import torch
 
 from fnmoe.config import ModelConfig
 from fnmoe.params import leaf_inits
+from fnmoe.rundir import RunDirError, failure
 from fnmoe.tree import flatten_dict
 
 
@@ -61,21 +63,53 @@ def load_max_over_mean(expert_counts_NE: torch.Tensor | None) -> float | None:
     return max(by_layer) if by_layer else None
 
 
+def strict_json(row: dict) -> dict:
+    """row with every non-finite value (a float, or a list holding one) as None, their keys listed
+    under "nonfinite": metrics.jsonl stays JSON, which has no NaN or Infinity, and its readers
+    (fnmoe plot) take None for a value a row lacks."""
+    bad = [key for key, value in row.items() if not _finite(value)]
+    if not bad:
+        return row
+    return {**{key: None if key in bad else value for key, value in row.items()}, "nonfinite": bad}
+
+
+def _finite(value) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return not isinstance(value, list) or all(_finite(v) for v in value)
+
+
 class JsonlWriter:
-    """Appends one JSON object a line, flushed and fsynced when written (a crash loses nothing)."""
+    """Appends one JSON object a line, fsynced when written (a crash loses nothing). A line is
+    written whole or not at all: a write that fails part way (disk full, a file-size limit) is
+    cut back to the last whole line and raised as a RunDirError naming the file."""
 
     def __init__(self, path: Path, fresh: bool):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(self.path, "w" if fresh else "a")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0), 0o644)
+        except OSError as e:
+            raise failure("opening", self.path, e) from None
+        self.size = os.fstat(self.fd).st_size
 
     def write(self, row: dict) -> None:
-        self.f.write(json.dumps(row) + "\n")
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        data = (json.dumps(strict_json(row), allow_nan=False) + "\n").encode()
+        try:
+            done = 0
+            while done < len(data):  # os.write may write part of it
+                done += os.write(self.fd, data[done:])
+            os.fsync(self.fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, self.size)
+            raise failure("writing", self.path, e) from None
+        self.size += len(data)
 
     def close(self) -> None:
-        self.f.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def drop_rows_after(path: Path, step: int) -> None:
@@ -83,6 +117,13 @@ def drop_rows_after(path: Path, step: int) -> None:
     included), atomically: a temp file, fsynced, renamed over it. A line torn by a crash mid-write
     is dropped too. No file: nothing to do."""
     path = Path(path)
+    try:
+        _drop_rows_after(path, step)
+    except OSError as e:
+        raise failure("rewriting", path, e) from None
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = []
@@ -131,13 +172,22 @@ class TensorBoardWriter:
 
 
 class MetricsWriter:
-    """metrics.jsonl, plus TensorBoard when asked: one write per row for both."""
+    """metrics.jsonl, plus TensorBoard when asked: one write per row for both. A failed write is
+    kept in `error`, not raised, and the rows after it are not written: the loop stops the run at
+    the step boundary, where it can still save a checkpoint."""
 
     def __init__(self, jsonl: JsonlWriter, tensorboard: TensorBoardWriter | None = None):
         self.jsonl, self.tb = jsonl, tensorboard
+        self.error: RunDirError | None = None
 
     def write(self, row: dict, expert_counts_NE: torch.Tensor | None = None) -> None:
-        self.jsonl.write(row)
+        if self.error is not None:
+            return
+        try:
+            self.jsonl.write(row)
+        except RunDirError as e:
+            self.error = e
+            return
         if self.tb:
             self.tb.write(row, expert_counts_NE)
 

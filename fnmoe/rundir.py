@@ -1,0 +1,175 @@
+"""The run directory: one run at a time (a lock), and its files written with errors that name the
+path and the operating system's reason.
+
+The lock is `<run-dir>/fnmoe.lock`, a JSON object naming its holder (pid, host, start time), held
+by `flock` while the run lives. The kernel releases a flock however its process ends (kill -9
+included), so a lock file whose flock is free was left by a run that ended without removing it:
+the next run takes it over with a warning naming that holder. Where the file system has no flock,
+the file's content decides: a holder on this host whose process is gone is stale; any other is
+taken to be running. A second run is refused with a RunDirError naming the holder.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+log = logging.getLogger("fnmoe")
+
+LOCK = "fnmoe.lock"
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+class RunDirError(ValueError):
+    """A file of the run directory could not be created or written, or another run holds the
+    directory. A ValueError, so that the CLI prints it as one line (exit 2)."""
+
+
+def os_reason(e: OSError) -> str:
+    """The OS's words for e, with what to look at where they are terse."""
+    hint = " (disk full or over a file-size limit)" if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else ""
+    return f"{e.strerror or e}{hint}"
+
+
+def failure(what: str, path: Path, e: OSError) -> RunDirError:
+    return RunDirError(f"{what} {path} failed: {os_reason(e)}")
+
+
+def make_dir(path: Path) -> bool:
+    """Create the run directory (and its parents); True if it was created here."""
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"the run directory {path} is a file; choose another --train.run-dir")
+    try:
+        path.mkdir(parents=True)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        raise failure("creating the run directory", path, e) from None
+
+
+def write_text(path: Path, text: str) -> None:
+    """path's new content, whole or not at all: a temp file renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise failure("writing", path, e) from None
+
+
+def _start_ticks(pid: int) -> str | None:
+    """When process pid started (clock ticks since boot), which tells a reused pid apart; None
+    where /proc cannot say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the name before ")" may hold spaces
+
+
+def _running_here(holder: dict) -> bool:
+    """Whether the holder's process runs on this host (the same pid started at the same time)."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return holder.get("start") in (None, _start_ticks(pid))
+
+
+def describe(holder: dict) -> str:
+    started = holder.get("time")
+    when = time.strftime(", started %Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(
+        started, (int, float)) else ""
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{when}"
+
+
+class Lock:
+    """A held run-directory lock; `release` removes it (every exit path of the run calls it)."""
+
+    def __init__(self, path: Path, fd: int, created_dir: bool):
+        self.path, self._fd, self._created_dir = path, fd, created_dir
+
+    def release(self) -> None:
+        if self._fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:  # still ours
+                self.path.unlink()
+        os.close(self._fd)
+        self._fd = -1
+        if self._created_dir:  # a run that failed before writing anything leaves no directory
+            with contextlib.suppress(OSError):
+                self.path.parent.rmdir()
+
+
+def _read(fd: int) -> dict:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _try_flock(fd: int) -> bool | None:
+    """True: locked; False: another process holds it; None: this file system has no flock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno in _NO_FLOCK:
+            return None
+        raise
+
+
+def acquire(run_dir: Path) -> Lock:
+    """Create run_dir if needed and take its lock, or raise RunDirError naming the run holding it."""
+    created = make_dir(run_dir)
+    path = run_dir / LOCK
+    for _ in range(10):  # again only when a holder removed the file between our open and flock
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            locked = _try_flock(fd)
+        except OSError as e:
+            raise failure("creating the lock file", path, e) from None
+        try:
+            if os.stat(path).st_ino != os.fstat(fd).st_ino:
+                os.close(fd)
+                continue
+        except FileNotFoundError:
+            os.close(fd)
+            continue
+        holder = _read(fd)
+        if locked is False or (locked is None and holder and (holder.get("host") != socket.gethostname()
+                                                               or _running_here(holder))):
+            os.close(fd)
+            raise RunDirError(f"{run_dir} is in use by another run ({describe(holder)}; lock file {path}): "
+                              "wait for it to end or choose another --train.run-dir")
+        if holder:
+            log.warning("taking over %s: its holder (%s) ended without releasing it", path, describe(holder))
+        mine = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_ticks(os.getpid()),
+                "time": time.time()}
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(mine).encode(), 0)
+            os.fsync(fd)
+        except OSError as e:
+            os.close(fd)
+            raise failure("writing the lock file", path, e) from None
+        return Lock(path, fd, created)
+    raise RunDirError(f"could not take the lock {path}: it kept being replaced")
