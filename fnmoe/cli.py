@@ -8,9 +8,12 @@ values, checked by a test).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Callable
@@ -88,7 +91,7 @@ def cmd_inspect(argv: list[str]) -> int:
     known, run = _parse_run_and(argv, "fnmoe inspect", "--dump", dict(default=""),
                                 "fnmoe inspect [--config FILE] [overrides] [--dump DIR]: graphs, breaks, "
                                 "recompiles, FX nodes, kernels and host syncs per compiled region")
-    _dir_arg(known.dump, "--dump")
+    _out_dir(known.dump, "--dump")
     setup_cache(run.compile_cache)
     reports, note = inspect_model(run.model, Path(known.dump) if known.dump else None)
     if note:
@@ -115,19 +118,41 @@ def cmd_checkpoint(argv: list[str]) -> int:
     return 0
 
 
+def checkpoint_of(src: Path) -> Path:
+    """src, or for a run directory its newest complete checkpoint, named on stderr (a corrupt newer
+    one is passed over with a warning, once)."""
+    from fnmoe import checkpoint
+
+    if not src.exists():
+        raise FileNotFoundError(f"{src} does not exist")
+    if not (src / "checkpoints").is_dir():
+        return src
+    found = checkpoint.find_latest(src / "checkpoints")
+    if found is None:
+        raise FileNotFoundError(f"no complete checkpoint under {src / 'checkpoints'}")
+    print(f"fnmoe: using {found[0]} (step {found[1]['step']}), the newest complete checkpoint of {src}",
+          file=sys.stderr)
+    return found[0]
+
+
+def _format_of(index: Path) -> str | None:
+    """The "format" an index.json declares (None: not an object or none declared)."""
+    try:
+        d = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{index}: not valid JSON ({e})") from None
+    return d.get("format") if isinstance(d, dict) else None
+
+
 def load_model(src: Path):
     """(ModelConfig, params) of a run directory (its newest complete checkpoint), a checkpoint,
     a native tree directory or a Hugging Face checkpoint directory."""
     from fnmoe import checkpoint, hf
     from fnmoe.tree_io import load_tree
 
-    if (src / "checkpoints").is_dir():
-        found = checkpoint.find_latest(src / "checkpoints")
-        if found is None:
-            raise FileNotFoundError(f"no complete checkpoint under {src / 'checkpoints'}")
-        src = found[0]
+    src = checkpoint_of(Path(src))
     index = src / "index.json"
-    if index.is_file() and json.loads(index.read_text()).get("format") == checkpoint.FORMAT:
+    if index.is_file() and _format_of(index) == checkpoint.FORMAT:
         run, params = checkpoint.load_params(src)
         return run.model, params
     if (src / "config.json").is_file():
@@ -135,22 +160,26 @@ def load_model(src: Path):
     return load_tree(src)
 
 
-def _prepared_corpus(src: Path) -> Path | None:
-    """The prepared corpus directory the run or checkpoint at src trained on; None when it trained
-    on text (byte tokens) or src holds no run config (a tree or HF directory)."""
-    from fnmoe import checkpoint
-
-    if (src / "checkpoints").is_dir():
-        src = checkpoint.find_latest(src / "checkpoints")[0]
-    if not (src / "config.toml").is_file():
+def _prepared_corpus(ckpt: Path) -> Path | None:
+    """The prepared corpus directory the checkpoint at ckpt trained on; None when it trained on
+    text (byte tokens) or ckpt holds no run config (a tree or HF directory)."""
+    if not (ckpt / "config.toml").is_file():
         return None
-    corpus = Path(load_config(src / "config.toml").data.corpus)
+    corpus = Path(load_config(ckpt / "config.toml").data.corpus)
     return corpus if (corpus / "index.json").is_file() else None
+
+
+def _check_range(value: float, flag: str, bounds) -> None:
+    import math
+
+    if not math.isfinite(value) or value not in bounds:
+        raise ValueError(f"{flag} must be {bounds}, got {value}")
 
 
 def cmd_generate(argv: list[str]) -> int:
     import torch
 
+    from fnmoe.config.schema import Range
     from fnmoe.data import EOS_ID, ByteTokenizer, corpus_codec
     from fnmoe.generate import generate
 
@@ -161,11 +190,18 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--prompt", default="", help="the text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with temperature > 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] "
+                        "(with temperature > 0)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    cfg, params = load_model(Path(args.src))
-    corpus = _prepared_corpus(Path(args.src))
+    _check_range(args.max_new_tokens, "--max-new-tokens", Range(0))
+    _check_range(args.temperature, "--temperature", Range(0))
+    _check_range(args.top_p, "--top-p", Range(0, 1, lo_open=True))
+    # the text is stdout's alone: notes (which checkpoint, one passed over) go to stderr
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
+    src = checkpoint_of(Path(args.src))
+    cfg, params = load_model(src)
+    corpus = _prepared_corpus(src)
     tok = ByteTokenizer()
     encode, decode, eos = corpus_codec(corpus) if corpus else (tok.encode, tok.decode, EOS_ID)
     try:
@@ -174,8 +210,19 @@ def cmd_generate(argv: list[str]) -> int:
         raise ValueError(f"--prompt is not valid text in UTF-8 ({e.reason} at characters {e.start}..{e.end})") from None
     out = generate(params, torch.tensor([ids]), cfg, args.max_new_tokens, args.temperature, args.top_p,
                    args.seed, stop_id=eos)
-    print(args.prompt + decode(out[0, len(ids):].tolist()))
+    _write_stdout(args.prompt + decode(out[0, len(ids):].tolist()) + "\n")
     return 0
+
+
+def _write_stdout(text: str) -> None:
+    """text on stdout, or one error with the OS reason (a full disk, a closed pipe)."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as e:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no second failure at exit's flush
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise ValueError(f"cannot write the output to stdout: {e.strerror or e}") from None
 
 
 def cmd_convert(argv: list[str]) -> int:
@@ -190,7 +237,7 @@ def cmd_convert(argv: list[str]) -> int:
                      "or a training checkpoint (<run-dir>/checkpoints/step_N)")
     parser.add_argument("--out", metavar="DST", required=True, help="the output directory (new or empty)")
     args = parser.parse_args(argv)
-    _dir_arg(args.out, "--out")
+    _out_dir(args.out, "--out")
     if args.from_hf:
         cfg, params = hf.load(args.from_hf)
         save_tree(args.out, params, cfg)
@@ -206,28 +253,45 @@ def cmd_convert(argv: list[str]) -> int:
     return 0
 
 
-def _dir_arg(path: str, flag: str) -> None:
-    """Stop before any work when an output directory argument names a file."""
-    if path and Path(path).exists() and not Path(path).is_dir():
+def _out_dir(path: str, flag: str) -> None:
+    """Stop before any work when an output directory cannot be written: it names a file, lies
+    under one, or the directory it would be made in is not writable."""
+    if not path:
+        return
+    out = Path(path)
+    if out.exists() and not out.is_dir():
         raise ValueError(f"{flag} {path} is a file; it must name a directory (new, or one to write into)")
+    above = next(a for a in (out, *out.parents) if a.exists())
+    if not above.is_dir():
+        raise ValueError(f"{flag} {path}: cannot make a directory under {above}: {os.strerror(errno.ENOTDIR)}")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: cannot write in {above}: {os.strerror(errno.EACCES)}")
 
 
 def cmd_prepare(argv: list[str]) -> int:
+    from fnmoe.config.schema import Range
     from fnmoe.prepare import prepare
 
     parser = argparse.ArgumentParser(prog="fnmoe prepare", description="tokenise text / JSONL files into "
                                      "memory-mapped token shards for --data.corpus DIR")
-    parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
+    parser.add_argument("--input", nargs="+", metavar="FILE",
                         help="text files (form-feed lines separate documents) or .jsonl[.gz] files")
     parser.add_argument("--tokenizer", default="byte", help="'byte' or a Hugging Face tokenizer.json")
-    parser.add_argument("--out", required=True, metavar="DIR", help="output directory (resumes if interrupted)")
+    parser.add_argument("--out", metavar="DIR", help="output directory (resumes if interrupted)")
+    parser.add_argument("--verify", metavar="DIR", help="instead: check a prepared directory's files against the "
+                        "sizes and sha256 checksums in its index.json; exit 2 naming the first bad file")
     parser.add_argument("--text-field", default="text", help="the JSONL field holding a document's text")
     parser.add_argument("--prompt-field", default="", help="SFT: the JSONL field holding a prompt, whose "
                         "tokens get no loss (the completion is --text-field)")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="held-out fraction of documents")
     parser.add_argument("--workers", type=int, default=2, help="tokeniser processes")
     args = parser.parse_args(argv)
-    _dir_arg(args.out, "--out")
+    if args.verify:
+        return _verify_prepared(args.verify)
+    if not (args.input and args.out):
+        parser.error("--input and --out are required (or --verify DIR)")
+    _check_range(args.workers, "--workers", Range(1))
+    _out_dir(args.out, "--out")
     try:
         index = prepare(args.input, args.tokenizer, args.out, args.text_field, args.val_fraction, args.workers,
                         args.prompt_field)
@@ -242,6 +306,16 @@ def cmd_prepare(argv: list[str]) -> int:
     return 0
 
 
+def _verify_prepared(path: str) -> int:
+    from fnmoe.data import check_prepared_checksums
+
+    index = check_prepared_checksums(path)
+    names = [e["file"] for e in index["splits"].values()] + \
+        [e["loss_mask"]["file"] for e in index["splits"].values() if "loss_mask" in e]
+    print(f"ok: {path}: {', '.join(names)} match the sizes and sha256 checksums in index.json")
+    return 0
+
+
 def cmd_plot(argv: list[str]) -> int:
     from fnmoe.plot import plot_run
 
@@ -250,7 +324,7 @@ def cmd_plot(argv: list[str]) -> int:
     parser.add_argument("run_dir", metavar="RUN_DIR")
     parser.add_argument("--out", default="", help="output directory (default RUN_DIR/plots)")
     args = parser.parse_args(argv)
-    _dir_arg(args.out, "--out")
+    _out_dir(args.out or str(Path(args.run_dir) / "plots"), "--out")
     drawn = plot_run(args.run_dir, args.out or None)
     print(f"wrote {', '.join(drawn)} to {args.out or Path(args.run_dir) / 'plots'}")
     return 0
@@ -293,9 +367,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(sub: str, rest: list[str]) -> int:
     try:
         return COMMANDS[sub](rest)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         notes = "".join(f"\n  {note}" for note in getattr(e, "__notes__", ()))  # e.g. the rank that raised
-        print(f"fnmoe {sub}: error: {e}{notes}", file=sys.stderr)
+        print(f"fnmoe {sub}: error: {_said(e)}{notes}", file=sys.stderr)
         return 2
     except RuntimeError as e:
         from fnmoe.loop import OutOfMemory
@@ -303,6 +377,15 @@ def _run(sub: str, rest: list[str]) -> int:
             raise
         print(f"fnmoe {sub}: {e}", file=sys.stderr)
         return 1
+
+
+def _said(e: Exception) -> str:
+    """An error as one line: an OSError of a file (one fnmoe reads or writes: a read-only or full
+    disk, a directory that is a file) as the path and the OS's reason."""
+    if isinstance(e, OSError) and e.filename is not None:
+        paths = f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 is not None else "")
+        return f"{paths}: {e.strerror}"
+    return str(e)
 
 
 if __name__ == "__main__":

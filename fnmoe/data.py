@@ -195,32 +195,81 @@ def check_token_ids(tokens, vocab_size: int, where: str) -> None:
 
 # ---------------------------------------------------------------- prepared directories (`fnmoe prepare`)
 
-def open_prepared(dir_: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """(index, {split: memory-mapped token array}) of a prepared directory."""
+CHECKSUM_AT_OPEN_BYTES = 64 << 20
+"""a prepared corpus this small has its sha256 checksums checked each time it is opened (~0.1 s);
+a larger one by `fnmoe prepare --verify DIR`"""
+
+
+def read_prepared_index(dir_: str | Path) -> dict:
+    """The index.json of a prepared directory, or a ValueError naming the file and what is wrong."""
     d = Path(dir_)
-    index = json.loads((d / "index.json").read_text())
-    if index.get("format") != PREPARED_FORMAT or index.get("version") != PREPARED_VERSION:
-        raise ValueError(f"{d / 'index.json'}: not a {PREPARED_FORMAT} v{PREPARED_VERSION} index")
-    arrays = {}
-    for split, entry in index["splits"].items():
-        path = d / entry["file"]
-        expected = entry["tokens"] * np.dtype(index["dtype"]).itemsize
-        if not path.is_file() or path.stat().st_size != expected:
-            raise ValueError(f"{path}: missing or truncated (expected {expected} bytes)")
-        # copy-on-write: readers never write, and torch wants a writable buffer to wrap
-        arrays[split] = np.memmap(path, dtype=np.dtype(index["dtype"]).newbyteorder("<"), mode="c")
-        if "loss_mask" in entry:
-            mask_path = d / entry["loss_mask"]["file"]
-            if not mask_path.is_file() or mask_path.stat().st_size != entry["tokens"]:
-                raise ValueError(f"{mask_path}: missing or truncated (expected {entry['tokens']} bytes)")
-            arrays[split + ".loss_mask"] = np.memmap(mask_path, dtype=np.uint8, mode="c")
+    path = d / "index.json"
+    if not d.is_dir():
+        raise FileNotFoundError(f"corpus directory not found: {d}")
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: {d} is not a prepared corpus (`fnmoe prepare --out DIR` writes one)")
+    try:
+        index = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(index, dict) or (index.get("format"), index.get("version")) != (PREPARED_FORMAT,
+                                                                                       PREPARED_VERSION):
+        raise ValueError(f"{path}: not a {PREPARED_FORMAT} v{PREPARED_VERSION} index")
+    return index
+
+
+def _prepared_files(d: Path, index: dict) -> list[tuple[str, Path, int, str]]:
+    """(array name, path, bytes, sha256) of every file a prepared index lists."""
+    out = []
+    try:
+        itemsize = np.dtype(index["dtype"]).itemsize
+        for split, entry in index["splits"].items():
+            out.append((split, d / entry["file"], entry["tokens"] * itemsize, entry["sha256"]))
+            if "loss_mask" in entry:
+                m = entry["loss_mask"]
+                out.append((split + ".loss_mask", d / m["file"], entry["tokens"], m["sha256"]))
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # valid JSON of the wrong shape
+        raise ValueError(f"{d / 'index.json'} is malformed ({type(e).__name__}: {e})") from None
+    return out
+
+
+def check_prepared_checksums(dir_: str | Path) -> dict:
+    """Each file of a prepared directory against its size and sha256 in index.json (what
+    `fnmoe prepare --verify` runs); the index, or a ValueError naming the first bad file."""
+    d = Path(dir_)
+    index, _ = open_prepared(d, checksums=False)
+    for _, path, _, sha in _prepared_files(d, index):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        if h.hexdigest() != sha:
+            raise ValueError(f"{path} does not match its sha256 checksum in {d / 'index.json'} (corrupt)")
+    return index
+
+
+def open_prepared(dir_: str | Path, checksums: bool | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+    """(index, {split: memory-mapped token array}) of a prepared directory, each file's size checked
+    against the index; checksums too when asked, or (None) when the files are small enough to be cheap."""
+    d = Path(dir_)
+    index = read_prepared_index(d)
+    files = _prepared_files(d, index)
+    for _, path, size, _ in files:
+        if not path.is_file() or path.stat().st_size != size:
+            raise ValueError(f"{path}: missing or truncated (expected {size} bytes, {d / 'index.json'} says)")
+    if checksums or (checksums is None and sum(f[2] for f in files) <= CHECKSUM_AT_OPEN_BYTES):
+        check_prepared_checksums(d)
+    dtype = np.dtype(index["dtype"]).newbyteorder("<")
+    # copy-on-write: readers never write, and torch wants a writable buffer to wrap
+    arrays = {name: np.memmap(path, dtype=np.uint8 if name.endswith(".loss_mask") else dtype, mode="c")
+              for name, path, _, _ in files}
     return index, arrays
 
 
 def corpus_codec(dir_: str | Path) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str], int]:
     """(encode, decode, eos_id) of the tokenizer a prepared directory's tokens were made with."""
     d = Path(dir_)
-    index = json.loads((d / "index.json").read_text())
+    index = read_prepared_index(d)
     if index["tokenizer"] == "byte":
         tok = ByteTokenizer()
         return tok.encode, tok.decode, index["eos_id"]
@@ -249,7 +298,7 @@ def load_prepared(path: Path, vocab_size: int) -> TokenData:
 
 
 def load_data(dcfg: DataConfig, vocab_size: int) -> TokenData:
-    if dcfg.corpus != BUNDLED and (Path(dcfg.corpus) / "index.json").is_file():
+    if dcfg.corpus != BUNDLED and Path(dcfg.corpus).is_dir():  # a prepared corpus, or a broken one to name
         return load_prepared(Path(dcfg.corpus), vocab_size)
     if dcfg.tokenizer != "byte":
         raise ValueError(f"data.tokenizer={dcfg.tokenizer!r} is not supported (only 'byte')")

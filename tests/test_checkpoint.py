@@ -341,3 +341,40 @@ def test_torchrun_restarts_a_killed_worker_and_ends_with_the_same_loss(tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert [r.get("step", r.get("event")) for r in rows(run_dir)] == [1, 2, "resume", 3, 4, 5, 6, 6]
     assert losses(run_dir) == losses(ref)
+
+
+def test_index_fields_are_typed_and_generate_names_the_checkpoint_it_used(tmp_path, capsys):
+    """A hand-edited index.json with a field of the wrong type fails `checkpoint verify` naming the
+    field (it used to pass and fail on resume); generate from a run whose newest checkpoint is
+    corrupt warns once and says, on stderr, which checkpoint it used."""
+    train_here(*args(tmp_path, 2, "--checkpoint.every", "1"))
+    capsys.readouterr()  # the training's log
+    root = tmp_path / "checkpoints"
+    index = json.loads((root / "step_2" / "index.json").read_text())
+    leaf = next(iter(index["tensors"]))
+    edits = [(["step"], "2", 'step = "2" is a str, expected int'),
+             (["files", PARAMS, "bytes"], 1.5, f"files['{PARAMS}'].bytes = 1.5 is a float, expected int"),
+             (["tensors", leaf, "shape"], [2, "3"], f"tensors['{leaf}'].shape[1] = \"3\" is a str, expected int"),
+             (["tensors", leaf, "shards"], {}, f"tensors['{leaf}'].shards = {{}} is a dict, expected a list"),
+             (["train", "data", "seed"], True, "train.data.seed = true is a bool, expected int"),
+             (["mesh"], {"fsdp": 1}, "mesh has no field 'ep'")]
+    for keys, value, line in edits:
+        bad = tmp_path / "edited"
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(root / "step_2", bad)
+        edited = json.loads(json.dumps(index))
+        inner = edited
+        for k in keys[:-1]:
+            inner = inner[k]
+        inner[keys[-1]] = value
+        (bad / "index.json").write_text(json.dumps(edited))
+        assert main(["checkpoint", "verify", str(bad)]) == 2
+        assert capsys.readouterr().err == f"fnmoe checkpoint: error: {bad / 'index.json'}: {line}\n"
+
+    data = bytearray((root / "step_2" / PARAMS).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (root / "step_2" / PARAMS).write_bytes(bytes(data))
+    assert main(["generate", "--from", str(tmp_path), "--prompt", "a", "--max-new-tokens", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("skipping checkpoint step_2") == 1 and f"using {root / 'step_1'} (step 1)" in err
+    assert out.startswith("a") and "skipping" not in out

@@ -151,3 +151,61 @@ def test_checkpoint_flags_are_fields_of_the_config():
                      "--train.deterministic", "--resume", "auto"], "fnmoe train")
     assert (run.checkpoint.every, run.checkpoint.keep_last, run.checkpoint.async_save) == (5, 2, True)
     assert run.train.deterministic and run.resume == "auto"
+
+
+def test_outputs_that_cannot_be_written_are_one_error(tmp_path, capsys, monkeypatch):
+    """plot, prepare, convert and inspect into a directory under a file (and, not as root, under a
+    read-only directory), a directory part that is a file mid-write, and generate into a full stdout:
+    exit 2 and one line naming the path and the OS's reason, nothing written."""
+    from fnmoe.config import ModelConfig, MoEConfig
+    from fnmoe.params import init_params
+    from fnmoe.tree_io import save_tree
+
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(30)))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    cfg = ModelConfig(dim=32, ffn_hidden=64, attention_impl="sdpa", moe=MoEConfig(impl="padded"))  # no C++ build
+    save_tree(tmp_path / "tree", init_params(cfg), cfg)
+    dests = {tmp_path / "file" / "sub": f"cannot make a directory under {tmp_path / 'file'}: Not a directory"}
+    if os.geteuid() != 0:  # root writes anywhere
+        (tmp_path / "ro").mkdir(mode=0o500)
+        dests[tmp_path / "ro" / "sub"] = f"cannot write in {tmp_path / 'ro'}: Permission denied"
+    for dest, reason in dests.items():
+        for cmd in (["plot", str(tmp_path / "run"), "--out", str(dest)],
+                    ["prepare", "--input", str(tmp_path / "in.jsonl"), "--out", str(dest)],
+                    ["convert", "--to-hf", str(tmp_path / "tree"), "--out", str(dest)],
+                    ["inspect", "--dump", str(dest)]):
+            assert main(cmd) == 2, cmd
+            assert capsys.readouterr().err == f"fnmoe {cmd[0]}: error: --{cmd[-2].lstrip('-')} {dest}: {reason}\n"
+    assert main(["plot", str(tmp_path / "file")]) == 2  # its default --out, RUN_DIR/plots, lies under a file
+    assert "Not a directory" in capsys.readouterr().err
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "parts").write_text("x")  # found only when prepare makes it
+    assert main(["prepare", "--input", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"fnmoe prepare: error: {tmp_path / 'out' / 'parts'}: File exists\n"
+
+    class Full:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+        flush = write
+    monkeypatch.setattr(sys, "stdout", Full())
+    assert main(["generate", "--from", str(tmp_path / "tree"), "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err == "fnmoe generate: error: cannot write the output to stdout: " \
+                                      "No space left on device\n"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--top-p", "5"], "--top-p must be in (0, 1], got 5.0"), (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
+    (["--temperature", "nan"], "--temperature must be >= 0, got nan"),
+])
+def test_generate_flags_out_of_range(args, message, tmp_path, capsys):
+    assert main(["generate", "--from", str(tmp_path), *args]) == 2
+    assert capsys.readouterr().err == f"fnmoe generate: error: {message}\n"
+
+
+def test_paths_that_do_not_exist_are_named_as_such(tmp_path, capsys):
+    for cmd in (["checkpoint", "verify"], ["generate", "--from"], ["convert", "--out", str(tmp_path / "o"), "--to-hf"]):
+        assert main([*cmd, str(tmp_path / "nope")]) == 2
+        assert f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err

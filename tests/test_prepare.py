@@ -127,3 +127,38 @@ def test_tokenizers_tokenizer_json(tmp_path, capsys):
     (tmp_path / "out" / "tokenizer.json").write_text((tmp_path / "tokenizer.json").read_text() + " ")  # another file
     assert main(["generate", "--from", run_dir, "--prompt", "the"]) == 2
     assert "is not the tokenizer" in capsys.readouterr().err
+
+
+def test_checksums_verified_and_broken_indexes_named(tmp_path, capsys):
+    """`fnmoe prepare --verify DIR` checks each file's sha256 (a small corpus also at open); a
+    missing or broken index.json is named with its path, a path that does not exist as such."""
+    src = write_jsonl(tmp_path / "in.jsonl", [f"d{i}" * 10 for i in range(40)])
+    out = tmp_path / "out"
+    prepare([str(src)], "byte", out)
+    assert main(["prepare", "--verify", str(out)]) == 0
+    assert "train.bin, val.bin match the sizes and sha256 checksums" in capsys.readouterr().out
+    data = bytearray((out / "train.bin").read_bytes())
+    data[5] ^= 0xFF  # same size: only the checksum tells
+    (out / "train.bin").write_bytes(bytes(data))
+    assert main(["prepare", "--verify", str(out)]) == 2
+    assert f"{out / 'train.bin'} does not match its sha256 checksum" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="train.bin does not match its sha256"):
+        load_data(DataConfig(corpus=str(out)), 264)
+    (out / "index.json").write_text('{"format": ')
+    with pytest.raises(ValueError, match=f"{out / 'index.json'}: not valid JSON"):
+        load_data(DataConfig(corpus=str(out)), 264)
+    (out / "index.json").unlink()
+    with pytest.raises(ValueError, match=f"{out / 'index.json'} is missing: {out} is not a prepared corpus"):
+        load_data(DataConfig(corpus=str(out)), 264)
+    with pytest.raises(FileNotFoundError, match=f"corpus file not found: {tmp_path / 'nope'}"):
+        load_data(DataConfig(corpus=str(tmp_path / "nope")), 264)
+    assert main(["prepare", "--verify", str(tmp_path / "nope")]) == 2
+    assert f"corpus directory not found: {tmp_path / 'nope'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workers", ["0", "-3"])
+def test_workers_must_be_positive(tmp_path, capsys, workers):
+    src = write_jsonl(tmp_path / "in.jsonl", ["a", "b"])
+    assert main(["prepare", "--input", str(src), "--out", str(tmp_path / "out"), "--workers", workers]) == 2
+    assert capsys.readouterr().err == f"fnmoe prepare: error: --workers must be >= 1, got {workers}\n"
+    assert not (tmp_path / "out").exists()

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from fnmoe.config import types
 FORMAT, VERSION = "fnmoe-checkpoint", 1
 INDEX, CONFIG = "index.json", "config.toml"
 SECTIONS = ("tensors", "opt_state", "rng")
@@ -73,9 +74,41 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+_ENTRY = {"dtype": str, "shape": [int], "shards": [{"file": str, "key": str, "offset": [int], "shape": [int]}]}
+INDEX_TYPES = {"step": int, "model": dict, "files": {str: {"writer_rank": int, "bytes": int, "sha256": str}},
+               **{section: {str: _ENTRY} for section in SECTIONS}, "mesh": {a: int for a in MESH_AXES},
+               "train": {"step": int, "schedule": dict, "data": {"step": int, "epoch": int, "samples_seen": int,
+                                                                  "seed": int, "corpus_fingerprint": str}}}
+"""The types of index.json's fields, as its writer makes them: a type; [spec] a list of such; a dict of
+field -> spec an object with those fields (others allowed); {str: spec} an object of any keys."""
+
+
+def type_problem(value: Any, spec: Any, where: str) -> str | None:
+    """The first field of value that is not as spec says (INDEX_TYPES), named by its path; None if none."""
+    if isinstance(spec, list):
+        if not isinstance(value, list):
+            return f"{where} = {types.show(value)} is {types.kind(value)}, expected a list"
+        return next(filter(None, (type_problem(v, spec[0], f"{where}[{i}]") for i, v in enumerate(value))), None)
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            return f"{where} = {types.show(value)} is {types.kind(value)}, expected an object"
+        if list(spec) == [str]:
+            return next(filter(None, (type_problem(v, spec[str], f"{where}['{k}']") for k, v in value.items())), None)
+        missing = [k for k in spec if k not in value]
+        if missing:
+            return f"{where or 'the index'} has no field '{missing[0]}'"
+        return next(filter(None, (type_problem(value[k], sub, f"{where}.{k}" if where else k)
+                                  for k, sub in spec.items())), None)
+    problems = types.type_errors(value, spec, where)
+    return problems[0] if problems else None
+
+
 def read_index(ckpt: Path) -> dict[str, Any]:
-    """The index.json of ckpt, checked to be of this format and version (the files are not checked)."""
+    """The index.json of ckpt, checked to be of this format and version and its fields of their types
+    (INDEX_TYPES; the files are not checked)."""
     path = Path(ckpt) / INDEX
+    if not Path(ckpt).is_dir():
+        raise CheckpointError(f"{ckpt} {'is not a directory' if Path(ckpt).exists() else 'does not exist'}")
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: {ckpt} is not a complete fnmoe checkpoint "
                               "(checkpoints are <run-dir>/checkpoints/step_<N>)")
@@ -85,4 +118,7 @@ def read_index(ckpt: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
         raise CheckpointError(f"{path} is not an fnmoe checkpoint index of version {VERSION}")
+    problem = type_problem(index, INDEX_TYPES, "")
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
     return index
