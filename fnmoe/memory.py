@@ -7,10 +7,12 @@ read from the forward only.
 `offload` (memory.offload) wraps each block but the last in saved-tensor hooks: a saved tensor of
 at least memory.offload_min_bytes that is not one of the block's parameters (or a view of one) is
 copied into a HostPool and the original is dropped, so its memory is freed until backward unpacks
-the copy. With recompute='full' the only such tensor is the block input. On CPU the pool is one
-preallocated buffer, which a memory meter can be told about (HostPool.buffer); on CUDA it is pinned,
-filled on a side stream with a bound on copies in flight, and a block's copies come back together
-(prefetched on the side stream) when backward first needs one of them.
+the copy. With recompute='full' the only such tensor is the block input. The pool is preallocated
+host memory (HostPool.buffers, which a memory meter can be told about; pinned on CUDA), filled
+through a Copier: on CUDA a side stream with a bound on copies in flight, on CPU copies that finish
+at once, behind the same calls, so CPU tests run the code the GPU runs. When backward first needs a
+block's tensors they come back to the device, the last saved first, with the block before's behind
+them; each device copy is let go after its last unpack, so it lives only while backward uses it.
 
 Per region (memory.attention / moe / mlp): `full` and `selective` are checkpoints with a
 selective-checkpoint policy traced into the region's compiled graph; `offload` puts the region's
@@ -83,90 +85,163 @@ def with_policy(fn: Callable, policy: str) -> Callable:
     return region
 
 
-class HostPool:
-    """A preallocated host buffer that offloaded saved tensors are copied into (a bump allocator,
-    rewound at the start of each forward pass, when the previous backward has consumed every copy).
+PIN_UNIT = 2 << 20
+"""the pool's size is a multiple of this; its segments are powers of two of at least this size"""
 
-    For CUDA tensors the buffer is pinned and each copy runs on a side stream, so the forward does
-    not wait for it; at most max_inflight_bytes of copies are in flight (the oldest is waited for
-    beyond that)."""
 
-    def __init__(self, nbytes: int, device: torch.device | str | None = None, max_inflight_bytes: int = 1 << 30):
+def pool_segments(nbytes: int) -> list[int]:
+    """Sizes of the host pool's segments: nbytes rounded up to PIN_UNIT, as powers of two, largest
+    first. CUDA's caching host allocator rounds every pinned allocation up to a power of two (a
+    40 GiB pool would pin 64 GiB); segments of those sizes pin exactly what was asked."""
+    units = -(-max(nbytes, 1) // PIN_UNIT)
+    return [PIN_UNIT << b for b in reversed(range(units.bit_length())) if units >> b & 1]
+
+
+class _Done:
+    """A copy that has finished (CPU copies run at once): torch.cuda.Event's API."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+DONE = _Done()
+
+
+class Copier:
+    """The pool's copy primitives, the one place that differs by device. CUDA: copies run on a side
+    stream and return events; the other stream waits on an event before using a copy. CPU: the same
+    calls copy at once and return DONE, so everything around them (the handles' lifecycle, the
+    in-flight bound, the reload order) runs the same code on CPU as on CUDA."""
+
+    def __init__(self, device: torch.device | str | None):
         self.cuda = device is not None and torch.device(device).type == "cuda"
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
         self.stream = torch.cuda.Stream(torch.device(device)) if self.cuda else None
-        self.max_inflight_bytes = max_inflight_bytes
-        self.inflight: collections.deque = collections.deque()  # (event, bytes) of unfinished copies
-        self.offset = 0
 
-    def rewind(self) -> None:
-        self._wait_inflight(0)
-        self.offset = 0
-
-    def inflight_bytes(self) -> int:
-        return sum(n for _, n in self.inflight)
-
-    def _wait_inflight(self, room: int) -> None:
-        while self.inflight and self.inflight_bytes() + room > self.max_inflight_bytes:
-            event, _ = self.inflight.popleft()
-            event.synchronize()
-
-    def _slot(self, t: torch.Tensor) -> torch.Tensor:
-        n = t.numel() * t.element_size()
-        # 64-byte aligned slots, like the allocator: kernels (and rounding) do not change
-        start = -(-self.offset // 64) * 64
-        if start + n > self.buffer.numel():
-            raise RuntimeError(f"offload host pool of {self.buffer.numel()} bytes is full; plan it larger "
-                               "(fnmoe plan reports offload_host)")
-        self.offset = start + n
-        return self.buffer[start:start + n].view(t.dtype).as_strided(t.shape, t.stride())
-
-    def store(self, t: torch.Tensor):
-        """A copy of t in the pool with its shape, dtype and strides (t must be non-overlapping and
-        dense): the same strides keep backward's kernels, and so its rounding, unchanged. On CPU the
-        copy itself; on CUDA an _InFlight handle that `load` brings back."""
-        if not t.is_cuda:
-            return self._slot(t).copy_(t)
-        n = t.numel() * t.element_size()
-        self._wait_inflight(n)
-        slot = self._slot(t)
+    def to_host(self, slot: torch.Tensor, t: torch.Tensor):
+        """slot <- t; the event of the copy. t's memory may be freed by its owner at once."""
+        if not self.cuda:
+            slot.copy_(t)
+            return DONE
         self.stream.wait_stream(torch.cuda.current_stream(t.device))  # t is computed
         with torch.cuda.stream(self.stream):
             slot.copy_(t, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         t.record_stream(self.stream)  # the allocator keeps t's memory until the copy has read it
-        self.inflight.append((done, n))
-        return _InFlight(slot, t.device, done)
+        return done
 
-    def prefetch(self, handle: "_InFlight") -> None:
-        """Start bringing handle back to its device on the side stream (idempotent)."""
-        if handle.back is not None:
-            return
-        self.stream.wait_event(handle.done)
+    def to_device(self, host: torch.Tensor, device: torch.device, after) -> tuple[torch.Tensor, object]:
+        """(a new device tensor that will hold host's values, the event of that copy), the copy
+        started once `after` (the copy into host) is done."""
+        # allocated here, on the compute stream: memory from the side stream's pool could not be
+        # reused by the compute stream once backward frees it (reserved memory would grow a block)
+        back = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+        if not self.cuda:
+            back.copy_(host)
+            return back, DONE
+        self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
-            handle.back = handle.host.to(handle.device, non_blocking=True)
-            handle.ready = torch.cuda.Event()
-            handle.ready.record(self.stream)
+            back.copy_(host, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        back.record_stream(self.stream)  # freed before the copy ended (never used): not reused early
+        return back, ready
 
-    def load(self, handle):
-        """The device tensor of a stored handle (the CPU copy as it is)."""
-        if not isinstance(handle, _InFlight):
-            return handle
-        self.prefetch(handle)
-        current = torch.cuda.current_stream(handle.device)
-        current.wait_event(handle.ready)
-        handle.back.record_stream(current)  # made on the side stream, used and freed on this one
-        return handle.back
+    def wait(self, event, device: torch.device) -> None:
+        """The compute stream waits for event (nothing to wait for on CPU)."""
+        if self.cuda:
+            torch.cuda.current_stream(device).wait_event(event)
 
 
 @dataclasses.dataclass(eq=False)
-class _InFlight:
+class Handle:
+    """A saved tensor in the pool: its host copy, and while backward needs it its device copy."""
     host: torch.Tensor
     device: torch.device
-    done: object  # torch.cuda.Event: the device-to-host copy has finished
-    back: torch.Tensor | None = None
-    ready: object = None  # torch.cuda.Event: `back` holds the values again
+    done: object  # the device-to-host copy's event
+    uses: int = 1  # unpacks still to come (a tensor saved twice is stored once)
+    back: torch.Tensor | None = None  # the device copy, from prefetch until the last unpack
+    ready: object = None  # the host-to-device copy's event
+
+
+class HostPool:
+    """Host memory that offloaded saved tensors are copied into (a bump allocator over segments,
+    rewound at the start of each forward pass, when the previous backward has consumed every copy).
+
+    On CUDA the segments are pinned and copies run on a side stream (Copier), so the forward does
+    not wait for them; at most max_inflight_bytes of copies are in flight (the oldest is waited for
+    beyond that). On CPU the same code runs with copies that finish at once."""
+
+    def __init__(self, nbytes: int, device: torch.device | str | None = None, max_inflight_bytes: int = 1 << 30):
+        self.copier = Copier(device)
+        self.buffers = [torch.empty(n, dtype=torch.uint8, pin_memory=self.copier.cuda) for n in pool_segments(nbytes)]
+        self.max_inflight_bytes = max_inflight_bytes
+        self.inflight: collections.deque = collections.deque()  # (event, bytes) of copies not known done
+        self._inflight_bytes = 0
+        self.segment, self.offset, self.used = 0, 0, 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    def rewind(self) -> None:
+        self._wait_inflight(0)
+        self.segment, self.offset, self.used = 0, 0, 0
+
+    def inflight_bytes(self) -> int:
+        return self._inflight_bytes
+
+    def _wait_inflight(self, room: int) -> None:
+        """Forget the copies that have finished; wait for the oldest while room more would pass the bound."""
+        while self.inflight and (self.inflight[0][0].query()
+                                 or self._inflight_bytes + room > self.max_inflight_bytes):
+            event, n = self.inflight.popleft()
+            event.synchronize()
+            self._inflight_bytes -= n
+
+    def _slot(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        while self.segment < len(self.buffers):
+            # 64-byte aligned slots, like the allocator: kernels (and rounding) do not change
+            start = -(-self.offset // 64) * 64
+            buffer = self.buffers[self.segment]
+            if start + n <= buffer.numel():
+                self.offset, self.used = start + n, self.used + n
+                return buffer[start:start + n].view(t.dtype).as_strided(t.shape, t.stride())
+            self.segment, self.offset = self.segment + 1, 0
+        raise RuntimeError(f"offload host pool of {self.nbytes} bytes is full; plan it larger "
+                           "(fnmoe plan reports offload_host)")
+
+    def store(self, t: torch.Tensor) -> Handle:
+        """A copy of t in the pool with its shape, dtype and strides (t must be non-overlapping and
+        dense: the same strides keep backward's kernels, and so its rounding, unchanged). The handle
+        holds no reference to t."""
+        n = t.numel() * t.element_size()
+        self._wait_inflight(n)
+        slot = self._slot(t)
+        done = self.copier.to_host(slot, t)
+        self.inflight.append((done, n))
+        self._inflight_bytes += n
+        return Handle(slot, t.device, done)
+
+    def prefetch(self, handle: Handle) -> None:
+        """Start bringing handle back to its device (idempotent while its copy is there)."""
+        if handle.back is None:
+            handle.back, handle.ready = self.copier.to_device(handle.host, handle.device, handle.done)
+
+    def load(self, handle: Handle) -> torch.Tensor:
+        """handle's device tensor for one unpack; after its last unpack the handle lets it go, so
+        the tensor lives only as long as backward uses it."""
+        self.prefetch(handle)
+        self.copier.wait(handle.ready, handle.device)
+        back = handle.back
+        handle.uses -= 1
+        if handle.uses <= 0:
+            handle.back = handle.ready = None
+        return back
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -179,10 +254,12 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _offload_hooks(pool: HostPool, keep: set[int], min_bytes: int, stats: dict, handles: list):
+def _offload_hooks(pool: HostPool, keep: set[int], min_bytes: int, stats: dict, handles: list,
+                   on_first_unpack: Callable[[], None]):
     """(pack, unpack) moving saved tensors of >= min_bytes whose storage is not in keep to the pool;
     a tensor saved twice (same storage, view and version) is copied once. handles collects this
-    block's CUDA handles, which the first unpack of the block prefetches together."""
+    block's handles in the order they were saved; the block's first unpack calls on_first_unpack
+    (the runner's reload of this block and the one before it)."""
     copies: dict[tuple, tuple] = {}
 
     def pack(t: torch.Tensor):
@@ -196,18 +273,18 @@ def _offload_hooks(pool: HostPool, keep: set[int], min_bytes: int, stats: dict, 
                _torch.tensor_version(t))
         seen = copies.get(key)
         if seen is not None and not seen[0].expired():  # the same storage, still alive: the same values
+            seen[1].uses += 1
             return seen[1]
         stats["offloaded"] += n
         handle = pool.store(t)  # the handle holds no reference to t: its memory is freed
         copies[key] = (StorageWeakRef(t.untyped_storage()), handle)
-        if isinstance(handle, _InFlight):
-            handles.append(handle)
+        handles.append(handle)
         return handle
 
     def unpack(handle):
-        if isinstance(handle, _InFlight):
-            for h in handles:  # the whole block comes back while backward works on its first tensor
-                pool.prefetch(h)
+        if not isinstance(handle, Handle):
+            return handle
+        on_first_unpack()
         return pool.load(handle)
 
     return pack, unpack
@@ -235,13 +312,15 @@ class Runner:
         # a block recomputed in backward gathers its weights again there by itself: nothing to
         # reshard, and a gather issued one block early would not be among the ops recompute replays
         self.prefetch = mem.recompute != "full"
-        self.stats, self.handles = {}, {}
+        self.stats, self.handles, self.reloaded = {}, {}, set()
 
     def __call__(self, i: int, fn: Callable, p: dict, x_BLD: torch.Tensor, *rest):
         if i == 0 and self.pool is not None:
             self.pool.rewind()
-            self.stats, self.handles = {}, {}
+            self.stats, self.handles, self.reloaded = {}, {}, set()
         inner = recompute if self.mem.recompute == "full" else _plain
+        if self.pool is not None and self._offloading(i) and x_BLD.requires_grad:
+            x_BLD.register_hook(functools.partial(self._release, i))
         if self.mem.offload and self._offloading(i):
             with self._hooks(i, p, (x_BLD, *rest)):
                 return inner(fn, p, x_BLD, *rest)
@@ -272,8 +351,26 @@ class Runner:
                 for t in shared if isinstance(t, torch.Tensor)}
         stats = self.stats.setdefault(i, {"kept": 0, "offloaded": 0})
         handles = self.handles.setdefault(i, [])
-        offload = _offload_hooks(self.pool, keep, self.mem.offload_min_bytes, stats, handles)
+        offload = _offload_hooks(self.pool, keep, self.mem.offload_min_bytes, stats, handles,
+                                 functools.partial(self._reload, i))
         return reshard.hooks(offload) if self.reshard else torch.autograd.graph.saved_tensors_hooks(*offload)
+
+    def _release(self, i: int, grad_BLD=None) -> None:
+        """Block i's backward is over (its input's gradient is complete): let go of the device copies
+        it did not use, saved for nodes backward never ran (topk's indices, for one, whose values
+        take no gradient); a late unpack would bring one back again."""
+        for handle in self.handles.get(i, ()):
+            handle.back = handle.ready = None
+
+    def _reload(self, i: int) -> None:
+        """Block i's backward has begun: bring its saved tensors back, the last saved first (backward
+        needs them in reverse), then block i-1's, whose copies then run while block i computes."""
+        if i in self.reloaded:
+            return
+        self.reloaded.add(i)
+        for j in (i, i - 1):
+            for handle in reversed(self.handles.get(j, ())):
+                self.pool.prefetch(handle)
 
 
 def block_runner(mem: MemoryConfig, n_layers: int = 0, pool: HostPool | None = None,

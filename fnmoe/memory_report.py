@@ -95,7 +95,8 @@ def _storages(*trees) -> set[int]:
 def _measure(run: RunConfig, params: Tree, batch: tuple, mem: MemoryConfig) -> list[dict[str, int]]:
     """Per block: kept and offloaded bytes of its forward under mem."""
     inputs_BL, _, *positions = batch
-    pool = HostPool(_pool_bytes(run))
+    # on the params' device: a pool without one has no side stream, and its CUDA copies fail
+    pool = HostPool(_pool_bytes(run), tree_leaves(params)[0].device, run.memory.max_inflight_bytes)
     # as memory.train_runner: on a mesh with resharding, gathered weights are gathered again in backward
     regather = run.mesh.world > 1 and run.mesh.reshard_after_forward
     measured = _Measured(Runner(mem, run.model.n_layers, pool, reshard=regather))
@@ -118,15 +119,15 @@ class _Measured:
     def __call__(self, i: int, fn: Callable, p: dict, x_BLD: torch.Tensor, *rest):
         x_BLD = x_BLD.detach().requires_grad_().clone()  # not a leaf: offload may move it
         pool = self.runner.pool
-        offset, cuda = pool.offset, x_BLD.is_cuda
+        used, cuda = pool.used, x_BLD.is_cuda
         before = torch.cuda.memory_allocated() if cuda else 0
         # the block's inputs and the host pool exist already: only storages it allocates count
-        mode = NewStorages(_storages((p, x_BLD, rest), pool.buffer))
+        mode = NewStorages(_storages((p, x_BLD, rest), pool.buffers))
         with mode:
             y_BLD, _ = self.runner(i, fn, p, x_BLD, *rest)
         out = y_BLD.untyped_storage().nbytes()
         kept = settled(lambda: torch.cuda.memory_allocated() - before if cuda else mode.live_bytes()) - out
-        self.rows.append({"kept": max(kept, 0), "offloaded": pool.offset - offset})
+        self.rows.append({"kept": max(kept, 0), "offloaded": pool.used - used})
         return y_BLD.detach(), None
 
 

@@ -63,14 +63,15 @@ def test_offloaded_originals_die_and_copies_are_bitwise(monkeypatch):
     monkeypatch.setattr(memory.HostPool, "store", spy)
     loss, leaves, _ = _step(MemoryConfig(offload=True), memory.HostPool(64 << 20), _tokens())
     assert refs and all(r.expired() for r in refs)  # after forward, before backward
-    assert all(torch.equal(a, b) for a, b in pairs)
+    assert all(torch.equal(a, b.host) for a, b in pairs)
     torch.autograd.grad(loss, list(leaves.values()))
 
 
 def _forward_device_bytes(mem: MemoryConfig) -> int:
     pool = memory.HostPool(64 << 20)
     mt = MemTracker()
-    mt.track_external(pool.buffer)
+    for buffer in pool.buffers:
+        mt.track_external(buffer)
     with mt:
         before = mt.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
         loss, leaves, _ = _step(mem, pool, _tokens(8, 128))
@@ -186,19 +187,34 @@ def test_recompute_leaves_the_router_bias_update_as_it_is(mem):
 
 def test_copies_in_flight_stay_under_the_bound():
     """HostPool waits for the oldest device-to-host copies before one more would pass the bound."""
-    class Event:
+    class Event:  # a CUDA copy's event: pending until waited for
         def __init__(self):
             self.waited = False
 
         def synchronize(self):
             self.waited = True
+
+        def query(self):
+            return self.waited
+
+    events = []
+
+    class Copier(memory.Copier):
+        def to_host(self, slot, t):
+            slot.copy_(t)
+            events.append(Event())
+            return events[-1]
     pool = memory.HostPool(1024, max_inflight_bytes=100)
-    old, newer = Event(), Event()
-    pool.inflight.extend([(old, 60), (newer, 30)])
-    pool._wait_inflight(20)  # 60 + 30 + 20 > 100: the oldest must finish first
-    assert old.waited and not newer.waited and pool.inflight_bytes() + 20 <= 100
-    pool._wait_inflight(90)
-    assert newer.waited and pool.inflight_bytes() == 0
+    pool.copier = Copier(None)
+    pool.store(torch.zeros(15))  # 60 bytes
+    pool.store(torch.zeros(7))  # 28
+    pool.store(torch.zeros(5))  # 60 + 28 + 20 > 100: the oldest must finish first
+    assert events[0].waited and not events[1].waited and pool.inflight_bytes() == 48
+    pool.store(torch.zeros(22))  # 28 + 20 + 88 > 100: the two oldest
+    assert events[1].waited and events[2].waited and not events[3].waited and pool.inflight_bytes() == 88
+    events[3].waited = True  # finished on its own: forgotten at the next store, nothing waited
+    pool.store(torch.zeros(1))
+    assert pool.inflight_bytes() == 4 and len(pool.inflight) == 1
 
 
 def test_train_runner_builds_a_runner_per_policy():
