@@ -37,6 +37,8 @@ def run_dir_of(run: RunConfig) -> Path:
 class _NoOutput:
     """What ranks other than 0 have instead of the metrics writer."""
 
+    error = None
+
     def write(self, *args) -> None:
         pass
 
@@ -158,9 +160,9 @@ def _aborted(run: RunConfig, signum: int) -> dict:
     """A second signal cut the stop short: what is on disk is what complete checkpoints hold."""
     run_dir = run_dir_of(run)
     found = checkpoint.list_checkpoints(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else []
-    where = (f"the newest checkpoint is {found[0][1]}; continue with --resume auto" if found
+    where = (f"the newest complete checkpoint is {found[0][1]}; continue with --resume auto" if found
              else "there is no checkpoint")
-    log.warning("%s again while stopping: aborted without saving (a save in progress was removed); %s",
+    log.warning("%s again while stopping: aborted (a save cut short leaves no partial checkpoint); %s",
                 stop.name(signum), where)
     return {"steps": found[0][0] if found else 0, "interrupted": True, "aborted": True, "run_dir": str(run_dir)}
 
@@ -326,12 +328,13 @@ def _train_locked(run: RunConfig, rank: int, mesh, request: stop.Request) -> dic
                    "expert_load_max_over_mean": load_max_over_mean(m["expert_counts_NE"]),
                    "expert_load_by_layer": load_by_layer(m["expert_counts_NE"]),
                    "skipped": m["skipped"], "time_s": time.perf_counter() - start}
-            if "dropped_tokens" in m:
-                row["dropped_tokens"] = m["dropped_tokens"]
+            for key in ("dropped_tokens", "skipped_why"):
+                if key in m:
+                    row[key] = m[key]
             writer.write(row, m["expert_counts_NE"])
             faults.signal_after(step, rank, lambda: request.signum is not None)
             # the step boundary: every rank learns here whether any was signalled or failed to write
-            why = stop.agreed(request, write_failed=getattr(writer, "error", None) is not None)
+            why = stop.agreed(request, write_failed=writer.error is not None)
             if why == stop.WRITE_FAILED:
                 break
             state = new_state  # only now: a checkpoint of `state` never lacks its metrics row
@@ -358,7 +361,7 @@ def _train_locked(run: RunConfig, rank: int, mesh, request: stop.Request) -> dic
         saved = saver.save(state, run, loader, blocking=True)
         val_loss = eval_loss(state.params, val, run)
         writer.write(_val_row(t.steps, val_loss))
-        if getattr(writer, "error", None) is not None:
+        if writer.error is not None:
             raise rundir.RunDirError(f"{writer.error}; the run finished and saved {saved}")
     except KeyboardInterrupt:
         log.warning("interrupted at step %d of %d; %s", state.step, t.steps,
@@ -397,7 +400,7 @@ def _val_row(step: int, val_loss: float) -> dict:
 def _progress_line(row: dict, total: int) -> str:
     m = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
     load = "n/a" if row["expert_load_max_over_mean"] is None else f"{row['expert_load_max_over_mean']:.2f}"
-    skip = " SKIPPED (non-finite grads)" if row["skipped"] else ""
+    skip = f" SKIPPED ({row.get('skipped_why', 'non-finite gradients')})" if row["skipped"] else ""
     return (f"step {row['step']:>{len(str(total))}}/{total} {_bar(row['step'], total)} loss {row['loss']:.4f} "
             f"| lr {row['lr']:.2e} | gnorm {row['grad_norm']:.3f} | {row['tokens_per_s']:,.0f} tok/s "
             f"| mfu {m} | load max/mean {load} | {row['time_s']:.1f}s{skip}")

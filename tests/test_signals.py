@@ -101,7 +101,7 @@ def test_a_second_signal_aborts_the_save_and_a_second_run_is_refused_meanwhile(t
         proc.kill()
     assert proc.returncode == 130, out
     assert "fnmoe: SIGUSR1: stopping after this step to save a checkpoint (a second signal aborts)" in out
-    assert "SIGINT again while stopping: aborted without saving (a save in progress was removed); there is no " \
+    assert "SIGINT again while stopping: aborted (a save cut short leaves no partial checkpoint); there is no " \
            "checkpoint" in out, out
     assert "Traceback" not in out, out
     assert list(root.iterdir()) == [] and not (tmp_path / LOCK).exists()
