@@ -152,8 +152,8 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
         ok = finite & updated
         # a non-finite step leaves params and optimizer state bitwise as they were; chosen on the
         # device, so nothing waits for the flag before the metrics read it with the loss below
-        params = optim.select(ok, params, state.params)
-        opt_state = optim.select(ok, opt_state, state.opt_state)
+        params = optim.select(ok, params, state.params, in_place=True)
+        opt_state = optim.select(ok, opt_state, state.opt_state, in_place=True)
         loss_f, grad_norm_f, finite_f, updated_f = torch.stack(
             [loss, grad_norm.to(loss), finite.to(loss), updated.to(loss)]).tolist()
         metrics = {"loss": loss_f, "grad_norm": grad_norm_f, "skipped": int(not (finite_f and updated_f)),

@@ -155,12 +155,25 @@ def apply_updates(params: Tree, updates: Tree, inplace: bool = False) -> Tree:
 
 
 @torch.no_grad()
-def select(ok: Tensor, on_true: Tree, on_false: Tree) -> Tree:
+def select(ok: Tensor, on_true: Tree, on_false: Tree, in_place: bool = False) -> Tree:
     """torch.where(ok, ., .) leaf by leaf for a 0-D bool `ok`: a decision taken on the device
     (skip a non-finite step) without reading the flag on the host. Leaves come out bitwise
-    equal to the chosen tree's, NaNs and signed zeros included."""
-    return tree_map(lambda a, b: torch.where(ok.to(a.device), a, b).requires_grad_(a.requires_grad),
-                    on_true, on_false)
+    equal to the chosen tree's, NaNs and signed zeros included.
+
+    in_place writes the choice into on_true's leaves and returns on_true: a train step's new state
+    then costs no third copy of params and optimizer state next to the old and the new. on_true's
+    leaves must not be views of another leaf's memory (a leaf that is on_false's own is fine)."""
+    if not in_place:
+        return tree_map(lambda a, b: torch.where(ok.to(a.device), a, b).requires_grad_(a.requires_grad),
+                        on_true, on_false)
+
+    def into(a: Tensor, b: Tensor) -> Tensor:
+        if a is not b:
+            local_a, local_b = (a.to_local(), b.to_local()) if isinstance(a, DTensor) else (a, b)
+            with torch.no_grad():
+                torch.where(ok.to(local_a.device), local_a, local_b, out=local_a)
+        return a
+    return tree_map(into, on_true, on_false)
 
 
 def set_hyperparams(state: Tree, **values: float) -> Tree:
