@@ -291,9 +291,15 @@ def _saved_by_memtracker(tokens) -> list[int]:
     return [b - a - x_bytes for a, b in zip(runner.live, runner.live[1:])]
 
 
+@pytest.fixture(scope="module")
+def saved_by_memtracker() -> list[int]:
+    """_saved_by_memtracker of the batch the offload tests measure, once for all of them."""
+    return _saved_by_memtracker(_tokens(8, 128))
+
+
 @pytest.mark.parametrize("mem", [MemoryConfig(offload=True), MemoryConfig(recompute="full", offload=True),
                                  MemoryConfig(attention="offload", moe="offload", mlp="offload")])
-def test_offloaded_blocks_keep_under_a_tenth_of_their_saved_bytes(mem):
+def test_offloaded_blocks_keep_under_a_tenth_of_their_saved_bytes(mem, saved_by_memtracker):
     """Measured by live storages (memory_report), not by the offload hooks' own accounting; the
     saved bytes it divides by are MemTracker's within 1% (measured: equal to the byte, 12,607,488 B
     for the dense block and 14,807,244 B for each MoE one), so a meter that undercounts fails
@@ -302,8 +308,8 @@ def test_offloaded_blocks_keep_under_a_tenth_of_their_saved_bytes(mem):
     tokens = _tokens(8, 128)
     rows = memory_report.measure(dataclasses.replace(RUN, memory=mem), params, (tokens[:, :-1], None))
     offloaded = rows[:-1]  # the last block stays
-    reference = _saved_by_memtracker(tokens)
-    assert all(abs(r["saved"] - ref) <= 0.01 * ref for r, ref in zip(offloaded, reference)), (rows, reference)
+    assert all(abs(r["saved"] - ref) <= 0.01 * ref for r, ref in zip(offloaded, saved_by_memtracker)), (
+        rows, saved_by_memtracker)
     assert sum(r["kept"] for r in offloaded) <= 0.1 * sum(r["saved"] for r in offloaded), rows
     assert all(r["offloaded"] > 0 for r in offloaded) and rows[-1]["offloaded"] == 0
 
