@@ -58,6 +58,13 @@ pytree = _module("torch.utils._pytree")
 
 # -- collectives dynamo traces, and their ops (fnmoe.dispatch, fnmoe.memory)
 funcol = _module("torch.distributed._functional_collectives")
+AsyncCollectiveTensor = _attr(funcol, "AsyncCollectiveTensor", "functional collectives' AsyncCollectiveTensor")
+
+
+def waited(t):
+    """t once its collective has finished, as a plain tensor on the autograd graph (the functional
+    wait has a backward); anything that is not an in-flight collective's result as it is."""
+    return funcol.wait_tensor(t) if isinstance(t, AsyncCollectiveTensor) else t
 all_to_all_ops = tuple(_attr(torch.ops, f"{ns}.all_to_all_single.default", f"torch.ops.{ns}.all_to_all_single")
                        for ns in ("_c10d_functional", "_c10d_functional_autograd"))
 

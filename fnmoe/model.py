@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from fnmoe import _torch, transforms
+from fnmoe import dist as fdist
 from fnmoe import compile as fcompile
 from fnmoe import cpu_attention
 from fnmoe import reshard
@@ -141,7 +142,11 @@ def stored_block(stored: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg:
     """block on a layer's stored (sharded) params, gathered here: a runner that recomputes in
     backward gathers them again there, and resharding (fnmoe.reshard) regathers what backward needs."""
     dtype = DTYPE[cfg.compute_dtype]
+    # the gathers were issued async (maybe a block early): waited here, where the block needs them,
+    # and handed on as plain tensors (a compiled region's backward mishandles the async wrapper)
     p = gather(stored, dtype)
+    fdist.entering(f"the all-gathers of layer {i}'s weights (waited for as the block starts)")
+    p = tree_map(_torch.waited, p)
     reshard.track(p, stored, lambda path, leaf: flatten_dict(gather(unflatten_dict({path: leaf}), dtype))[path])
     return block(_with_bias(p, bias_E), x_BLD, cos_LP, sin_LP, cfg, mask, runner, i)
 

@@ -105,7 +105,10 @@ def check_config(cfg: ModelConfig) -> None:
     """Raise unless cfg is a ModelConfig that validates as the CLI validates it (once per config)."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"the model config must be a fnmoe.ModelConfig, got {type(cfg).__name__}")
-    errors = _config_errors(cfg)
+    try:
+        errors = _config_errors(cfg)
+    except TypeError:  # unhashable (a list where the schema says tuple): validation names the field
+        errors = tuple(validate_model(cfg))
     if errors:
         raise ValueError("invalid ModelConfig: " + "; ".join(errors))
 
