@@ -396,8 +396,10 @@ def _slurm_launch(tmp_path: Path, **env_extra: str) -> tuple[list[str], str]:
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "srun").write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$STUB_OUT/argv"\n'
                                   'printf "%s" "$OMP_NUM_THREADS" > "$STUB_OUT/omp"\n')
-    (bin_dir / "scontrol").write_text('#!/bin/bash\n'
-                                      '[ "$*" = "show hostnames gpu[01-02]" ] && printf "gpu01\\ngpu02\\n"\n')
+    # scontrol writes the second name a moment after the first, as a long node list comes in several
+    # writes: a reader that stops after one line makes it fail with SIGPIPE (exit 141 under pipefail)
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$*" = "show hostnames gpu[01-02]" ] || exit 1\n'
+                                      'echo gpu01\nsleep 0.2\necho gpu02\n')
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NPROC_PER_NODE", "RDZV_PORT",

@@ -14,7 +14,9 @@
 set -euo pipefail
 
 nproc=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# sed reads the whole list: `head -n 1` would exit after one line, and a longer list written after
+# that would end scontrol with SIGPIPE, which pipefail makes the script's failure (exit 141)
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 srun torchrun --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node "$nproc" \
