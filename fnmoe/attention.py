@@ -121,7 +121,8 @@ def doc_mask(positions_BL: torch.Tensor, block_sparse: bool = False):
 
         def same_doc_causal(b, h, q, k):
             return (doc_BL[b, q] == doc_BL[b, k]) & (q >= k)
-        return create_block_mask(same_doc_causal, B, None, L, L, device=doc_BL.device)
+        # compiled: built eagerly it evaluates the mask dense, [B, 1, L, L], every micro-batch
+        return create_block_mask(same_doc_causal, B, None, L, L, device=doc_BL.device, _compile=True)
     causal_LK = torch.ones(L, L, dtype=torch.bool, device=doc_BL.device).tril()
     return ((doc_BL[:, :, None] == doc_BL[:, None, :]) & causal_LK)[:, None]
 

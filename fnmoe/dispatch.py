@@ -51,8 +51,9 @@ def ep_expert_mlp(expert_mlp, x_RD: torch.Tensor, counts_E: torch.Tensor, w_gate
     if counts_E.numel() != S * X:
         raise ValueError(f"expert parallelism: {counts_E.numel()} experts != {S} ep ranks x {X} local experts")
     recv_SX = exchange_counts(counts_E, group)
-    send = counts_E.view(S, X).sum(1).tolist()  # host sync: uneven splits must be known on the host
-    recv = recv_SX.sum(1).tolist()
+    # one host sync for both: uneven splits must be known on the host
+    splits = torch.cat([counts_E.view(S, X).sum(1), recv_SX.sum(1)]).tolist()
+    send, recv = splits[:S], splits[S:]
     for n in send + recv:
         size_hint(n, x_RD.shape[0] // S)  # balanced routing's splits
     fdist.entering("MoE dispatch all-to-all over ep")

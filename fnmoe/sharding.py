@@ -64,10 +64,11 @@ def make_mesh(mcfg: MeshConfig, dcfg: DistConfig | None = None) -> DeviceMesh:
         for m in (mesh, *(submesh(mesh, name) for name in (*MESH_AXES, DP))):
             m.get_coordinate()  # computed (with tensor ops) and cached now, not inside a step
         return mesh
-    opts = fdist.group_options(dcfg or DistConfig())
-    mesh = init_device_mesh("cuda" if opts[0] == "nccl" else "cpu", (mcfg.fsdp, mcfg.ep), mesh_dim_names=MESH_AXES,
-                            backend_override=dict.fromkeys(MESH_AXES, opts))
-    _torch.flatten_mesh(mesh[MESH_AXES], DP, backend_override=opts)
+    # one options object per group: c10d writes per-group fields into the one it is given
+    opts = {axis: fdist.group_options(dcfg or DistConfig()) for axis in (*MESH_AXES, DP)}
+    mesh = init_device_mesh("cuda" if opts[DP][0] == "nccl" else "cpu", (mcfg.fsdp, mcfg.ep),
+                            mesh_dim_names=MESH_AXES, backend_override={axis: opts[axis] for axis in MESH_AXES})
+    _torch.flatten_mesh(mesh[MESH_AXES], DP, backend_override=opts[DP])
     for m in (submesh(mesh, "fsdp"), submesh(mesh, "ep"), dp_mesh(mesh)):
         dist.barrier(group=m.get_group())
     return mesh
