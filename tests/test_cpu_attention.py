@@ -133,9 +133,16 @@ def test_config_names_what_the_cpu_kernel_cannot_take():
 
 
 def test_explicit_cpu_kernel_refuses_fp32_in_the_model():
+    """The config check at the model's entry points names it before anything runs; the kernel's own
+    check (reached when the model runs on rows it cannot take) names why it cannot run."""
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, attention_impl="cpu")
+    params = init_params(dataclasses.replace(cfg, attention_impl="auto"), seed=0)
+    with pytest.raises(ValueError, match="model.attention_impl='cpu' takes bfloat16 compute"):
+        forward(params, torch.zeros(1, 8, dtype=torch.long), cfg)
+    with pytest.raises(ValueError, match="model.attention_impl='cpu' takes bfloat16 compute"):
+        init_params(cfg, seed=0)
     with pytest.raises(ValueError, match="attention_impl='cpu' cannot run here"):
-        forward(init_params(cfg, seed=0), torch.zeros(1, 8, dtype=torch.long), cfg)
+        cpu_attention.choice(cfg, 1, 8, torch.float32, torch.device("cpu"))
 
 
 def test_causal_attention_resolves_auto_when_called_directly(monkeypatch):
