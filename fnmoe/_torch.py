@@ -58,13 +58,6 @@ pytree = _module("torch.utils._pytree")
 
 # -- collectives dynamo traces, and their ops (fnmoe.dispatch, fnmoe.memory)
 funcol = _module("torch.distributed._functional_collectives")
-AsyncCollectiveTensor = _attr(funcol, "AsyncCollectiveTensor", "functional collectives' AsyncCollectiveTensor")
-
-
-def waited(t):
-    """t once its collective has finished, as a plain tensor on the autograd graph (the functional
-    wait has a backward); anything that is not an in-flight collective's result as it is."""
-    return funcol.wait_tensor(t) if isinstance(t, AsyncCollectiveTensor) else t
 all_to_all_ops = tuple(_attr(torch.ops, f"{ns}.all_to_all_single.default", f"torch.ops.{ns}.all_to_all_single")
                        for ns in ("_c10d_functional", "_c10d_functional_autograd"))
 
@@ -146,6 +139,12 @@ def functorch_transforms() -> tuple[str, ...]:
     stack = _interpreter_stack() or []
     names = tuple(i.key().name.lower() for i in stack)
     return names + (("forward_ad",) if _attr(_forward_ad, "_current_level", "the forward-AD level") >= 0 else ())
+
+
+def tracing() -> bool:
+    """Whether make_fx is tracing this call (torch.func.linearize does): tensor values cannot be read."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    return get_proxy_mode() is not None
 
 
 def unwrapped(t: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from fnmoe import _torch, transforms
-from fnmoe import dist as fdist
 from fnmoe import compile as fcompile
 from fnmoe import cpu_attention
 from fnmoe import reshard
@@ -91,7 +90,7 @@ def check_tokens(tokens_BL: torch.Tensor, vocab_size: int, what: str = "tokens")
         raise ValueError(f"{what} must be a non-empty 2-D tensor [batch, seq], got shape {tuple(tokens_BL.shape)}")
     if tokens_BL.dtype.is_floating_point or tokens_BL.dtype.is_complex or tokens_BL.dtype == torch.bool:
         raise TypeError(f"{what} must be an integer tensor of token ids, got {tokens_BL.dtype}")
-    if tokens_BL.device.type != "cpu":
+    if tokens_BL.device.type != "cpu" or _torch.tracing():  # a traced graph (linearize's) cannot read ids
         return
     tokens_BL = _torch.unwrapped(tokens_BL)
     bad = (tokens_BL < 0) | (tokens_BL >= vocab_size)
@@ -142,18 +141,15 @@ def stored_block(stored: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg:
     """block on a layer's stored (sharded) params, gathered here: a runner that recomputes in
     backward gathers them again there, and resharding (fnmoe.reshard) regathers what backward needs."""
     dtype = DTYPE[cfg.compute_dtype]
-    # the gathers were issued async (maybe a block early): waited here, where the block needs them,
-    # and handed on as plain tensors (a compiled region's backward mishandles the async wrapper)
     p = gather(stored, dtype)
-    fdist.entering(f"the all-gathers of layer {i}'s weights (waited for as the block starts)")
-    p = tree_map(_torch.waited, p)
     reshard.track(p, stored, lambda path, leaf: flatten_dict(gather(unflatten_dict({path: leaf}), dtype))[path])
     return block(_with_bias(p, bias_E), x_BLD, cos_LP, sin_LP, cfg, mask, runner, i)
 
 
 class _Prefetching:
     """stored_block's gather with one block of lookahead: `issue` starts gathering a layer's params
-    before the previous block computes (collectives are asynchronous, so they overlap it) and that
+    before the previous block computes (it overlaps that block only once the gathers are
+    asynchronous: today they wait at issue, see sharding._gather_leaf) and that
     layer's block takes the result once; any later call (backward's) gathers anew."""
 
     def __init__(self, gather: Callable, dtype: torch.dtype):

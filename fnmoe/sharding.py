@@ -241,15 +241,14 @@ def stored_slice(t: DTensor, rank: int) -> tuple[tuple[slice, ...], bool]:
 
 
 def _gather_leaf(path: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t whole (expert stacks: this ep rank's experts) in dtype. The gather is issued, not waited
-    for (async_op): the result waits where it is first used, so a gather issued one block early
-    (model._Prefetching) runs while that block computes; backward's reduce-scatter likewise."""
+    """t whole (expert stacks: this ep rank's experts) in dtype. Synchronous (DTensor's default): the
+    async variant (async_op=True) corrupted the heap intermittently in gloo launches and broke a
+    compiled region's backward, so the one-block-early gather does not yet overlap compute."""
     if not isinstance(t, DTensor):
         return t.to(dtype)
     if t.device_mesh.ndim == 1:  # dense: whole on every rank
         fdist.entering(f"all-gather of {path} over dp (fsdp x ep)")
-        full = t.redistribute(t.device_mesh, (Replicate(),), async_op=True, forward_dtype=dtype,
-                              backward_dtype=torch.float32)
+        full = t.redistribute(t.device_mesh, (Replicate(),), forward_dtype=dtype, backward_dtype=torch.float32)
         # each rank's gradient is a partial sum over its own tokens: backward reduce-scatters it
         return fdist.entering_in_backward(full.to_local(grad_placements=(Partial(),)),
                                           f"reduce-scatter of {path}'s gradient over dp (backward)")
@@ -265,8 +264,7 @@ def _gather_leaf(path: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     part = DTensor.from_local(local, submesh(t.device_mesh, "fsdp"), (Shard(fsdp.dim),), shape=torch.Size(shape),
                               stride=stride)
     fdist.entering(f"all-gather of {path} over fsdp")
-    full = part.redistribute(placements=(Replicate(),), async_op=True, forward_dtype=dtype,
-                             backward_dtype=torch.float32)
+    full = part.redistribute(placements=(Replicate(),), forward_dtype=dtype, backward_dtype=torch.float32)
     return fdist.entering_in_backward(full.to_local(grad_placements=(Partial(),)),
                                       f"reduce-scatter of {path}'s gradient over fsdp (backward)")
 
