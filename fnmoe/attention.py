@@ -121,8 +121,9 @@ def doc_mask(positions_BL: torch.Tensor, block_sparse: bool = False):
 
         def same_doc_causal(b, h, q, k):
             return (doc_BL[b, q] == doc_BL[b, k]) & (q >= k)
-        # compiled: built eagerly it evaluates the mask dense, [B, 1, L, L], every micro-batch
-        return create_block_mask(same_doc_causal, B, None, L, L, device=doc_BL.device, _compile=True)
+        # compiled on CUDA: built eagerly it evaluates the mask dense, [B, 1, L, L], every micro-batch
+        # (on CPU, where only tests build it, compiling costs more than it saves)
+        return create_block_mask(same_doc_causal, B, None, L, L, device=doc_BL.device, _compile=doc_BL.is_cuda)
     causal_LK = torch.ones(L, L, dtype=torch.bool, device=doc_BL.device).tril()
     return ((doc_BL[:, :, None] == doc_BL[:, None, :]) & causal_LK)[:, None]
 
