@@ -20,22 +20,19 @@ document's first token is ignored (nothing before it in its document predicts it
 from __future__ import annotations
 
 import functools
-import gzip
 import hashlib
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from fnmoe.config import DataConfig
+from fnmoe.sources import BUNDLED, read_documents
 
 EOS_ID = 256
-BUNDLED = "bundled"
 IGNORE = -100
 """the label of a token that has no loss (cross_entropy's ignore_index)"""
 PREPARED_FORMAT, PREPARED_VERSION = "fnmoe-tokens", 1
@@ -80,61 +77,6 @@ def load_tokenizer(spec: str):
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     return f"tokenizers:{digest}", (lambda s: tok.encode(s, add_special_tokens=False).ids), \
         tok.get_vocab_size(), eos
-
-
-# ---------------------------------------------------------------- reading documents
-
-def read_documents(corpus: str, text_field: str = "text", prompt_field: str = "") -> list:
-    """Documents of `corpus`: "bundled" (fnmoe/assets/corpus.jsonl.gz), a .jsonl or .jsonl.gz
-    file with one {"text": ...} object per line, or any other file read as UTF-8 text (gunzipped
-    if its name ends in .gz) in which a line holding only a form feed ('\\f') separates documents
-    (no such line: the file is one document); newlines around a separator are not kept.
-    With prompt_field (JSONL only) each document is the pair (prompt, completion) of an SFT set."""
-    if corpus == BUNDLED:
-        raw = resources.files("fnmoe").joinpath("assets/corpus.jsonl.gz").read_bytes()
-        return _parse_jsonl(_decode(gzip.decompress(raw), corpus), corpus, "text")
-    path = Path(corpus)
-    if not path.is_file():
-        raise FileNotFoundError(f"corpus file not found: {corpus}")
-    raw = path.read_bytes()
-    if path.name.endswith(".gz"):
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError) as e:
-            raise ValueError(f"corpus {corpus}: not a valid gzip file ({e})") from None
-    text = _decode(raw, corpus)
-    if path.name.endswith((".jsonl", ".jsonl.gz")):
-        docs = _parse_jsonl(text, corpus, text_field, prompt_field)
-    elif prompt_field:
-        raise ValueError(f"corpus {corpus}: a prompt field ({prompt_field!r}) needs a .jsonl corpus")
-    else:
-        docs = [d.strip("\n") for d in re.split(r"^\f$", text, flags=re.M) if d.strip()]
-    if not docs:
-        raise ValueError(f"corpus {corpus} has no documents")
-    return docs
-
-
-def _decode(raw: bytes, where: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"corpus {where}: not valid UTF-8 at byte {e.start}") from None
-
-
-def _parse_jsonl(text: str, where: str, field: str, prompt_field: str = "") -> list:
-    docs = []
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"corpus {where}, line {lineno}: invalid JSON ({e.msg})") from None
-        for name in (prompt_field, field) if prompt_field else (field,):
-            if not isinstance(obj, dict) or not isinstance(obj.get(name), str):
-                raise ValueError(f'corpus {where}, line {lineno}: expected an object with a string "{name}"')
-        docs.append((obj[prompt_field], obj[field]) if prompt_field else obj[field])
-    return docs
 
 
 def encode_documents(encode, docs: list, eos: int) -> tuple[list[int], list[int] | None]:

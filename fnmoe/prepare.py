@@ -1,4 +1,5 @@
-"""`fnmoe prepare`: text / JSONL files -> memory-mapped token shards with an index and a fingerprint.
+"""`fnmoe prepare`: text, JSONL, Parquet and `datasets` corpora -> memory-mapped token shards with an
+index and a fingerprint, in memory bounded independently of the input's size.
 
 Legend: T tokens.
 
@@ -13,10 +14,18 @@ Layout of a prepared directory (read by fnmoe.data when `--data.corpus DIR`):
                  prompt tokens (never labels), 1 elsewhere; in the index as splits.<s>.loss_mask
     tokenizer.json   a copy of the tokenizers tokenizer (not for 'byte'), for what decodes the tokens
 
-Documents are tokenised in parallel in parts of PART_DOCS documents; each finished part is
-renamed into `parts/` with its token count, so an interrupted run resumes at the first missing
-part (only a run of the same documents and tokenizer: `parts/key.txt` holds their digest). The
-final files are written to temporary names and renamed, so a crash never leaves a half-written
+Inputs are read by fnmoe.sources in two streaming passes. The first counts documents (Parquet:
+from its footer; Arrow: batch headers; JSONL: non-blank lines), which places the held-out split
+before anything is read. The second reads documents lazily into parts of PART_DOCS (a part never
+spans the split), tokenised by a process pool with at most IN_FLIGHT parts a worker queued or
+running; each finished part is saved into `parts/` as it comes, and the parts are concatenated
+at the end. So the process holds a few parts and one input record batch at a time, whatever the
+input's size.
+
+An interrupted run resumes at the missing parts, only for the same inputs and settings:
+`parts/key.txt` holds a digest of each input file's (path, size, mtime) -- nothing that needs the
+documents in memory -- with the fields, the tokenizer, the part size and the split. The final
+files are written to temporary names and renamed, so a crash never leaves a half-written
 `train.bin` behind an index that claims it.
 """
 from __future__ import annotations
@@ -26,71 +35,159 @@ import json
 import os
 import shutil
 import sys
-from concurrent.futures import ProcessPoolExecutor
+import time
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from fnmoe.data import (PREPARED_FORMAT, PREPARED_TOKENIZER, PREPARED_VERSION, encode_documents, load_tokenizer,
-                        read_documents)
+from fnmoe.data import PREPARED_FORMAT, PREPARED_TOKENIZER, PREPARED_VERSION, encode_documents, load_tokenizer
+from fnmoe.sources import Source, count_documents, expand_inputs, iter_documents
 
-PART_DOCS = 64
+PART_DOCS = 512
+IN_FLIGHT = 2
+"""parts a worker has queued or running: enough to keep it busy, few enough to bound memory"""
+KEY_VERSION = 2  # 1 hashed the documents themselves
 
 
 def read_inputs(inputs: list[str], text_field: str, prompt_field: str = "") -> list:
-    docs: list = []
-    for name in inputs:
-        docs += read_documents(name, text_field, prompt_field)
+    """All documents of inputs in one list: for small inputs and tests (prepare streams them)."""
+    docs = [d for src in expand_inputs(inputs) for d in iter_documents(src, text_field, prompt_field)]
     if not docs:
         raise ValueError(f"no documents in {inputs}")
     return docs
 
 
-def _encode_part(args: tuple[str, str, list]) -> np.ndarray:
-    """[T] token ids, or [2, T] ids and loss mask for SFT pairs."""
-    spec, dtype, docs = args
+@dataclass(frozen=True)
+class Scan:
+    """What the first pass over the inputs found: their files, how many documents, where val starts."""
+    sources: list[Source]
+    text_field: str
+    prompt_field: str
+    n_docs: int
+    split: int
+    """documents [0, split) train, [split, n_docs) are held out"""
+    dtype: str
+    key: str
+    """the digest in parts/key.txt: parts of another key are not resumed"""
+
+    def part_ranges(self) -> list[tuple[int, int]]:
+        """[start, stop) documents of each part: PART_DOCS at a time from 0, again from the split."""
+        return [(a, min(a + PART_DOCS, stop)) for start, stop in ((0, self.split), (self.split, self.n_docs))
+                for a in range(start, stop, PART_DOCS)]
+
+
+def scan(inputs: list[str], tokenizer: str, text_field: str = "text", prompt_field: str = "",
+         val_fraction: float = 0.05) -> Scan:
+    name, _, vocab, _ = load_tokenizer(tokenizer)
+    if not 0 < val_fraction < 1:  # nan too
+        raise ValueError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+    sources = expand_inputs(inputs)
+    n_docs = sum(count_documents(src, text_field, prompt_field) for src in sources)
+    if not n_docs:
+        raise ValueError(f"no documents in {inputs}")
+    n_val = max(1, round(n_docs * val_fraction))
+    if n_val >= n_docs:
+        raise ValueError(f"{n_docs} documents cannot hold out val_fraction={val_fraction} and still train")
+    dtype = "uint16" if vocab <= 2**16 else "uint32"
+    h = hashlib.sha256(json.dumps([KEY_VERSION, name, dtype, PART_DOCS, text_field, prompt_field, n_docs,
+                                   n_docs - n_val]).encode())
+    for src in sources:  # the files' identities, not their bytes: a rerun need not read them twice
+        st = src.path.stat()
+        h.update(json.dumps([str(src.path.resolve()), st.st_size, st.st_mtime_ns, src.bundled]).encode())
+    return Scan(sources, text_field, prompt_field, n_docs, n_docs - n_val, dtype, h.hexdigest())
+
+
+def _parts(sc: Scan) -> Iterator[list]:
+    """The documents of each part of sc.part_ranges(), read lazily from the inputs."""
+    ranges, part, k = sc.part_ranges(), [], 0
+    for i, doc in enumerate(d for src in sc.sources for d in iter_documents(src, sc.text_field, sc.prompt_field)):
+        if i >= sc.n_docs:
+            raise ValueError(f"the inputs changed while being prepared: more than the {sc.n_docs} documents counted")
+        part.append(doc)
+        if i + 1 == ranges[k][1]:
+            yield part
+            part, k = [], k + 1
+    if k != len(ranges):
+        raise ValueError(f"the inputs changed while being prepared: fewer than the {sc.n_docs} documents counted")
+
+
+_worker: dict = {}  # a pool process's tokenizer, loaded once by _init_worker
+
+
+def _init_worker(spec: str, dtype: str) -> None:
     _, encode, _, eos = load_tokenizer(spec)
-    ids, mask = encode_documents(encode, docs, eos)
-    return np.asarray(ids if mask is None else [ids, mask], dtype=dtype)
+    _worker.update(encode=encode, eos=eos, dtype=dtype, byte=spec == "byte")
 
 
-def _progress(done: int, total: int) -> None:
-    n = 30 * done // total
-    sys.stderr.write(f"\rprepare [{'#' * n}{'.' * (30 - n)}] {done}/{total} parts")
-    sys.stderr.flush()
+def _encode_part(docs: list) -> tuple[np.ndarray, int]:
+    """([T] token ids, or [2, T] ids and loss mask for SFT pairs; UTF-8 bytes of docs)."""
+    w = _worker
+    if w["byte"] and not isinstance(docs[0], tuple):  # the bytes are the ids: numpy, not a list per byte
+        raw = [d.encode() for d in docs]
+        ids_T = np.insert(np.frombuffer(b"".join(raw), np.uint8).astype(w["dtype"]),
+                          np.cumsum([len(r) for r in raw]), w["eos"])
+        return ids_T, ids_T.size - len(docs)
+    ids, mask = encode_documents(w["encode"], docs, w["eos"])
+    n_bytes = sum(len(s.encode()) for d in docs for s in (d if isinstance(d, tuple) else (d,)))
+    return np.asarray(ids if mask is None else [ids, mask], dtype=w["dtype"]), n_bytes
 
 
-def parts_key(docs: list, name: str, dtype: str) -> str:
-    """What the parts of a run depend on: the documents (text, or prompt and text), the tokenizer
-    and the part size. An interrupted run resumes only from parts of the same key."""
-    h = hashlib.sha256(json.dumps([name, dtype, PART_DOCS]).encode())
-    for doc in docs:
-        h.update(json.dumps(doc).encode() + b"\0")
-    return h.hexdigest()
+class _Progress:
+    """`prepare [###...] parts, MB/s of text, tokens/s` on stderr, at most twice a second; rates count
+    this run's parts only (not those resumed)."""
+
+    def __init__(self, total: int, done: int):
+        self.total, self.done, self.n_bytes, self.tokens = total, done, 0, 0
+        self.t0 = self.shown = time.perf_counter()
+        self._show()
+
+    def add(self, n_bytes: int, tokens: int) -> None:
+        self.done, self.n_bytes, self.tokens = self.done + 1, self.n_bytes + n_bytes, self.tokens + tokens
+        if self.done == self.total or time.perf_counter() - self.shown >= 0.5:
+            self._show()
+
+    def _show(self) -> None:
+        self.shown = time.perf_counter()
+        dt, n = max(self.shown - self.t0, 1e-9), 30 * self.done // self.total
+        sys.stderr.write(f"\rprepare [{'#' * n}{'.' * (30 - n)}] {self.done}/{self.total} parts  "
+                         f"{self.n_bytes / dt / 1e6:.1f} MB/s  {self.tokens / dt / 1e6:.2f}M tokens/s")
+        sys.stderr.flush()
 
 
-def _tokenise_parts(docs: list, spec: str, name: str, dtype: str, parts_dir: Path, workers: int) -> list[Path]:
-    """The part files of docs, tokenised where an earlier run of the same key left none."""
-    key, key_file = parts_key(docs, name, dtype), parts_dir / "key.txt"
-    if parts_dir.is_dir() and (not key_file.is_file() or key_file.read_text() != key):
+def _tokenise_parts(sc: Scan, pool: ProcessPoolExecutor, workers: int, parts_dir: Path) -> list[Path]:
+    """The part files of sc, tokenised where an earlier run of the same key left none."""
+    key_file = parts_dir / "key.txt"
+    if parts_dir.is_dir() and (not key_file.is_file() or key_file.read_text() != sc.key):
         print(f"prepare: {parts_dir} holds parts of other inputs or another tokenizer; starting over", file=sys.stderr)
         for p in parts_dir.glob("*"):
             p.unlink()
     parts_dir.mkdir(parents=True, exist_ok=True)
-    key_file.write_text(key)
-    chunks = [docs[i:i + PART_DOCS] for i in range(0, len(docs), PART_DOCS)]
-    todo = [k for k in range(len(chunks)) if not (parts_dir / f"{k:06d}.npy").exists()]
-    done = len(chunks) - len(todo)
-    _progress(done, len(chunks))
-    with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
-        for k, ids_T in zip(todo, pool.map(_encode_part, [(spec, dtype, chunks[k]) for k in todo])):
+    key_file.write_text(sc.key)
+    files = [parts_dir / f"{k:06d}.npy" for k in range(len(sc.part_ranges()))]
+    progress = _Progress(len(files), sum(f.exists() for f in files))
+    pending: dict = {}  # future -> part number
+
+    def save(futures) -> None:
+        for fut in futures:
+            k = pending.pop(fut)
+            ids_T, n_bytes = fut.result()
             tmp = parts_dir / f"{k:06d}.tmp.npy"
             np.save(tmp, ids_T)
-            os.replace(tmp, parts_dir / f"{k:06d}.npy")
-            done += 1
-            _progress(done, len(chunks))
+            os.replace(tmp, files[k])
+            progress.add(n_bytes, ids_T.shape[-1])
+
+    for k, part in enumerate(_parts(sc)):
+        if files[k].exists():  # read past, not tokenised: finished by an interrupted run
+            continue
+        while len(pending) >= IN_FLIGHT * workers:
+            save(wait(pending, return_when=FIRST_COMPLETED).done)
+        pending[pool.submit(_encode_part, part)] = k
+    save(wait(pending).done)
     sys.stderr.write("\n")
-    return [parts_dir / f"{k:06d}.npy" for k in range(len(chunks))]
+    return files
 
 
 def _concat(parts: list[Path], out: Path, dtype: str, row: int = 0) -> dict:
@@ -111,32 +208,24 @@ def _concat(parts: list[Path], out: Path, dtype: str, row: int = 0) -> dict:
 def prepare(inputs: list[str], tokenizer: str, out_dir: str | Path, text_field: str = "text",
             val_fraction: float = 0.05, workers: int = 2, prompt_field: str = "") -> dict:
     """Tokenise inputs into out_dir (resuming an interrupted run there); returns the index.
-    prompt_field: JSONL SFT pairs, whose prompt tokens are written with loss mask 0."""
+    prompt_field: SFT pairs, whose prompt tokens are written with loss mask 0."""
     out = Path(out_dir)
     name, _, vocab, eos = load_tokenizer(tokenizer)
-    if not 0 < val_fraction < 1:  # nan too
-        raise ValueError(f"--val-fraction must be in (0, 1), got {val_fraction}")
-    docs = read_inputs(inputs, text_field, prompt_field)
-    n_val = max(1, round(len(docs) * val_fraction))
-    if n_val >= len(docs):
-        raise ValueError(f"{len(docs)} documents cannot hold out val_fraction={val_fraction} and still train")
-    dtype = "uint16" if vocab <= 2**16 else "uint32"
-    parts_dir = out / "parts"
-    parts = _tokenise_parts(docs, tokenizer, name, dtype, parts_dir, workers)
-    # parts hold PART_DOCS documents each; split exactly at the first held-out document
-    split = len(docs) - n_val
-    boundary, cut = divmod(split, PART_DOCS)
-    if cut:  # the boundary part holds both splits: split it by document
-        head = _encode_part((tokenizer, dtype, docs[boundary * PART_DOCS:split]))
-        whole = np.load(parts[boundary])
-        np.save(parts_dir / "split_train.npy", whole[..., :head.shape[-1]])
-        np.save(parts_dir / "split_val.npy", whole[..., head.shape[-1]:])
-        train_parts = parts[:boundary] + [parts_dir / "split_train.npy"]
-        val_parts = [parts_dir / "split_val.npy"] + parts[boundary + 1:]
-    else:
-        train_parts, val_parts = parts[:boundary], parts[boundary:]
-    splits = {"train": _concat(train_parts, out / "train.bin", dtype) | {"docs": split},
-              "val": _concat(val_parts, out / "val.bin", dtype) | {"docs": n_val}}
+    # forked before pyarrow starts its threads (a fork copies no thread, and no lock one held)
+    pool = ProcessPoolExecutor(max_workers=max(1, workers), initializer=_init_worker,
+                               initargs=(tokenizer, "uint16" if vocab <= 2**16 else "uint32"))
+    try:
+        pool.submit(int).result()  # with fork, the first submit starts every worker
+        sc = scan(inputs, tokenizer, text_field, prompt_field, val_fraction)
+        parts_dir = out / "parts"
+        parts = _tokenise_parts(sc, pool, max(1, workers), parts_dir)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    n_train = -(-sc.split // PART_DOCS)
+    train_parts, val_parts = parts[:n_train], parts[n_train:]
+    dtype = sc.dtype
+    splits = {"train": _concat(train_parts, out / "train.bin", dtype) | {"docs": sc.split},
+              "val": _concat(val_parts, out / "val.bin", dtype) | {"docs": sc.n_docs - sc.split}}
     if prompt_field:
         for s, s_parts in (("train", train_parts), ("val", val_parts)):
             splits[s]["loss_mask"] = _concat(s_parts, out / f"{s}.loss_mask.bin", "uint8", row=1)

@@ -8,7 +8,7 @@ import torch
 from fnmoe.cli import main
 from fnmoe.config import DataConfig
 from fnmoe.data import EOS_ID, load_data, open_prepared, read_documents
-from fnmoe.prepare import PART_DOCS, parts_key, prepare, read_inputs
+from fnmoe.prepare import PART_DOCS, prepare, read_inputs, scan
 
 
 def write_jsonl(path, docs, field="text"):
@@ -54,7 +54,7 @@ def test_an_interrupted_run_resumes_from_finished_parts(tmp_path):
     np.save(parts / "000000.npy", marked)
     (parts / "000001.tmp.npy").write_bytes(b"torn")  # an unfinished write is ignored
     np.save(parts / "split_val.npy", marked)  # the interrupted run's split of the boundary part: redone
-    (parts / "key.txt").write_text(parts_key(read_inputs([str(src)], "text"), "byte", "uint16"))
+    (parts / "key.txt").write_text(scan([str(src)], "byte").key)
     prepare([str(src)], "byte", tmp_path / "out")
     _, arrays = open_prepared(tmp_path / "out")
     n_val = round(len(docs) * 0.05)
@@ -75,7 +75,7 @@ def test_parts_of_other_inputs_are_not_resumed(tmp_path):
     parts = tmp_path / "out" / "parts"
     parts.mkdir()
     np.save(parts / "000000.npy", np.asarray(byte_stream(read_inputs([str(a)], "text")[:PART_DOCS]), dtype="uint16"))
-    (parts / "key.txt").write_text(parts_key(read_inputs([str(a)], "text"), "byte", "uint16"))
+    (parts / "key.txt").write_text(scan([str(a)], "byte").key)
     index = prepare([str(b)], "byte", tmp_path / "out")
     _, arrays = open_prepared(tmp_path / "out")
     n_val = round(len(b_docs) * 0.05)
