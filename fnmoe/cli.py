@@ -331,15 +331,36 @@ def cmd_plot(argv: list[str]) -> int:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    """Per-rank memory, FLOPs, communication and a step-time model for a config; allocates nothing."""
+    """Per-rank memory, FLOPs, communication and a step-time model for a config; allocates nothing.
+    --search ranks every layout of the world size instead (fnmoe.plan_search)."""
     from fnmoe.plan import format_plan, plan
 
-    known, run = _parse_run_and(argv, "fnmoe plan", "--json", dict(action="store_true"),
-                                "fnmoe plan [--config FILE] [overrides, e.g. --mesh.fsdp 48 --mesh.ep 8 "
-                                "--memory.recompute full] [--json]: per-rank bytes, FLOPs per token, "
-                                "communication and a modelled step time")
-    result = plan(run)
-    print(json.dumps(result, indent=1) if known.json else format_plan(result))
+    usage = ("fnmoe plan [--config FILE] [overrides, e.g. --mesh.fsdp 48 --mesh.ep 8 --memory.recompute full] "
+             "[--json]: per-rank bytes, FLOPs per token, communication and a modelled step time\n"
+             "fnmoe plan --search [--world N] [--top K] [--config FILE] [overrides] [--json]: every mesh "
+             "(fsdp x ep = N, default the config's), memory policy and micro-batch (global batch kept) that "
+             "fits, ranked by modelled tokens/s/GPU, with what bounds each")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--json", action="store_true")
+    pre.add_argument("--search", action="store_true")
+    pre.add_argument("--world", type=int, default=None)
+    pre.add_argument("--top", type=int, default=10)
+    known, rest = pre.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        print(usage + "\n")
+    run = parse_run(rest, "fnmoe plan")
+    if not known.search:
+        if known.world is not None:
+            raise ValueError("--world goes with --search (for one layout set --mesh.fsdp and --mesh.ep)")
+        result = plan(run)
+        print(json.dumps(result, indent=1) if known.json else format_plan(result))
+        return 0
+    from fnmoe.plan_search import format_search, search
+
+    if known.top < 1:
+        raise ValueError(f"--top must be >= 1, got {known.top}")
+    ranking = search(run, known.world, known.top)
+    print(json.dumps(ranking, indent=1) if known.json else format_search(ranking))
     return 0
 
 

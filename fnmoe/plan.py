@@ -15,7 +15,9 @@ bytes measured by MemTracker on small presets.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
+from fnmoe import plan_net
 from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.params import leaf_inits
 from fnmoe.tree import flatten_dict
@@ -124,6 +126,13 @@ def block_activations(run: RunConfig, i: int, T: int) -> dict:
 
 # ---------------------------------------------------------------- params, grads, optimizer state
 
+@lru_cache(maxsize=16)
+def leaf_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(dotted path, shape) of every leaf; cached, since flattening a 1T tree takes milliseconds and
+    `fnmoe plan --search` plans hundreds of layouts of one model."""
+    return tuple((path, tuple(init.shape)) for path, init in flatten_dict(leaf_inits(cfg)).items())
+
+
 def _leaf_kind(path: str) -> str:
     if path.startswith("buffers."):
         return "buffer"
@@ -141,13 +150,13 @@ def state_bytes(run: RunConfig) -> dict:
     world = run.mesh.world
     sb = DTYPE_BYTES[run.plan.state_dtype]
     params = grads = optim = 0
-    for path, init in flatten_dict(leaf_inits(run.model)).items():
-        n = math.ceil(math.prod(init.shape) / world)
+    for path, shape in leaf_shapes(run.model):
+        n = math.ceil(math.prod(shape) / world)
         params += n * MASTER_BYTES
         if _leaf_kind(path) == "buffer":
             continue
         grads += n * GRAD_BYTES
-        moments = 1 if run.optim.name == "muon" and _on_muon(path, init.shape) else 2
+        moments = 1 if run.optim.name == "muon" and _on_muon(path, shape) else 2
         optim += n * moments * sb
     return {"params": params, "grads": grads, "optim": optim}
 
@@ -155,11 +164,14 @@ def state_bytes(run: RunConfig) -> dict:
 def block_numels(cfg: ModelConfig, ep: int) -> list[int]:
     """Elements a rank holds of each gathered block (embedding, layers, head): dense leaves whole,
     expert stacks E/ep experts."""
-    tree = leaf_inits(cfg)
-    flat = lambda t: flatten_dict(t).items()  # noqa: E731
-    count = lambda t: sum(math.prod(i.shape) // (ep if p.endswith(("_EDF", "_EFD")) else 1) for p, i in flat(t))  # noqa: E731
-    blocks = [count(tree["embed"])] + [count(tree["layers"][str(i)]) for i in range(cfg.n_layers)]
-    return blocks + [count({"final_norm": tree["final_norm"], **({"head": tree["head"]} if "head" in tree else {})})]
+    blocks = [0] * (cfg.n_layers + 2)  # embedding, layers, final norm and head
+    for path, shape in leaf_shapes(cfg):
+        head, _, rest = path.partition(".")
+        if head == "buffers":
+            continue
+        i = 0 if head == "embed" else int(rest.partition(".")[0]) + 1 if head == "layers" else cfg.n_layers + 1
+        blocks[i] += math.prod(shape) // (ep if path.endswith(("_EDF", "_EFD")) else 1)
+    return blocks
 
 
 def gathered_bytes(run: RunConfig) -> int:
@@ -227,53 +239,110 @@ def comm_bytes(run: RunConfig) -> dict:
     bytes counted on the collectives of eager steps on a 2x2 gloo mesh (tests/test_mesh_memory.py)."""
     cfg, mesh, accum = run.model, run.mesh, run.train.grad_accum
     world, s = mesh.world, DTYPE_BYTES[cfg.compute_dtype]
+    keys = ("fsdp", "ep", "total", "fsdp_intra_node", "fsdp_inter_node", "ep_intra_node", "ep_inter_node")
     if world == 1:
-        return {"fsdp": 0, "ep": 0, "total": 0}
-    blocks = outer = 0.0  # elements a rank sends in one gather of every block leaf / of the other leaves
-    for path, init in flatten_dict(leaf_inits(cfg)).items():
-        n = math.prod(init.shape)
+        return dict.fromkeys(keys, 0)
+    # elements a rank sends in one gather of every block leaf / of the other leaves, dense and expert
+    blocks, outer = {"dense": 0.0, "expert": 0.0}, {"dense": 0.0, "expert": 0.0}
+    for path, shape in leaf_shapes(cfg):
+        n = math.prod(shape)
         kind = _leaf_kind(path)
         if kind == "buffer":
             continue
         sent = n / mesh.ep * (mesh.fsdp - 1) / mesh.fsdp if kind == "expert" else n * (world - 1) / world
         if path.startswith("layers."):
-            blocks += sent
+            blocks[kind] += sent
         else:
-            outer += sent * (2 if cfg.tie_embeddings and path.startswith("embed.") else 1)
+            outer[kind] += sent * (2 if cfg.tie_embeddings and path.startswith("embed.") else 1)
     regathered = mesh.reshard_after_forward or run.memory.recompute == "full"
     block_gathers = (2 if regathered else 1) + (1 if run.optim.qk_clip else 0)
-    fsdp = accum * ((blocks * block_gathers + outer) * s + (blocks + outer) * GRAD_BYTES)
+    part = {k: accum * ((blocks[k] * block_gathers + outer[k]) * s + (blocks[k] + outer[k]) * GRAD_BYTES)
+            for k in blocks}
+    fsdp = int(part["dense"] + part["expert"])
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    ep = accum * n_moe * 4 * tokens_per_rank(run) * cfg.moe.top_k * cfg.dim * s * (mesh.ep - 1) / mesh.ep
-    return {"fsdp": int(fsdp), "ep": int(ep), "total": int(fsdp + ep)}
+    ep = int(accum * n_moe * 4 * tokens_per_rank(run) * cfg.moe.top_k * cfg.dim * s * (mesh.ep - 1) / mesh.ep)
+    # the split by link (plan_net): a ring over a group that leaves the node is all counted across
+    intra = sum(part[k] for k, spans in (("dense", plan_net.dense_group_spans(run)),
+                                          ("expert", plan_net.expert_group_spans(run))) if not spans)
+    inside, _ = plan_net.ep_row_fractions(run)
+    ep_intra = int(ep * inside * mesh.ep / (mesh.ep - 1)) if mesh.ep > 1 else 0
+    return dict(zip(keys, (fsdp, ep, fsdp + ep, min(int(intra), fsdp), fsdp - min(int(intra), fsdp),
+                           ep_intra, ep - ep_intra)))
+
+
+def region_flops(run: RunConfig) -> dict:
+    """Forward FLOPs per token of every region kind summed over layers: {attention (its GEMMs),
+    attention_core (q·k and p·v), moe, mlp}; recompute repeats a region's forward in backward."""
+    cfg = run.model
+    out = {"attention": 0.0, "attention_core": 0.0, "moe": 0.0, "mlp": 0.0}
+    for path, shape in leaf_shapes(cfg):
+        parts = path.split(".")
+        if parts[0] != "layers" or len(shape) < 2:
+            continue
+        n = math.prod(shape) * (cfg.moe.top_k / cfg.moe.n_experts if path.endswith(("_EDF", "_EFD")) else 1)
+        out["attention" if parts[2] == "attn" else parts[2]] += 2.0 * n
+    out["attention_core"] = 1.0 * cfg.n_layers * run.data.seq_len * cfg.n_heads * (cfg.qk_head_dim_ + cfg.v_head_dim_)
+    return out
+
+
+def recompute_flops(run: RunConfig) -> tuple[float, float]:
+    """(GEMM, attention-core) FLOPs per token recomputed in backward: every region under full
+    recompute, the regions whose policy is 'full' otherwise; selective recompute redoes norms and
+    pointwise ops only, which the model counts as free."""
+    f, mem = region_flops(run), run.memory
+    if mem.recompute == "full":
+        return f["attention"] + f["moe"] + f["mlp"], f["attention_core"]
+    gemm = sum(f[r] for r in ("attention", "moe", "mlp") if getattr(mem, r) == "full")
+    return gemm, f["attention_core"] if mem.attention == "full" else 0.0
+
+
+def ep_link_bytes(run: RunConfig, comm: dict) -> tuple[float, float]:
+    """(inside the node, across nodes) all-to-all bytes a rank sends a step under plan.dispatch:
+    'rows' is fnmoe's exchange (comm_bytes' split), 'node_dedup' a dispatch that crosses to each
+    node once per token (plan_net.ep_dedup_rows), which fnmoe does not have yet."""
+    if run.plan.dispatch == "rows" or run.mesh.ep == 1:
+        return comm["ep_intra_node"], comm["ep_inter_node"]
+    cfg = run.model
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    row = run.train.grad_accum * n_moe * 4 * tokens_per_rank(run) * cfg.dim * DTYPE_BYTES[cfg.compute_dtype]
+    inside, across = plan_net.ep_dedup_rows(run)
+    return row * inside, row * across
 
 
 def step_time(run: RunConfig, fpt: float, comm: dict, host_bytes: int) -> dict:
-    """A model, not a measurement: compute at the stated sustained rates, collectives at the stated
-    link bandwidths, offload copies at the host-link rate; 'overlapped' assumes communication and
-    copies hide behind compute, 'serial' that nothing overlaps."""
-    pl, cfg = run.plan, run.model
+    """A model, not a measurement: compute at the stated sustained rates (GEMMs, and attention's
+    core at its own rate), collectives over the two-level network of plan_net (nvlink_gbps inside a
+    node of gpus_per_node, network_gbps across nodes; an all-to-all uses both at once), offload
+    copies out and back at the host-link rate, balanced routing. 'overlapped' assumes communication
+    and copies hide behind compute, 'serial' that nothing overlaps; 'bound' names the largest term."""
+    pl = run.plan
     tokens = tokens_per_rank(run) * run.train.grad_accum
-    attn = 3.0 * cfg.n_layers * run.data.seq_len * cfg.n_heads * (cfg.qk_head_dim_ + cfg.v_head_dim_)
-    dense = fpt - attn
-    recompute = 4 / 3 if run.memory.recompute == "full" else 1.0  # one more forward: 8N instead of 6N
-    compute = tokens * (dense * recompute / (pl.matmul_tflops * 1e12) + attn * recompute / (pl.attention_tflops * 1e12))
-    ep_bw = pl.nvlink_gbps if run.mesh.ep <= pl.gpus_per_node else pl.network_gbps
-    fsdp_bw = pl.nvlink_gbps if run.mesh.world <= pl.gpus_per_node else pl.network_gbps
-    comm_s = comm["fsdp"] / (fsdp_bw * GB) + comm["ep"] / (ep_bw * GB)
+    core = region_flops(run)["attention_core"] * 3  # forward and backward, as in fpt
+    re_gemm, re_core = recompute_flops(run)
+    gemm_s = tokens * (fpt - core + re_gemm) / (pl.matmul_tflops * 1e12)
+    compute = gemm_s + tokens * (core + re_core) / (pl.attention_tflops * 1e12)
+    nv, net = pl.nvlink_gbps * GB, pl.network_gbps * GB
+    fsdp_intra_s, fsdp_inter_s = comm["fsdp_intra_node"] / nv, comm["fsdp_inter_node"] / net
+    ep_intra, ep_inter = ep_link_bytes(run, comm)
+    ep_intra_s, ep_inter_s = ep_intra / nv, ep_inter / net
+    comm_s = fsdp_intra_s + fsdp_inter_s + max(ep_intra_s, ep_inter_s)
     offload_s = 2 * host_bytes * run.train.grad_accum / (pl.host_link_gbps * GB)
     overlapped, serial = max(compute, comm_s, offload_s), compute + comm_s + offload_s
+    terms = {"compute": compute, "fsdp inside node": fsdp_intra_s, "fsdp across nodes": fsdp_inter_s,
+             "ep inside node": ep_intra_s, "ep across nodes": ep_inter_s, "host link": offload_s}
+    if comm_s >= max(compute, offload_s):
+        bound = max(("fsdp inside node", "fsdp across nodes", "ep inside node", "ep across nodes"), key=terms.get)
+    else:
+        bound = "compute" if compute >= offload_s else "host link"
     return {"model": "stated rates; not measured", "compute_s": compute, "comm_s": comm_s, "offload_s": offload_s,
+            "terms_s": terms, "bound": bound, "ep_dispatch": pl.dispatch,
             "step_s_overlapped": overlapped, "step_s_serial": serial,
             "tokens_per_s_per_gpu_overlapped": tokens / overlapped, "tokens_per_s_per_gpu_serial": tokens / serial}
 
 
 def plan(run: RunConfig) -> dict:
     """Everything `fnmoe plan` reports, as one JSON-ready dict (bytes are per rank)."""
-    from fnmoe.metrics import flops_per_token, param_counts
-
-    total, active = param_counts(run.model)
-    fpt = flops_per_token(run.model, run.data.seq_len)
+    total, active, fpt = _counts(run.model, run.data.seq_len)
     states, acts = state_bytes(run), activation_plan(run)
     per_rank = dict(states, gathered=gathered_bytes(run), activations=acts["device"],
                     recompute_transient=acts["transient"], logits=logits_bytes(run),
@@ -291,6 +360,14 @@ def plan(run: RunConfig) -> dict:
             "step_time": step_time(run, fpt, comm, acts["host"])}
 
 
+@lru_cache(maxsize=16)
+def _counts(cfg: ModelConfig, seq_len: int) -> tuple[int, int, float]:
+    """(total params, active params, FLOPs per token), cached for the search's many layouts."""
+    from fnmoe.metrics import flops_per_token, param_counts
+
+    return (*param_counts(cfg), flops_per_token(cfg, seq_len))
+
+
 def _policy(run: RunConfig) -> str:
     m = run.memory
     if m.recompute == "full":
@@ -302,7 +379,8 @@ def _policy(run: RunConfig) -> str:
 def format_plan(p: dict) -> str:
     """The human-readable table of `fnmoe plan`."""
     gb = lambda b: f"{b / GB:9.2f} GB"  # noqa: E731
-    r, t = p["per_rank_bytes"], p["step_time"]
+    r, t, c = p["per_rank_bytes"], p["step_time"], p["comm_bytes_detail"]
+    terms = ", ".join(f"{k} {v:.2f} s" for k, v in t["terms_s"].items() if v and k not in ("compute", "host link"))
     lines = [f"plan for {p['config']} on fsdp {p['mesh']['fsdp']} x ep {p['mesh']['ep']} ({p['mesh']['world']} ranks), "
              f"{p['tokens_per_rank_microbatch']} tokens a rank a micro-batch; memory: {p['memory']}",
              f"  params {p['total_params']:.4g} total, {p['active_params']:.4g} active; "
@@ -313,8 +391,10 @@ def format_plan(p: dict) -> str:
               f"  host, offloaded       {gb(r['offload_host'])} a GPU, {gb(p['per_host_offload_bytes'])} a node; "
               f"fits {p['fits']['host_gb']:.0f} GB a GPU: {p['fits']['host']}",
               f"  communication         {gb(p['comm_bytes_per_step'])} sent a rank a step "
-              f"(fsdp {p['comm_bytes_detail']['fsdp'] / GB:.1f}, ep {p['comm_bytes_detail']['ep'] / GB:.1f})",
-              f"  step time (a model, stated rates): compute {t['compute_s']:.2f} s, comm {t['comm_s']:.2f} s, "
-              f"offload {t['offload_s']:.2f} s -> {t['tokens_per_s_per_gpu_overlapped']:,.0f} tok/s/GPU overlapped, "
-              f"{t['tokens_per_s_per_gpu_serial']:,.0f} serial"]
+              f"(fsdp {c['fsdp'] / GB:.1f}: {c['fsdp_intra_node'] / GB:.1f} inside a node, "
+              f"{c['fsdp_inter_node'] / GB:.1f} across; ep {c['ep'] / GB:.1f}: {c['ep_intra_node'] / GB:.1f} inside, "
+              f"{c['ep_inter_node'] / GB:.1f} across)",
+              f"  step time (a model, stated rates): compute {t['compute_s']:.2f} s, comm {t['comm_s']:.2f} s "
+              f"({terms}), offload {t['offload_s']:.2f} s -> {t['tokens_per_s_per_gpu_overlapped']:,.0f} tok/s/GPU "
+              f"overlapped ({t['bound']} bound), {t['tokens_per_s_per_gpu_serial']:,.0f} serial"]
     return "\n".join(lines)

@@ -336,13 +336,19 @@ class PlanConfig:
     attention_tflops: PositiveFloat = 989.0 * 0.4
     """sustained flash-attention rate per GPU (TFLOP/s)"""
     nvlink_gbps: PositiveFloat = 150.0
-    """per-GPU bandwidth of collectives inside a node (GB/s, one direction, achieved)"""
+    """per-GPU bandwidth of collectives inside a node (GB/s, one direction, achieved; GH200 NVL4: 6 of
+    18 NVLink-4 links, 150 GB/s, to each of 3 peers, a ring's bound)"""
     network_gbps: PositiveFloat = 25.0
-    """per-GPU bandwidth of collectives across nodes (GB/s, one direction: 200 Gb/s InfiniBand)"""
+    """per-GPU bandwidth of collectives across nodes (GB/s, one direction: a 200 Gb/s NIC a GPU, e.g.
+    NDR200 or Slingshot-11; configs/kimi_k2_1t.toml assumes NDR400 at 40)"""
     gpus_per_node: Annotated[int, Range(1)] = 4
     """GPUs sharing fast links (GH200 NVL4 nodes: 4)"""
     host_link_gbps: PositiveFloat = 150.0
-    """device<->host bandwidth per GPU for offload (GB/s; NVLink-C2C measures 300+)"""
+    """device<->host bandwidth per GPU for offload (GB/s; NVLink-C2C: 450 a direction nominal, a third
+    assumed since the copies share HBM bandwidth with compute)"""
+    dispatch: Literal["rows", "node_dedup"] = "rows"
+    """EP exchange the step-time model assumes: 'rows' is fnmoe's (every routed row sent); 'node_dedup'
+    sends a token once per destination node and fans it out there over NVLink (DeepEP), not built yet"""
 
 
 @dataclass(frozen=True)

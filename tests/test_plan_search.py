@@ -1,0 +1,125 @@
+"""`fnmoe plan --search` and the two-level network model under fnmoe.plan's step time."""
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from fnmoe.cli import main
+from fnmoe.config import load_config
+from fnmoe.config.check import validate
+from fnmoe.plan import comm_bytes, ep_link_bytes, plan
+from fnmoe.plan_search import POLICIES, search, with_layout
+
+ROOT = Path(__file__).resolve().parent.parent
+KIMI = ROOT / "configs" / "kimi_k2_1t.toml"
+
+
+@pytest.fixture(scope="module")
+def kimi():
+    return load_config(KIMI)
+
+
+@pytest.fixture(scope="module")
+def kimi_search(kimi):
+    start = time.perf_counter()
+    s = search(kimi, top=1000)
+    return s, time.perf_counter() - start
+
+
+def _mesh(run, fsdp, ep, **plan_fields):
+    return dataclasses.replace(run, mesh=dataclasses.replace(run.mesh, fsdp=fsdp, ep=ep),
+                               plan=dataclasses.replace(run.plan, **plan_fields))
+
+
+def test_search_returns_only_valid_fitting_layouts_sorted(kimi, kimi_search):
+    s, seconds = kimi_search
+    assert seconds < 20 and s["world"] == 384 and s["fitting"] == len(s["ranking"]) > 0
+    E = kimi.model.moe.n_experts
+    for r in s["ranking"]:
+        assert r["fsdp"] * r["ep"] == 384 and E % r["ep"] == 0 and r["policy"] in POLICIES
+        assert r["device_bytes"] <= kimi.plan.hbm_gb * 1e9 and r["host_bytes"] <= kimi.plan.host_gb * 1e9
+        assert r["micro_batch"] * r["grad_accum"] * 384 == kimi.train.batch_size  # the global batch kept
+    rates = [r["tokens_per_s_per_gpu"] for r in s["ranking"]]
+    assert rates == sorted(rates, reverse=True)
+    assert s["candidates"] > s["fitting"]  # no recompute does not fit a 1T model on 96 GB
+
+
+def test_the_preset_is_the_best_layout_and_passes_the_config_check(kimi, kimi_search):
+    best = kimi_search[0]["ranking"][0]
+    run = validate(with_layout(kimi, best["fsdp"], best["ep"], best["policy"], best["micro_batch"]))
+    assert (run.mesh, run.memory, run.train.grad_accum) == (kimi.mesh, kimi.memory, kimi.train.grad_accum)
+    assert plan(kimi)["step_time"]["tokens_per_s_per_gpu_overlapped"] == pytest.approx(best["tokens_per_s_per_gpu"])
+
+
+@pytest.mark.parametrize("fsdp,ep", [(1, 1), (4, 1), (1, 4), (2, 2), (48, 8), (1, 384), (96, 4), (32, 12), (64, 6)])
+def test_node_split_sums_to_comm_bytes(kimi, fsdp, ep):
+    c = comm_bytes(_mesh(kimi, fsdp, ep))
+    assert c["fsdp_intra_node"] + c["fsdp_inter_node"] == c["fsdp"]
+    assert c["ep_intra_node"] + c["ep_inter_node"] == c["ep"]
+    assert c["total"] == c["fsdp"] + c["ep"]
+
+
+def test_split_follows_the_node_layout(kimi):
+    inside = comm_bytes(_mesh(kimi, 1, 4))  # one node: everything over NVLink
+    assert inside["fsdp_inter_node"] == inside["ep_inter_node"] == 0 < inside["ep_intra_node"]
+    c = comm_bytes(_mesh(kimi, 48, 8))  # an ep group of 8 spans 2 nodes: 3 of 7 peers on the own node
+    assert c["ep_intra_node"] / c["ep"] == pytest.approx(3 / 7, rel=1e-6)
+    assert c["fsdp_intra_node"] == 0  # dense leaves over 384 ranks, experts every 8th rank: across nodes
+    # a world of 4 is one 4-GPU node: the strided expert groups stay inside it too
+    assert comm_bytes(_mesh(kimi, 2, 2))["fsdp_inter_node"] == 0
+
+
+def test_group_limited_routing_cuts_cross_node_ep_bytes(kimi):
+    run = _mesh(kimi, 1, 384, dispatch="node_dedup")
+    limited = dataclasses.replace(run, model=dataclasses.replace(
+        run.model, moe=dataclasses.replace(run.model.moe, n_group=96, topk_group=4)))  # a group a node
+    validate(limited)
+    _, across = ep_link_bytes(run, comm_bytes(run))
+    _, across_limited = ep_link_bytes(limited, comm_bytes(limited))
+    assert across_limited < 0.55 * across  # at most 4 other nodes a token, against ~7.7 of 8 copies
+    # fnmoe's own exchange sends every row: routing groups do not change its expected bytes
+    assert comm_bytes(limited)["ep_inter_node"] == comm_bytes(run)["ep_inter_node"]
+
+
+def test_two_level_model_drives_fnmoe_plan(kimi):
+    fast = plan(_mesh(kimi, 1, 384, network_gbps=400.0))["step_time"]
+    slow = plan(_mesh(kimi, 1, 384))["step_time"]
+    assert slow["bound"] == "ep across nodes" and fast["bound"] == "compute"
+    one_node = plan(_mesh(kimi, 1, 4))["step_time"]
+    assert one_node["terms_s"]["ep across nodes"] == 0 < one_node["terms_s"]["ep inside node"]
+
+
+def test_plan_search_json_cli(capsys):
+    assert main(["plan", "--search", "--config", str(KIMI), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert len(s["ranking"]) == 10 and s["world"] == 384
+    assert main(["plan", "--search", "--config", str(KIMI), "--world", "768", "--json", "--top", "3"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["world"] == 768 and all(r["fsdp"] * r["ep"] == 768 for r in s["ranking"]) and len(s["ranking"]) == 3
+    assert main(["plan", "--search", "--config", str(KIMI)]) == 0
+    assert "tok/s/GPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--world", "100"], "no layout of 100 ranks keeps train.batch_size=1536"),
+    (["--world", "0"], "--world must be >= 1"),
+    (["--world", "96"], "no layout of 96 ranks fits"),
+    (["--world", "4"], "misses device by"),
+    (["--world", "384", "--top", "0"], "--top must be >= 1"),
+])
+def test_plan_search_errors(capsys, args, said):
+    assert main(["plan", "--search", "--config", str(KIMI), *args]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_world_without_search_and_indivisible_experts(capsys):
+    assert main(["plan", "--config", str(KIMI), "--world", "384"]) == 2
+    assert "--world goes with --search" in capsys.readouterr().err
+    # 7 experts on 8 ranks: no ep > 1 divides both, so every layout is fsdp 8 x ep 1
+    run = load_config(ROOT / "configs" / "tiny.toml")
+    odd = dataclasses.replace(run, model=dataclasses.replace(
+        run.model, moe=dataclasses.replace(run.model.moe, n_experts=7, n_group=1, topk_group=1)))
+    s = search(odd, world=8, top=100)
+    assert {r["ep"] for r in s["ranking"]} == {1}
