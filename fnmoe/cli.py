@@ -57,10 +57,28 @@ def _config_defaults(argv: list[str]) -> RunConfig:
     return load_config(known.config, validate_config=False)
 
 
+def _flag_types() -> tyro.constructors.ConstructorRegistry:
+    """How tyro reads the one config field that is not a plain value: data.mix as NAME=DIR:WEIGHT ...
+    (kept here so the config classes, and `import fnmoe`, need no tyro)."""
+    from fnmoe.config import MixSource
+
+    registry = tyro.constructors.ConstructorRegistry()
+
+    @registry.primitive_rule
+    def _mix(info: tyro.constructors.PrimitiveTypeInfo):
+        if info.type != tuple[MixSource, ...]:
+            return None
+        return tyro.constructors.PrimitiveConstructorSpec(
+            nargs="*", metavar="NAME=DIR:WEIGHT", instance_from_str=lambda args: tuple(map(MixSource.parse, args)),
+            is_instance=lambda x: isinstance(x, tuple) and all(isinstance(s, MixSource) for s in x),
+            str_from_instance=lambda x: [s.flag() for s in x])
+    return registry
+
+
 def parse_run(argv: list[str], prog: str) -> RunConfig:
     """The RunConfig of a preset plus flag overrides, validated."""
     base = _config_defaults(argv)
-    args = tyro.cli(TrainArgs, args=argv, prog=prog, default=TrainArgs(config="", run=base))
+    args = tyro.cli(TrainArgs, args=argv, prog=prog, default=TrainArgs(config="", run=base), registry=_flag_types())
     return validate(args.run)
 
 
@@ -165,7 +183,8 @@ def _prepared_corpus(ckpt: Path) -> Path | None:
     text (byte tokens) or ckpt holds no run config (a tree or HF directory)."""
     if not (ckpt / "config.toml").is_file():
         return None
-    corpus = Path(load_config(ckpt / "config.toml").data.corpus)
+    data = load_config(ckpt / "config.toml").data
+    corpus = Path(data.mix[0].corpus if data.mix else data.corpus)  # a mixture's sources share a tokenizer
     return corpus if (corpus / "index.json").is_file() else None
 
 

@@ -20,9 +20,10 @@ from fnmoe import dist as fdist
 from fnmoe.checkpoint.procs import _from_lead
 from fnmoe.compile import cache_stats, save_artifacts, warm_start
 from fnmoe.config import RunConfig, to_toml
-from fnmoe.data import Loader, load_data, val_batches
+from fnmoe.data import Loader
 from fnmoe.metrics import (JsonlWriter, MetricsWriter, TensorBoardWriter, drop_rows_after, flops_per_token,
                            load_by_layer, load_max_over_mean, mfu)
+from fnmoe.mixture import training_data
 from fnmoe.params import init_params, shape_mismatches
 from fnmoe.train import TrainState, eval_loss, init_state, make_train_step
 from fnmoe.tree import tree_map
@@ -262,9 +263,13 @@ def _open_outputs(run: RunConfig, run_dir: Path, state: TrainState, resumed: boo
             rundir.write_text(run_dir / "config.toml", to_toml(run))
             # alone: the other ranks reach their first save only after rank 0 is past this (a step's collectives)
             checkpoint.discard_after(run_dir / "checkpoints", state.step)
+            mirrors = [TensorBoardWriter(run_dir / "tensorboard")] if run.train.tensorboard else []
+            if run.train.wandb:  # imported only when asked: the core never imports wandb
+                from fnmoe.wandb_log import WandbWriter
+                mirrors.append(WandbWriter(run, run_dir, resumed))
             writer = MetricsWriter(_metrics_writer(run_dir / "metrics.jsonl", state.step if resumed else None),
-                                   TensorBoardWriter(run_dir / "tensorboard") if run.train.tensorboard else None)
-        except ValueError as e:  # RunDirError, or no tensorboard package
+                                   *mirrors)
+        except ValueError as e:  # RunDirError, or no tensorboard / wandb package
             error = str(e)
     _job_verdict(error, rank)
     return writer
@@ -281,12 +286,10 @@ def _train_locked(run: RunConfig, rank: int, mesh, request: stop.Request) -> dic
     found = _resume_point(run, ckpt_root)
 
     t, L = run.train, run.data.seq_len
-    data = load_data(run.data, run.model.vocab_size)
-    loader = Loader(data, L, t.batch_size, t.grad_accum, t.seed, run.data.doc_mask)
-    # every rank evaluates the same global micro-batches: val_loss is the same on any mesh
     device = _device()
-    val = [_to(b, device)
-           for b in val_batches(data, L, t.batch_size // t.grad_accum, t.eval_batches, run.data.doc_mask)]
+    # every rank evaluates the same global micro-batches: val_loss is the same on any mesh
+    loader, val, weights = training_data(run)
+    val = {name: [_to(b, device) for b in batches] for name, batches in val.items()}
     tx, _ = optim.from_config(run.optim, t.steps)
     if found:
         state = checkpoint.load_state(*found, run, tx, loader, mesh)
@@ -352,15 +355,16 @@ def _train_locked(run: RunConfig, rank: int, mesh, request: stop.Request) -> dic
                 break
             why = 0
             if t.eval_every and step % t.eval_every == 0 and step < t.steps:
-                writer.write(_val_row(step, eval_loss(state.params, val, run)))
+                writer.write(_evaluate(step, state.params, val, weights, run))
             if run.checkpoint.every and step % run.checkpoint.every == 0 and step < t.steps:
                 saver.save(state, run, loader)
             faults.after_step(step, rank)
         if why:
             return _stop(why, writer, saver, state, run, loader, rank)
         saved = saver.save(state, run, loader, blocking=True)
-        val_loss = eval_loss(state.params, val, run)
-        writer.write(_val_row(t.steps, val_loss))
+        val_row = _evaluate(t.steps, state.params, val, weights, run)
+        val_loss = val_row["val_loss"]
+        writer.write(val_row)
         if writer.error is not None:
             raise rundir.RunDirError(f"{writer.error}; the run finished and saved {saved}")
     except KeyboardInterrupt:
@@ -393,8 +397,24 @@ def _stop(why: int, writer, saver: checkpoint.Saver, state: TrainState, run: Run
     raise rundir.RunDirError(f"{what}; stopped after step {state.step}: {where}")
 
 
+def _evaluate(step: int, params, val: dict, weights: dict, run: RunConfig) -> dict:
+    """The eval row: val_loss, and for a mixture each source's val_loss/<name> (val_loss is then
+    their mean weighted as the batches are); a mixture's row is also a progress line."""
+    losses = {name: eval_loss(params, batches, run) for name, batches in val.items()}
+    row = _val_row(step, sum(weights[name] * loss for name, loss in losses.items()))
+    if "" not in losses:
+        row.update({f"val_loss/{name}": loss for name, loss in losses.items()})
+        log.info(_eval_line(row, losses))
+    return row
+
+
 def _val_row(step: int, val_loss: float) -> dict:
     return {"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 80.0))}
+
+
+def _eval_line(row: dict, losses: dict) -> str:
+    parts = " | ".join(f"{name} {loss:.4f}" for name, loss in losses.items())
+    return f"eval step {row['step']}: val_loss {row['val_loss']:.4f} (weighted) | {parts}"
 
 
 def _progress_line(row: dict, total: int) -> str:

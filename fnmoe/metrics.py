@@ -1,4 +1,4 @@
-"""FLOPs per token, MFU, expert-load statistics, and the metrics.jsonl writer.
+"""FLOPs per token, MFU, expert-load statistics, and the metrics.jsonl and TensorBoard writers.
 
 Legend: L MoE layers (in expert_counts_NE), E experts.
 
@@ -172,12 +172,13 @@ class TensorBoardWriter:
 
 
 class MetricsWriter:
-    """metrics.jsonl, plus TensorBoard when asked: one write per row for both. A failed write is
-    kept in `error`, not raised, and the rows after it are not written: the loop stops the run at
-    the step boundary, where it can still save a checkpoint."""
+    """metrics.jsonl, plus its mirrors when asked (TensorBoardWriter, fnmoe.wandb_log.WandbWriter):
+    one write per row for all. A failed metrics.jsonl write is kept in `error`, not raised, and the
+    rows after it are not written: the loop stops the run at the step boundary, where it can still
+    save a checkpoint."""
 
-    def __init__(self, jsonl: JsonlWriter, tensorboard: TensorBoardWriter | None = None):
-        self.jsonl, self.tb = jsonl, tensorboard
+    def __init__(self, jsonl: JsonlWriter, *mirrors):
+        self.jsonl, self.mirrors = jsonl, [m for m in mirrors if m is not None]
         self.error: RunDirError | None = None
 
     def write(self, row: dict, expert_counts_NE: torch.Tensor | None = None) -> None:
@@ -188,10 +189,10 @@ class MetricsWriter:
         except RunDirError as e:
             self.error = e
             return
-        if self.tb:
-            self.tb.write(row, expert_counts_NE)
+        for mirror in self.mirrors:
+            mirror.write(row, expert_counts_NE)
 
     def close(self) -> None:
         self.jsonl.close()
-        if self.tb:
-            self.tb.close()
+        for mirror in self.mirrors:
+            mirror.close()

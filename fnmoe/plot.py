@@ -1,6 +1,7 @@
 """`fnmoe plot RUN_DIR`: PNG charts of a run's metrics.jsonl (matplotlib, an optional extra).
 
-Charts: loss.png (train loss and held-out loss over steps), tokens_per_s.png, mfu.png (only
+Charts: loss.png (train loss and held-out loss over steps; for a data mixture also one held-out
+curve per source), tokens_per_s.png, mfu.png (only
 when the run had a peak configured), expert_load.png (per-MoE-layer busiest-expert load over the
 mean, a heatmap over steps). Each returns the series it drew so tests can check them against the
 file.
@@ -37,6 +38,15 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
     return [steps[k] for k in sorted(steps)], [vals[k] for k in sorted(vals)]
 
 
+def _source_curves(vals: list[dict]) -> dict[str, tuple[list, list]]:
+    """A mixture's held-out curve per source ("held-out <name>" from its val_loss/<name> keys), in the
+    order the sources first appear."""
+    names = list(dict.fromkeys(k.removeprefix("val_loss/") for v in vals for k in v if k.startswith("val_loss/")))
+    return {f"held-out {name}": ([v["step"] for v in vals if v.get(f"val_loss/{name}") is not None],
+                                 [v[f"val_loss/{name}"] for v in vals if v.get(f"val_loss/{name}") is not None])
+            for name in names}
+
+
 def _pyplot():
     try:
         import matplotlib
@@ -71,7 +81,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str
     x = [r["step"] for r in rows]
     drawn: dict[str, dict] = {
         "loss.png": {"train": (x, [r["loss"] for r in rows]),
-                     **({"held-out": ([v["step"] for v in vals], [v["val_loss"] for v in vals])} if vals else {})},
+                     **({"held-out": ([v["step"] for v in vals], [v["val_loss"] for v in vals])} if vals else {}),
+                     **_source_curves(vals)},
     }
     if any("tokens_per_s" in r for r in rows):
         tps_rows = [r for r in rows if "tokens_per_s" in r]

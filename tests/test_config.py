@@ -92,6 +92,9 @@ def _base(hint):
 def wrong_types(name, hint):
     """(TOML value, the one error line's tail) for values not of the field's type."""
     base, _, word = _base(hint)
+    if typing.get_origin(base) is tuple and dataclasses.is_dataclass(typing.get_args(base)[0]):  # data.mix
+        return [('["a"]', f'{name}[0] = "a" is a str, expected a table'),
+                ("3", f"{name} = 3 is an int, expected a list of tables")]
     if typing.get_origin(base) is tuple:
         return [('["a"]', f'{name}[0] = "a" is a str, expected int'),
                 ("3", f"{name} = 3 is an int, expected a list of int")]

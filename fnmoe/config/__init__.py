@@ -18,6 +18,7 @@ from fnmoe.config.schema import (
     Dtype,
     MemoryConfig,
     MeshConfig,
+    MixSource,
     ModelConfig,
     MoEConfig,
     OptimConfig,
@@ -30,7 +31,7 @@ from fnmoe.config.schema import (
 from fnmoe.config.toml import from_dict, load_config, to_dict, to_toml
 
 __all__ = [
-    "CheckpointConfig", "DataConfig", "DistConfig", "Dtype", "MemoryConfig", "MeshConfig", "ModelConfig",
+    "CheckpointConfig", "DataConfig", "DistConfig", "Dtype", "MemoryConfig", "MeshConfig", "MixSource", "ModelConfig",
     "MoEConfig", "OptimConfig", "PlanConfig", "ProfileConfig", "RegionPolicy", "RunConfig", "TrainConfig",
     "from_dict", "load_config", "to_dict", "to_toml", "validate", "validate_model",
 ]

@@ -7,6 +7,7 @@ other, and run once every field passes its own (they compare and divide by field
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from fnmoe.config.schema import MemoryConfig, ModelConfig, MoEConfig, RunConfig
@@ -84,6 +85,25 @@ def _validate_memory(e: list[str], mem: MemoryConfig) -> None:
                f"memory.{name}='offload' is already implied by memory.offload=true")
 
 
+MIX_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+"""a mixture source's name, as it appears in metric keys (val_loss/<name>)"""
+
+
+def _validate_mix(e: list[str], cfg: RunConfig) -> None:
+    d = cfg.data
+    if not d.mix:
+        return
+    _check(e, d.corpus == "bundled", f"data.corpus={d.corpus!r} and data.mix both name the data; set one of them")
+    _check(e, not d.prompt_field, "data.prompt_field applies to a JSONL corpus; a mixture's sources are prepared "
+           "directories (prepare them with --prompt-field)")
+    labels = [s.label for s in d.mix]
+    for i, (s, label) in enumerate(zip(d.mix, labels)):
+        _check(e, bool(MIX_NAME.fullmatch(label)),
+               f"data.mix[{i}] name {label!r} must be letters, digits, '_', '.' or '-' (set name = ...)")
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    _check(e, not twice, f"data.mix names must differ; {', '.join(twice)} appear more than once (set name = ...)")
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Return cfg unchanged, or raise ValueError listing every problem with field names and values."""
     e = field_errors(cfg) or _model_relations(cfg.model) + _run_relations(cfg)
@@ -106,7 +126,8 @@ def _run_relations(cfg: RunConfig) -> list[str]:
            "model.attention_impl='cpu' is plain causal; data.doc_mask=true needs 'auto' or 'sdpa'")
     _check(e, d.seq_len <= cfg.model.max_seq_len,
            f"data.seq_len={d.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
-    if d.tokenizer == "byte" and not (Path(d.corpus) / "index.json").is_file():  # a prepared corpus has its own
+    _validate_mix(e, cfg)
+    if d.tokenizer == "byte" and not d.mix and not (Path(d.corpus) / "index.json").is_file():  # prepared: its own
         _check(e, cfg.model.vocab_size >= 257,
                f"model.vocab_size={cfg.model.vocab_size} is too small for the byte tokenizer (needs >= 257)")
     # q/k RMSNorm undoes any rescaling of the query/key weights, so the clip could not act

@@ -262,10 +262,49 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class MixSource:
+    """One source of a data mixture (data.mix): a prepared directory and its share of every batch.
+    On the command line NAME=DIR:WEIGHT (or DIR:WEIGHT, named after the directory)."""
+
+    corpus: str
+    """a directory written by `fnmoe prepare`"""
+    weight: PositiveFloat = 1.0
+    """its share of each global batch is weight / (the sum of the weights)"""
+    name: str = ""
+    """the name of its val_loss/<name> metrics (default: the directory's name)"""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.corpus.rstrip("/").rsplit("/", 1)[-1]
+
+    @classmethod
+    def parse(cls, text: str) -> MixSource:
+        """NAME=DIR:WEIGHT or DIR:WEIGHT (the weight after the last ':'; a NAME holds no '/')."""
+        head, colon, weight = text.rpartition(":")
+        name, eq, corpus = head.partition("=")
+        if not eq or "/" in name:
+            name, corpus = "", head
+        try:
+            w = float(weight)
+        except ValueError:
+            w = None
+        if not colon or not corpus or w is None:
+            raise ValueError(f"--data.mix {text!r}: expected NAME=DIR:WEIGHT (e.g. web=data/web:0.7)")
+        return cls(corpus, w, name)
+
+    def flag(self) -> str:
+        return f"{self.name + '=' if self.name else ''}{self.corpus}:{self.weight:g}"
+
+
+@dataclass(frozen=True)
 class DataConfig:
     corpus: str = "bundled"
     """'bundled' (the English corpus shipped with fnmoe), a .jsonl[.gz] / text file, or a directory
     written by `fnmoe prepare`"""
+    mix: tuple[MixSource, ...] = ()
+    """instead of data.corpus, a mixture of prepared directories NAME=DIR:WEIGHT ... (TOML: a list of
+    {corpus = DIR, weight = w} tables, `name` optional): each global batch takes its rows from the
+    sources in proportion to the weights; a source that runs out starts a new epoch of itself"""
     tokenizer: Literal["byte"] = "byte"
     seq_len: PositiveInt = 128
     val_fraction: Annotated[float, Range(0, 1, lo_open=True, hi_open=True)] = 0.05
@@ -304,6 +343,13 @@ class TrainConfig:
     deterministic: bool = False
     """deterministic kernels only (torch.use_deterministic_algorithms; the cuBLAS workspace setting on
     CUDA): needed for bit-exact resume on GPUs, slower there; on CPU resume is bit-exact without it"""
+    wandb: bool = False
+    """also log the metrics rows, expert-load histograms and the resolved config to Weights & Biases
+    (pip install 'fnmoe[wandb]'; WANDB_MODE=offline logs without a network); a resumed run continues
+    the same W&B run (its id is kept in <run-dir>/wandb_id)"""
+    wandb_project: str = "fnmoe"
+    wandb_name: str = ""
+    """the W&B run's display name (default: the run's name)"""
     init_from_hf: str = ""
     """start from the weights of this Hugging Face checkpoint directory (fnmoe.hf.load; on a mesh each
     rank reads only its slices) instead of the random init; its shapes must be the config's"""

@@ -38,10 +38,19 @@ def _build(cls: type, d: dict[str, Any], where: str, errors: list[str]) -> Any:
                 kwargs[name] = _build(fields[name], value, f"{where}{key}.", errors)
             else:
                 errors.append(f"{where}{key} = {types.show(value)} is {types.kind(value)}, expected a table")
+        elif (elem := types.dataclass_elements(fields[name])) and isinstance(value, list):
+            # a list of tables (data.mix): each built like a nested table, named by its index
+            built = [_build(elem, v, f"{where}{key}[{i}].", errors) if isinstance(v, dict) else
+                     errors.append(f"{where}{key}[{i}] = {types.show(v)} is {types.kind(v)}, expected a table")
+                     for i, v in enumerate(value)]
+            kwargs[name] = tuple(built)
         elif problems := types.type_errors(value, fields[name], f"{where}{key}"):
             errors += problems
         else:
             kwargs[name] = _normal(value, fields[name])
+    for f in dataclasses.fields(cls):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in d:
+            errors.append(f"{where}{f.name} is missing (a {cls.__name__} needs it)")
     return None if errors else cls(**kwargs)
 
 
@@ -56,7 +65,12 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     out = {}
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        out[f.name] = to_dict(v) if dataclasses.is_dataclass(v) else (list(v) if isinstance(v, tuple) else v)
+        if dataclasses.is_dataclass(v):
+            out[f.name] = to_dict(v)
+        elif isinstance(v, tuple):
+            out[f.name] = [to_dict(x) if dataclasses.is_dataclass(x) else x for x in v]
+        else:
+            out[f.name] = v
     return out
 
 
@@ -89,6 +103,8 @@ def _toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an element of a list of tables, as an inline table
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} to TOML")
 
 

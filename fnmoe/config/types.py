@@ -34,12 +34,22 @@ def split(hint: Any) -> tuple[Any, Range | None]:
     return hint, None
 
 
+def dataclass_elements(hint: Any) -> type | None:
+    """The element type of a tuple-of-dataclasses annotation (data.mix), else None."""
+    base, _ = split(hint)
+    if typing.get_origin(base) is tuple:
+        elem = typing.get_args(base)[0]
+        return elem if dataclasses.is_dataclass(elem) else None
+    return None
+
+
 def describe(hint: Any) -> str:
     """An annotation in words: int, float, a list of int, ..."""
     base, _ = split(hint)
     origin = typing.get_origin(base)
     if origin is tuple:
-        return f"a list of {describe(typing.get_args(base)[0])}"
+        elem = typing.get_args(base)[0]
+        return "a list of tables" if dataclasses.is_dataclass(elem) else f"a list of {describe(elem)}"
     if origin is Literal:
         return " or ".join(sorted({type(a).__name__ for a in typing.get_args(base)}))
     if origin in (typing.Union, types.UnionType):
@@ -106,6 +116,10 @@ def field_errors(obj: Any, where: str = "") -> list[str]:
                 [f"{name} = {value!r} is {kind(value)}, expected {hint.__name__}"]
             continue
         problem = type_errors(value, hint, name)
+        if not problem and dataclass_elements(hint):
+            for i, v in enumerate(value):
+                out += field_errors(v, f"{name}[{i}].")
+            continue
         out += problem or _value_errors(value, hint, name)
     return out
 
