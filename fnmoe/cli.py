@@ -27,7 +27,7 @@ TOP_HELP = """usage: fnmoe SUBCOMMAND [--config FILE] [OVERRIDES]
 
 subcommands:
   train     train a model (default: the tiny MoE on the bundled corpus, CPU, a few minutes)
-  prepare   tokenise text / JSONL files into memory-mapped shards (--data.corpus DIR)
+  prepare   tokenise text / JSONL / Parquet / datasets corpora into memory-mapped shards (--data.corpus DIR)
   generate  sample text from a run, checkpoint or converted model (KV cache; greedy, temperature, top-p)
   plot      PNG charts of a run: loss, tokens/s, MFU, expert load per layer
   plan      per-rank memory, FLOPs, communication and a modelled step time of a config (nothing allocated)
@@ -291,16 +291,20 @@ def cmd_prepare(argv: list[str]) -> int:
     from fnmoe.config.schema import Range
     from fnmoe.prepare import prepare
 
-    parser = argparse.ArgumentParser(prog="fnmoe prepare", description="tokenise text / JSONL files into "
-                                     "memory-mapped token shards for --data.corpus DIR")
+    parser = argparse.ArgumentParser(prog="fnmoe prepare", description="tokenise text, JSONL, Parquet or "
+                                     "`datasets` corpora into memory-mapped token shards for --data.corpus DIR, "
+                                     "streaming (memory does not grow with the input)")
     parser.add_argument("--input", nargs="+", metavar="FILE",
-                        help="text files (form-feed lines separate documents) or .jsonl[.gz] files")
+                        help="text files (form-feed lines separate documents), .jsonl[.gz] files, .parquet files, "
+                        "globs of them (quoted), directories of .parquet files, or directories written by "
+                        "datasets' save_to_disk (Parquet and datasets: pip install fnmoe[parquet])")
     parser.add_argument("--tokenizer", default="byte", help="'byte' or a Hugging Face tokenizer.json")
     parser.add_argument("--out", metavar="DIR", help="output directory (resumes if interrupted)")
     parser.add_argument("--verify", metavar="DIR", help="instead: check a prepared directory's files against the "
                         "sizes and sha256 checksums in its index.json; exit 2 naming the first bad file")
-    parser.add_argument("--text-field", default="text", help="the JSONL field holding a document's text")
-    parser.add_argument("--prompt-field", default="", help="SFT: the JSONL field holding a prompt, whose "
+    parser.add_argument("--text-field", default="text", help="the JSONL field or Parquet / datasets column "
+                        "holding a document's text")
+    parser.add_argument("--prompt-field", default="", help="SFT: the field or column holding a prompt, whose "
                         "tokens get no loss (the completion is --text-field)")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="held-out fraction of documents")
     parser.add_argument("--workers", type=int, default=2, help="tokeniser processes")

@@ -225,8 +225,11 @@ def _pyarrow():
 
 def _parquet_file(path: Path):
     pa = _pyarrow()
-    try:  # not memory-mapped: pages read are freed, not kept resident as a mapping would keep them
-        return pa.parquet.ParquetFile(str(path), memory_map=False)
+    # Read page by page through a small buffer: by default (pre_buffer) a whole row group's column
+    # chunk is read at once, and pyarrow writes one row group per 1M rows (GBs of text). Not
+    # memory-mapped: pages read are freed, where a mapping would keep them resident.
+    try:
+        return pa.parquet.ParquetFile(str(path), memory_map=False, buffer_size=1 << 20, pre_buffer=False)
     except (pa.ArrowException, OSError) as e:
         raise ValueError(f"corpus {path}: not a readable Parquet file ({e})") from None
 
