@@ -20,7 +20,11 @@ before anything is read. The second reads documents lazily into parts of PART_DO
 spans the split), tokenised by a process pool with at most IN_FLIGHT parts a worker queued or
 running; each finished part is saved into `parts/` as it comes, and the parts are concatenated
 at the end. So the process holds a few parts and one input record batch at a time, whatever the
-input's size.
+input's size: peak RSS is the interpreter (~0.33 GB with torch and pyarrow imported) plus
+about 3·IN_FLIGHT·workers parts of text and tokens, under 1 GB while documents average under
+~50 KB. Measured on 2 GB of 4 KB documents, 2 workers, byte tokenizer, 2 shared AMD EPYC cores:
+Parquet 0.44 GB peak, 45 s; JSONL 0.35 GB, 42 s (tests/test_prepare_sources.py checks that
+the peak does not grow with the input).
 
 An interrupted run resumes at the missing parts, only for the same inputs and settings:
 `parts/key.txt` holds a digest of each input file's (path, size, mtime) -- nothing that needs the
