@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import sys
 from typing import Any, Callable
 
 import torch
@@ -66,6 +67,7 @@ LocalTensor, LocalTensorMode, enabled_local_tensor_mode, maybe_disable_local_ten
     "torch.distributed._local_tensor", "LocalTensor", "LocalTensorMode", "enabled_local_tensor_mode",
     "maybe_disable_local_tensor_mode")
 (FakeStore,) = _names("torch.testing._internal.distributed.fake_pg", "FakeStore")
+FakeTensorMode, is_fake = _names("torch._subclasses.fake_tensor", "FakeTensorMode", "is_fake")
 _attr(LocalTensor, "_local_tensors", "LocalTensor._local_tensors")
 
 
@@ -139,6 +141,56 @@ def functorch_transforms() -> tuple[str, ...]:
     stack = _interpreter_stack() or []
     names = tuple(i.key().name.lower() for i in stack)
     return names + (("forward_ad",) if _attr(_forward_ad, "_current_level", "the forward-AD level") >= 0 else ())
+
+
+c10d_ops = _attr(torch.ops, "_c10d_functional", "torch.ops._c10d_functional")
+efficient_attention = _attr(torch.ops, "aten._scaled_dot_product_efficient_attention",
+                            "torch.ops.aten._scaled_dot_product_efficient_attention")
+_resolve_group = _attr(dist, "distributed_c10d._resolve_process_group", "distributed_c10d._resolve_process_group")
+_graph_task = _attr(torch, "_C._current_graph_task_id", "torch._C._current_graph_task_id")
+
+
+def group_of(name: str):
+    """The process group a functional collective names."""
+    return _resolve_group(name)
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread."""
+    return _graph_task() != -1
+
+
+def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
+    """An id of t's storage (or of a storage), unique while it lives: the StorageImpl's address (a
+    fake tensor's data pointer is 0 for all)."""
+    return (t.untyped_storage() if isinstance(t, torch.Tensor) else t)._cdata
+
+
+_PROPAGATION = "_propagate_tensor_meta_non_cached"  # DTensor's ShardingPropagator, torch 2.11-2.13
+
+
+def in_sharding_propagation(depth: int = 16) -> bool:
+    """Whether DTensor is deriving an op's output shape by running it on fake global-shape tensors
+    (which a real run never allocates: its own fake mode makes them)."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == _PROPAGATION:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's sharding decisions and redistribution plans: they are cached by mesh value and
+    hold the mesh object they were made with (and its rank's coordinates), which is wrong for the
+    mesh of another process group, of another rank, in the same process (fnmoe.rehearse, run twice)."""
+    from torch.distributed.tensor import DTensor
+    redistribute = _module("torch.distributed.tensor._redistribute")
+    redistribute._gen_transform_infos.cache_clear()
+    redistribute.clear_redistribute_planner_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
 def tracing() -> bool:

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fnmoe import cpu_attention
+from fnmoe import _torch, cpu_attention
 from fnmoe.config import ModelConfig
 
 # DeepSeek's reference and transformers build the q/kv latent RMSNorms with their default eps,
@@ -131,6 +131,8 @@ def doc_mask(positions_BL: torch.Tensor, block_sparse: bool = False):
 def sdpa(q_BHLA, k_BGKA, v_BGKU, mask=None, scale: float | None = None) -> torch.Tensor:
     """Causal attention [B, H, L, U]; mask (doc_mask's) also keeps documents of packed rows apart."""
     gqa = q_BHLA.shape[1] != k_BGKA.shape[1]
+    if mask is None and q_BHLA.device.type == "cpu" and _torch.is_fake(q_BHLA):
+        return _fused_stand_in(q_BHLA, k_BGKA, v_BGKU, scale)
     if mask is None:
         return F.scaled_dot_product_attention(q_BHLA, k_BGKA, v_BGKU, is_causal=True, scale=scale,
                                               enable_gqa=gqa)
@@ -138,6 +140,15 @@ def sdpa(q_BHLA, k_BGKA, v_BGKU, mask=None, scale: float | None = None) -> torch
         return F.scaled_dot_product_attention(q_BHLA, k_BGKA, v_BGKU, attn_mask=mask, scale=scale, enable_gqa=gqa)
     from torch.nn.attention.flex_attention import flex_attention
     return flex_attention(q_BHLA, k_BGKA, v_BGKU, block_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def _fused_stand_in(q_BHLA, k_BGKA, v_BGKU, scale: float | None) -> torch.Tensor:
+    """For fake tensors on CPU (fnmoe.rehearse plays a GPU rank): what SDPA runs there, a fused kernel
+    saving O(L) a head (CPU SDPA takes its math path for MLA's unequal head dims, which saves the
+    [L, L] scores). The memory-efficient kernel's op: fake tensors run it from shapes alone."""
+    R = q_BHLA.shape[1] // k_BGKA.shape[1]
+    k_BHKA, v_BHKU = (k_BGKA.repeat_interleave(R, 1), v_BGKU.repeat_interleave(R, 1)) if R > 1 else (k_BGKA, v_BGKU)
+    return _torch.efficient_attention(q_BHLA, k_BHKA, v_BHKU, None, True, 0.0, True, scale=scale)[0]
 
 
 def math_attention(q_BHLA, k_BGKA, v_BGKU, mask=None, scale: float | None = None) -> torch.Tensor:

@@ -21,5 +21,5 @@ def clear_caches() -> None:
     memory.with_policy.cache_clear()            # a region under a recompute policy
     cpu_attention._with_impl.cache_clear()      # configs with the attention impl resolved
     sharding._ranks.cache_clear()               # each mesh's ranks (keeps the meshes alive)
-    sharding.submesh.cache_clear()              # each mesh's sub-meshes (keeps the meshes alive)
+    sharding._submeshes.clear()                 # each mesh's sub-meshes (keeps the meshes alive)
     data._epoch_permutation.cache_clear()       # the last epochs' sample orders

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -21,6 +20,8 @@ from typing import Annotated, Callable
 import tyro
 
 from fnmoe import dist as fdist
+from fnmoe.cli_checks import check_range, out_dir
+from fnmoe.cli_prepare import cmd_prepare
 from fnmoe.config import RunConfig, load_config, to_toml, validate
 
 TOP_HELP = """usage: fnmoe SUBCOMMAND [--config FILE] [OVERRIDES]
@@ -31,6 +32,7 @@ subcommands:
   generate  sample text from a run, checkpoint or converted model (KV cache; greedy, temperature, top-p)
   plot      PNG charts of a run: loss, tokens/s, MFU, expert load per layer
   plan      per-rank memory, FLOPs, communication and a modelled step time of a config (nothing allocated)
+  rehearse  one rank of the config's full mesh runs a real step on fake tensors, checked against the plan
   inspect   what torch.compile makes of each region: graphs, breaks, recompiles, kernels, host syncs
   checkpoint verify DIR   check a checkpoint's files (sizes, sha256, tensor shapes) against its index.json
   convert   --from-hf SRC --out DST: a Hugging Face checkpoint to the native tree format;
@@ -109,7 +111,7 @@ def cmd_inspect(argv: list[str]) -> int:
     known, run = _parse_run_and(argv, "fnmoe inspect", "--dump", dict(default=""),
                                 "fnmoe inspect [--config FILE] [overrides] [--dump DIR]: graphs, breaks, "
                                 "recompiles, FX nodes, kernels and host syncs per compiled region")
-    _out_dir(known.dump, "--dump")
+    out_dir(known.dump, "--dump")
     setup_cache(run.compile_cache)
     reports, note = inspect_model(run.model, Path(known.dump) if known.dump else None)
     if note:
@@ -188,13 +190,6 @@ def _prepared_corpus(ckpt: Path) -> Path | None:
     return corpus if (corpus / "index.json").is_file() else None
 
 
-def _check_range(value: float, flag: str, bounds) -> None:
-    import math
-
-    if not math.isfinite(value) or value not in bounds:
-        raise ValueError(f"{flag} must be {bounds}, got {value}")
-
-
 def cmd_generate(argv: list[str]) -> int:
     import torch
 
@@ -213,9 +208,9 @@ def cmd_generate(argv: list[str]) -> int:
                         "(with temperature > 0)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    _check_range(args.max_new_tokens, "--max-new-tokens", Range(0))
-    _check_range(args.temperature, "--temperature", Range(0))
-    _check_range(args.top_p, "--top-p", Range(0, 1, lo_open=True))
+    check_range(args.max_new_tokens, "--max-new-tokens", Range(0))
+    check_range(args.temperature, "--temperature", Range(0))
+    check_range(args.top_p, "--top-p", Range(0, 1, lo_open=True))
     # the text is stdout's alone: notes (which checkpoint, one passed over) go to stderr
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
     src = checkpoint_of(Path(args.src))
@@ -256,7 +251,7 @@ def cmd_convert(argv: list[str]) -> int:
                      "or a training checkpoint (<run-dir>/checkpoints/step_N)")
     parser.add_argument("--out", metavar="DST", required=True, help="the output directory (new or empty)")
     args = parser.parse_args(argv)
-    _out_dir(args.out, "--out")
+    out_dir(args.out, "--out")
     if args.from_hf:
         cfg, params = hf.load(args.from_hf)
         save_tree(args.out, params, cfg)
@@ -272,73 +267,6 @@ def cmd_convert(argv: list[str]) -> int:
     return 0
 
 
-def _out_dir(path: str, flag: str) -> None:
-    """Stop before any work when an output directory cannot be written: it names a file, lies
-    under one, or the directory it would be made in is not writable."""
-    if not path:
-        return
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{flag} {path} is a file; it must name a directory (new, or one to write into)")
-    above = next(a for a in (out, *out.parents) if a.exists())
-    if not above.is_dir():
-        raise ValueError(f"{flag} {path}: cannot make a directory under {above}: {os.strerror(errno.ENOTDIR)}")
-    if not os.access(above, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: cannot write in {above}: {os.strerror(errno.EACCES)}")
-
-
-def cmd_prepare(argv: list[str]) -> int:
-    from fnmoe.config.schema import Range
-    from fnmoe.prepare import prepare
-
-    parser = argparse.ArgumentParser(prog="fnmoe prepare", description="tokenise text, JSONL, Parquet or "
-                                     "`datasets` corpora into memory-mapped token shards for --data.corpus DIR, "
-                                     "streaming (memory does not grow with the input)")
-    parser.add_argument("--input", nargs="+", metavar="FILE",
-                        help="text files (form-feed lines separate documents), .jsonl[.gz] files, .parquet files, "
-                        "globs of them (quoted), directories of .parquet files, or directories written by "
-                        "datasets' save_to_disk (Parquet and datasets: pip install fnmoe[parquet])")
-    parser.add_argument("--tokenizer", default="byte", help="'byte' or a Hugging Face tokenizer.json")
-    parser.add_argument("--out", metavar="DIR", help="output directory (resumes if interrupted)")
-    parser.add_argument("--verify", metavar="DIR", help="instead: check a prepared directory's files against the "
-                        "sizes and sha256 checksums in its index.json; exit 2 naming the first bad file")
-    parser.add_argument("--text-field", default="text", help="the JSONL field or Parquet / datasets column "
-                        "holding a document's text")
-    parser.add_argument("--prompt-field", default="", help="SFT: the field or column holding a prompt, whose "
-                        "tokens get no loss (the completion is --text-field)")
-    parser.add_argument("--val-fraction", type=float, default=0.05, help="held-out fraction of documents")
-    parser.add_argument("--workers", type=int, default=2, help="tokeniser processes")
-    args = parser.parse_args(argv)
-    if args.verify:
-        return _verify_prepared(args.verify)
-    if not (args.input and args.out):
-        parser.error("--input and --out are required (or --verify DIR)")
-    _check_range(args.workers, "--workers", Range(1))
-    _out_dir(args.out, "--out")
-    try:
-        index = prepare(args.input, args.tokenizer, args.out, args.text_field, args.val_fraction, args.workers,
-                        args.prompt_field)
-    except KeyboardInterrupt:
-        print(f"\nfnmoe prepare: interrupted; finished parts stay in {Path(args.out) / 'parts'}: "
-              "the same command resumes from them", file=sys.stderr)
-        return 130
-    sp = index["splits"]
-    print(f"wrote {args.out}: {sp['train']['tokens']:,} train tokens ({sp['train']['docs']} documents), "
-          f"{sp['val']['tokens']:,} held-out tokens ({sp['val']['docs']}), {index['dtype']}, "
-          f"vocab {index['vocab_size']}, fingerprint {index['fingerprint']}")
-    return 0
-
-
-def _verify_prepared(path: str) -> int:
-    from fnmoe.data import check_prepared_checksums
-
-    index = check_prepared_checksums(path)
-    names = [e["file"] for e in index["splits"].values()] + \
-        [e["loss_mask"]["file"] for e in index["splits"].values() if "loss_mask" in e]
-    print(f"ok: {path}: {', '.join(names)} match the sizes and sha256 checksums in index.json")
-    return 0
-
-
 def cmd_plot(argv: list[str]) -> int:
     from fnmoe.plot import plot_run
 
@@ -347,7 +275,7 @@ def cmd_plot(argv: list[str]) -> int:
     parser.add_argument("run_dir", metavar="RUN_DIR")
     parser.add_argument("--out", default="", help="output directory (default RUN_DIR/plots)")
     args = parser.parse_args(argv)
-    _out_dir(args.out or str(Path(args.run_dir) / "plots"), "--out")
+    out_dir(args.out or str(Path(args.run_dir) / "plots"), "--out")
     drawn = plot_run(args.run_dir, args.out or None)
     print(f"wrote {', '.join(drawn)} to {args.out or Path(args.run_dir) / 'plots'}")
     return 0
@@ -387,8 +315,36 @@ def cmd_plan(argv: list[str]) -> int:
     return 0
 
 
+def cmd_rehearse(argv: list[str]) -> int:
+    """One rank of the config's full mesh runs one training step on fake tensors (fnmoe.rehearse);
+    exit 1 when what it holds or sends differs from the plan."""
+    from fnmoe.rehearse import compare, format_report, rehearse
+
+    usage = ("fnmoe rehearse [--config FILE] [overrides] [--rank R|worst] [--json]: this process plays rank R "
+             "of the config's mesh (fsdp x ep ranks) over a fake process group with fake tensors, runs one real "
+             "training step and sets what it holds and sends against `fnmoe plan`; exit 1 when a category differs")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--json", action="store_true")
+    pre.add_argument("--rank", default="worst")
+    known, rest = pre.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        print(usage + "\n")
+    run = parse_run(rest, "fnmoe rehearse")
+    rank = known.rank
+    if rank != "worst":
+        try:
+            rank = int(rank)
+        except ValueError:
+            raise ValueError(f"--rank takes a rank number or 'worst', got {known.rank!r}") from None
+    report = rehearse(run, rank, fresh_process=False)  # this process has run nothing else
+    cmp = compare(report)
+    print(json.dumps({**report, "compare": cmp}, indent=1) if known.json else format_report(report, cmp))
+    return 0 if cmp["ok"] else 1
+
+
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "prepare": cmd_prepare, "inspect": cmd_inspect,
-                                                   "plan": cmd_plan, "checkpoint": cmd_checkpoint,
+                                                   "plan": cmd_plan, "rehearse": cmd_rehearse,
+                                                   "checkpoint": cmd_checkpoint,
                                                    "convert": cmd_convert, "plot": cmd_plot, "generate": cmd_generate}
 
 

@@ -16,6 +16,9 @@ The functional collectives (a private torch API) come from fnmoe._torch.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, Iterator
+
 import torch
 
 from fnmoe import _torch
@@ -43,6 +46,29 @@ def exchange_counts(counts_E: torch.Tensor, group) -> torch.Tensor:
     return recv.view(S, -1)
 
 
+# fnmoe.rehearse's routing table, for fake tensors whose counts hold no values: (rows, S) -> splits
+_pinned: list = [None]
+
+
+@contextlib.contextmanager
+def pinned_splits(fn: Callable[[int, int], tuple[list[int], list[int]]]) -> Iterator[None]:
+    """In the body every exchange sends and receives fn(rows sent, ep ranks) = (send, recv) rows per
+    ep rank, instead of the splits its counts give."""
+    _pinned[0] = fn
+    try:
+        yield
+    finally:
+        _pinned[0] = None
+
+
+def _splits(counts_E: torch.Tensor, recv_SX: torch.Tensor, S: int, X: int, n_rows: int):
+    if _pinned[0] is not None:
+        return _pinned[0](n_rows, S)
+    # one host sync for both: uneven splits must be known on the host
+    splits = torch.cat([counts_E.view(S, X).sum(1), recv_SX.sum(1)]).tolist()
+    return splits[:S], splits[S:]
+
+
 def ep_expert_mlp(expert_mlp, x_RD: torch.Tensor, counts_E: torch.Tensor, w_gate_XDF: torch.Tensor,
                   w_up_XDF: torch.Tensor, w_down_XFD: torch.Tensor, group, gemm: str) -> torch.Tensor:
     """expert_mlp for rows sorted by global expert, run by the ep ranks owning the experts; the
@@ -51,9 +77,7 @@ def ep_expert_mlp(expert_mlp, x_RD: torch.Tensor, counts_E: torch.Tensor, w_gate
     if counts_E.numel() != S * X:
         raise ValueError(f"expert parallelism: {counts_E.numel()} experts != {S} ep ranks x {X} local experts")
     recv_SX = exchange_counts(counts_E, group)
-    # one host sync for both: uneven splits must be known on the host
-    splits = torch.cat([counts_E.view(S, X).sum(1), recv_SX.sum(1)]).tolist()
-    send, recv = splits[:S], splits[S:]
+    send, recv = _splits(counts_E, recv_SX, S, X, x_RD.shape[0])
     for n in send + recv:
         size_hint(n, x_RD.shape[0] // S)  # balanced routing's splits
     fdist.entering("MoE dispatch all-to-all over ep")

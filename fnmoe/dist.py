@@ -96,6 +96,11 @@ def entering(what: str) -> None:
         _entered[0] = what
 
 
+def last_entered() -> str:
+    """The collective this rank named last (`entering`)."""
+    return _entered[0]
+
+
 def entering_in_backward(t: torch.Tensor, what: str) -> torch.Tensor:
     """t, naming `what` when backward reaches the op that made t: the backward of the collective
     behind it runs next. A hook on the node, which costs less than a tensor hook."""
@@ -167,6 +172,11 @@ def simulated() -> bool:
     return enabled_local_tensor_mode() is not None
 
 
+def fake_group() -> bool:
+    """True over torch's fake process group (a simulation, or `fnmoe rehearse` playing one rank)."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
 def rank_map(fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
     """fn(rank) as this rank's tensor; in a simulation, one value per simulated rank."""
     mode = enabled_local_tensor_mode()  # its methods, not torch's module-level rank_map: torch 2.11 lacks that
@@ -182,6 +192,8 @@ def tensor_map(t: torch.Tensor, fn: Callable[[int, torch.Tensor], torch.Tensor])
 def rank_ints(fn: Callable[[int], list[int]]) -> list:
     """fn(rank): ints that differ by rank, such as a collective's split sizes; in a simulation each
     is a SymInt holding every simulated rank's value. Computed on the host: no device sync."""
+    if enabled_local_tensor_mode() is None:
+        return fn(rank())
     return rank_map(lambda r: torch.tensor(fn(r), dtype=torch.int64, device="cpu")).tolist()
 
 

@@ -7,10 +7,10 @@ read from the forward only.
 `offload` (memory.offload) wraps each block but the last in saved-tensor hooks: a saved tensor of
 at least memory.offload_min_bytes that is not one of the block's parameters (or a view of one) is
 copied into a HostPool and the original is dropped, so its memory is freed until backward unpacks
-the copy. With recompute='full' the only such tensor is the block input. The pool is preallocated
-host memory (HostPool.buffers, which a memory meter can be told about; pinned on CUDA), filled
-through a Copier: on CUDA a side stream with a bound on copies in flight, on CPU copies that finish
-at once, behind the same calls, so CPU tests run the code the GPU runs. When backward first needs a
+the copy. With recompute='full' the block keeps its input (through the hooks) and what its recompute
+replays (the routing, the exchange's outputs: _Kept), both in the pool. The pool (fnmoe.host_pool)
+is preallocated host memory filled through a Copier, on CUDA a side stream with a bound on copies
+in flight, on CPU copies that finish at once, behind the same calls. When backward first needs a
 block's tensors they come back to the device, the last saved first, with the block before's behind
 them; each device copy is let go after its last unpack, so it lives only while backward uses it.
 
@@ -23,7 +23,6 @@ cannot change and the counts the router bias learns from are the forward's.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 from typing import Callable
 
@@ -36,7 +35,9 @@ from fnmoe import _torch
 from fnmoe import compile as fcompile
 from fnmoe import reshard
 from fnmoe.config import MemoryConfig
-from fnmoe.tree import flatten_dict
+from fnmoe.host_pool import Handle, HostPool
+from fnmoe._torch import TorchDispatchMode
+from fnmoe.tree import flatten_dict, tree_map
 
 
 aten = torch.ops.aten
@@ -67,6 +68,82 @@ def recompute(fn: Callable, *args, save_ops: frozenset = ROUTING_OPS | EXCHANGE_
                       context_fn=functools.partial(create_selective_checkpoint_contexts, _policy(save_ops)))
 
 
+class _Kept:
+    """The outputs of save_ops that a block's recompute takes instead of running them again, by op
+    and call order. With a pool, each dense tensor of at least min_bytes is kept as a host copy (a
+    Handle in `handles`, which the runner's reload prefetches) until backward takes it back: torch's
+    selective-checkpoint cache holds its tensors where no saved-tensor hook sees them, so offload
+    could not move them (rehearsed: the exchange's outputs, 4.2 GB a MoE layer of the 1T preset)."""
+
+    def __init__(self, save_ops: frozenset, pool: HostPool | None = None, min_bytes: int = 0,
+                 handles: list | None = None, stats: dict | None = None):
+        self.save_ops, self.pool, self.min_bytes = save_ops, pool, min_bytes
+        self.handles = handles if handles is not None else []
+        self.stats = stats if stats is not None else {"kept": 0, "offloaded": 0}
+        self.outputs: dict = collections.defaultdict(list)
+
+    def keep(self, func, out) -> None:
+        self.outputs[func].append(tree_map(self._pack, out))
+
+    def _pack(self, x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        x, n = x.detach(), x.numel() * x.element_size()
+        if self.pool is None or n < self.min_bytes or not _dense(x):
+            self.stats["kept"] += n
+            return x
+        self.stats["offloaded"] += n
+        handle = self.pool.store(x)
+        self.handles.append(handle)
+        return handle
+
+    def take(self, func, i: int):
+        """The i-th kept output of func, let go of here: backward's graph holds it while it needs it."""
+        out, self.outputs[func][i] = self.outputs[func][i], None
+        return tree_map(lambda x: self.pool.load(x) if isinstance(x, Handle) else x, out)
+
+
+class _Keeping(TorchDispatchMode):
+    """The forward of a recomputed block: save_ops' outputs go to _Kept."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:  # as torch's selective-checkpoint modes
+        return True
+
+    def __init__(self, kept: _Kept):
+        super().__init__()
+        self.kept = kept
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.kept.save_ops:
+            self.kept.keep(func, out)
+        return out
+
+
+class _Replaying(TorchDispatchMode):
+    """The recompute in backward: save_ops are answered from _Kept, in the forward's call order."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, kept: _Kept):
+        super().__init__()
+        self.kept, self.calls = kept, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in self.kept.save_ops:
+            return func(*args, **(kwargs or {}))
+        self.calls[func] += 1
+        return self.kept.take(func, self.calls[func] - 1)
+
+
+def recompute_block(fn: Callable, *args, kept: _Kept):
+    """recompute for a whole block, its kept outputs in `kept` (on the host with a pool)."""
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (_Keeping(kept), _Replaying(kept)))
+
+
 def _plain(fn: Callable, *args):
     return fn(*args)
 
@@ -83,165 +160,6 @@ def with_policy(fn: Callable, policy: str) -> Callable:
     def region(*args):
         return recompute(fn, *args, save_ops=save_ops)
     return region
-
-
-PIN_UNIT = 2 << 20
-"""the pool's size is a multiple of this; its segments are powers of two of at least this size"""
-
-
-def pool_segments(nbytes: int) -> list[int]:
-    """Sizes of the host pool's segments: nbytes rounded up to PIN_UNIT, as powers of two, largest
-    first. CUDA's caching host allocator rounds every pinned allocation up to a power of two (a
-    40 GiB pool would pin 64 GiB); segments of those sizes pin exactly what was asked."""
-    units = -(-max(nbytes, 1) // PIN_UNIT)
-    return [PIN_UNIT << b for b in reversed(range(units.bit_length())) if units >> b & 1]
-
-
-class _Done:
-    """A copy that has finished (CPU copies run at once): torch.cuda.Event's API."""
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-DONE = _Done()
-
-
-class Copier:
-    """The pool's copy primitives, the one place that differs by device. CUDA: copies run on a side
-    stream and return events; the other stream waits on an event before using a copy. CPU: the same
-    calls copy at once and return DONE, so everything around them (the handles' lifecycle, the
-    in-flight bound, the reload order) runs the same code on CPU as on CUDA."""
-
-    def __init__(self, device: torch.device | str | None):
-        self.cuda = device is not None and torch.device(device).type == "cuda"
-        self.stream = torch.cuda.Stream(torch.device(device)) if self.cuda else None
-
-    def to_host(self, slot: torch.Tensor, t: torch.Tensor):
-        """slot <- t; the event of the copy. t's memory may be freed by its owner at once."""
-        if not self.cuda:
-            slot.copy_(t)
-            return DONE
-        self.stream.wait_stream(torch.cuda.current_stream(t.device))  # t is computed
-        with torch.cuda.stream(self.stream):
-            slot.copy_(t, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        t.record_stream(self.stream)  # the allocator keeps t's memory until the copy has read it
-        return done
-
-    def to_device(self, host: torch.Tensor, device: torch.device, after) -> tuple[torch.Tensor, object]:
-        """(a new device tensor that will hold host's values, the event of that copy), the copy
-        started once `after` (the copy into host) is done."""
-        # allocated here, on the compute stream: memory from the side stream's pool could not be
-        # reused by the compute stream once backward frees it (reserved memory would grow a block)
-        back = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
-        if not self.cuda:
-            back.copy_(host)
-            return back, DONE
-        self.stream.wait_event(after)
-        with torch.cuda.stream(self.stream):
-            back.copy_(host, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
-        back.record_stream(self.stream)  # freed before the copy ended (never used): not reused early
-        return back, ready
-
-    def wait(self, event, device: torch.device) -> None:
-        """The compute stream waits for event (nothing to wait for on CPU)."""
-        if self.cuda:
-            torch.cuda.current_stream(device).wait_event(event)
-
-
-@dataclasses.dataclass(eq=False)
-class Handle:
-    """A saved tensor in the pool: its host copy, and while backward needs it its device copy."""
-    host: torch.Tensor
-    device: torch.device
-    done: object  # the device-to-host copy's event
-    uses: int = 1  # unpacks still to come (a tensor saved twice is stored once)
-    back: torch.Tensor | None = None  # the device copy, from prefetch until the last unpack
-    ready: object = None  # the host-to-device copy's event
-
-
-class HostPool:
-    """Host memory that offloaded saved tensors are copied into (a bump allocator over segments,
-    rewound at the start of each forward pass, when the previous backward has consumed every copy).
-
-    On CUDA the segments are pinned and copies run on a side stream (Copier), so the forward does
-    not wait for them; at most max_inflight_bytes of copies are in flight (the oldest is waited for
-    beyond that). On CPU the same code runs with copies that finish at once."""
-
-    def __init__(self, nbytes: int, device: torch.device | str | None = None, max_inflight_bytes: int = 1 << 30):
-        self.copier = Copier(device)
-        self.buffers = [torch.empty(n, dtype=torch.uint8, pin_memory=self.copier.cuda) for n in pool_segments(nbytes)]
-        self.max_inflight_bytes = max_inflight_bytes
-        self.inflight: collections.deque = collections.deque()  # (event, bytes) of copies not known done
-        self._inflight_bytes = 0
-        self.segment, self.offset, self.used = 0, 0, 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers)
-
-    def rewind(self) -> None:
-        self._wait_inflight(0)
-        self.segment, self.offset, self.used = 0, 0, 0
-
-    def inflight_bytes(self) -> int:
-        return self._inflight_bytes
-
-    def _wait_inflight(self, room: int) -> None:
-        """Forget the copies that have finished; wait for the oldest while room more would pass the bound."""
-        while self.inflight and (self.inflight[0][0].query()
-                                 or self._inflight_bytes + room > self.max_inflight_bytes):
-            event, n = self.inflight.popleft()
-            event.synchronize()
-            self._inflight_bytes -= n
-
-    def _slot(self, t: torch.Tensor) -> torch.Tensor:
-        n = t.numel() * t.element_size()
-        while self.segment < len(self.buffers):
-            # 64-byte aligned slots, like the allocator: kernels (and rounding) do not change
-            start = -(-self.offset // 64) * 64
-            buffer = self.buffers[self.segment]
-            if start + n <= buffer.numel():
-                self.offset, self.used = start + n, self.used + n
-                return buffer[start:start + n].view(t.dtype).as_strided(t.shape, t.stride())
-            self.segment, self.offset = self.segment + 1, 0
-        raise RuntimeError(f"offload host pool of {self.nbytes} bytes is full; plan it larger "
-                           "(fnmoe plan reports offload_host)")
-
-    def store(self, t: torch.Tensor) -> Handle:
-        """A copy of t in the pool with its shape, dtype and strides (t must be non-overlapping and
-        dense: the same strides keep backward's kernels, and so its rounding, unchanged). The handle
-        holds no reference to t."""
-        n = t.numel() * t.element_size()
-        self._wait_inflight(n)
-        slot = self._slot(t)
-        done = self.copier.to_host(slot, t)
-        self.inflight.append((done, n))
-        self._inflight_bytes += n
-        return Handle(slot, t.device, done)
-
-    def prefetch(self, handle: Handle) -> None:
-        """Start bringing handle back to its device (idempotent while its copy is there)."""
-        if handle.back is None:
-            handle.back, handle.ready = self.copier.to_device(handle.host, handle.device, handle.done)
-
-    def load(self, handle: Handle) -> torch.Tensor:
-        """handle's device tensor for one unpack; after its last unpack the handle lets it go, so
-        the tensor lives only as long as backward uses it."""
-        self.prefetch(handle)
-        self.copier.wait(handle.ready, handle.device)
-        back = handle.back
-        handle.uses -= 1
-        if handle.uses <= 0:
-            handle.back = handle.ready = None
-        return back
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -265,11 +183,11 @@ def _offload_hooks(pool: HostPool, keep: set[int], min_bytes: int, stats: dict, 
     def pack(t: torch.Tensor):
         n = t.numel() * t.element_size()
         # expanded (overlapping) tensors are broadcasts of small ones: not worth a copy
-        if (n < min_bytes or t.untyped_storage().data_ptr() in keep or (t.is_leaf and t.requires_grad)
+        if (n < min_bytes or _torch.storage_key(t) in keep or (t.is_leaf and t.requires_grad)
                 or not _dense(t)):
             stats["kept"] += n
             return t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype,
+        key = (_torch.storage_key(t), t.storage_offset(), t.shape, t.stride(), t.dtype,
                _torch.tensor_version(t))
         seen = copies.get(key)
         if seen is not None and not seen[0].expired():  # the same storage, still alive: the same values
@@ -318,13 +236,19 @@ class Runner:
         if i == 0 and self.pool is not None:
             self.pool.rewind()
             self.stats, self.handles, self.reloaded = {}, {}, set()
-        inner = recompute if self.mem.recompute == "full" else _plain
+        inner = _plain
+        if self.mem.recompute == "full":  # what it keeps (routing, the exchange) goes to the pool too
+            pool = self.pool if self.mem.offload and self._offloading(i) else None
+            kept = _Kept(ROUTING_OPS | EXCHANGE_OPS, pool, self.mem.offload_min_bytes,
+                         *((self.handles.setdefault(i, []), self.stats.setdefault(i, {"kept": 0, "offloaded": 0}))
+                           if pool else ()))
+            inner = functools.partial(recompute_block, kept=kept)
         if self.pool is not None and self._offloading(i) and x_BLD.requires_grad:
             x_BLD.register_hook(functools.partial(self._release, i))
         if self.mem.offload and self._offloading(i):
             with self._hooks(i, p, (x_BLD, *rest)):
                 return inner(fn, p, x_BLD, *rest)
-        if self.reshard and inner is _plain:
+        if self.reshard and self.mem.recompute != "full":
             with reshard.hooks():
                 return fn(p, x_BLD, *rest)
         return inner(fn, p, x_BLD, *rest)
@@ -347,7 +271,7 @@ class Runner:
         # a copy of them would free nothing
         shared = list(flatten_dict(p).values()) + [a for a in args
                                                    if isinstance(a, torch.Tensor) and not a.requires_grad]
-        keep = {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+        keep = {_torch.storage_key(t.to_local() if isinstance(t, DTensor) else t)
                 for t in shared if isinstance(t, torch.Tensor)}
         stats = self.stats.setdefault(i, {"kept": 0, "offloaded": 0})
         handles = self.handles.setdefault(i, [])

@@ -30,7 +30,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fnmoe._torch import TorchDispatchMode, is_traceable_wrapper_subclass
 from fnmoe.config import MemoryConfig, RunConfig
-from fnmoe.memory import HostPool, Runner
+from fnmoe.host_pool import HostPool
+from fnmoe.memory import Runner
 from fnmoe.model import hidden_states
 from fnmoe.tree import Tree, tree_leaves, tree_map
 

@@ -90,7 +90,8 @@ def check_tokens(tokens_BL: torch.Tensor, vocab_size: int, what: str = "tokens")
         raise ValueError(f"{what} must be a non-empty 2-D tensor [batch, seq], got shape {tuple(tokens_BL.shape)}")
     if tokens_BL.dtype.is_floating_point or tokens_BL.dtype.is_complex or tokens_BL.dtype == torch.bool:
         raise TypeError(f"{what} must be an integer tensor of token ids, got {tokens_BL.dtype}")
-    if tokens_BL.device.type != "cpu" or _torch.tracing():  # a traced graph (linearize's) cannot read ids
+    # a traced graph (linearize's) and fake tensors (fnmoe.rehearse's) have no ids to read
+    if tokens_BL.device.type != "cpu" or _torch.tracing() or _torch.is_fake(tokens_BL):
         return
     tokens_BL = _torch.unwrapped(tokens_BL)
     bad = (tokens_BL < 0) | (tokens_BL >= vocab_size)

@@ -92,6 +92,15 @@ def selective_bytes(cfg: ModelConfig, region: str, T: int, s: int, R: int) -> in
             + 2 * T * m.n_shared_experts * m.expert_hidden * s)
 
 
+def exchange_bytes(run: RunConfig, T: int) -> int:
+    """A MoE layer's two all-to-all outputs on the busiest EP rank: the R rows its experts receive
+    and the T·K rows that come back (none without expert parallelism)."""
+    if run.mesh.ep == 1:
+        return 0
+    K = run.model.moe.top_k
+    return int(T * K * (1 + run.plan.imbalance)) * run.model.dim * DTYPE_BYTES[run.model.compute_dtype]
+
+
 def block_activations(run: RunConfig, i: int, T: int) -> dict:
     """Layer i's saved bytes under run.memory: {device, host, recomputed, transient} where transient
     is what recomputing it in backward holds at once."""
@@ -101,9 +110,14 @@ def block_activations(run: RunConfig, i: int, T: int) -> dict:
     full = sum(regions.values())
     last = i == cfg.n_layers - 1
     if mem.recompute == "full":
-        kept = T * cfg.dim * s  # the block input
+        # the block input, and the exchange's outputs (memory.EXCHANGE_OPS: recompute never repeats an
+        # all-to-all), which the recomputed block holds again beside its own saved tensors
+        exchanged = exchange_bytes(run, T) if cfg.is_moe_layer(i) else 0
+        kept = T * cfg.dim * s + exchanged
         host = kept if mem.offload and not last else 0
-        return {"device": kept - host, "host": host, "recomputed": full, "transient": full}
+        # offloaded, what it keeps comes back for its recompute, beside the previous block's (prefetched)
+        return {"device": kept - host, "host": host, "recomputed": full,
+                "transient": full + exchanged + (2 * kept if host else 0)}
     R = int(T * cfg.moe.top_k * (run.plan.imbalance if run.mesh.ep > 1 else 1.0))
     out = {"device": 0, "host": 0, "recomputed": 0, "transient": 0}
     for region, none_bytes in regions.items():
@@ -175,16 +189,19 @@ def block_numels(cfg: ModelConfig, ep: int) -> list[int]:
 
 
 def gathered_bytes(run: RunConfig) -> int:
-    """Transient full weights in the compute dtype: the current block and one prefetched (all blocks
-    without resharding, or on one rank where the compute-dtype copies are saved for backward), plus
-    one block's unsharded fp32 gradient before its reduce-scatter. One fp32 rank gathers nothing."""
+    """Transient full weights in the compute dtype: a layer and the next one, prefetched (all layers
+    without resharding, or on one rank where the compute-dtype copies are saved for backward), or
+    the embedding or head, gathered outside the layers, alone. One fp32 rank gathers nothing. A
+    block's unsharded gradients count in backward's transient (recompute_transient)."""
     cfg, world = run.model, run.mesh.world
     s = DTYPE_BYTES[cfg.compute_dtype]
     blocks = block_numels(cfg, run.mesh.ep)
     if world == 1:
         return 0 if s == 4 else sum(blocks) * s
-    weights = (2 * max(blocks) if run.mesh.reshard_after_forward else sum(blocks) + max(blocks)) * s
-    return weights + max(blocks) * GRAD_BYTES
+    layers, outer = blocks[1:-1], max(blocks[0], blocks[-1])
+    if not run.mesh.reshard_after_forward:
+        return (sum(blocks) + max(blocks)) * s
+    return max(2 * max(layers), outer) * s
 
 
 # ---------------------------------------------------------------- the plan
@@ -207,17 +224,20 @@ def activation_plan(run: RunConfig) -> dict:
 
 
 def logits_bytes(run: RunConfig) -> int:
-    """One CE chunk's logits (compute dtype, fp32 copy, fp32 log-softmax) and their fp32 gradient."""
-    T, s = tokens_per_rank(run), DTYPE_BYTES[run.model.compute_dtype]
-    return math.ceil(T / run.train.ce_chunks) * run.model.vocab_size * (s + 4 + 4 + 4)
+    """One CE chunk's fp32 log-softmax and, in backward, the two fp32 gradients before it (the
+    compute-dtype logits and their fp32 copy are gone by then)."""
+    T = tokens_per_rank(run)
+    return math.ceil(T / run.train.ce_chunks) * run.model.vocab_size * (4 + 4 + 4)
 
 
 def ep_buffer_bytes(run: RunConfig) -> int:
-    """All-to-all receive and send buffers of one MoE layer on the busiest EP rank."""
+    """Backward's all-to-all buffer of one MoE layer on the busiest EP rank: the gradients of the R
+    rows its experts received (forward's exchange outputs count as activations: saved, or freed at
+    once). Rehearsed at full scale, one such buffer is alive at a time."""
     if run.mesh.ep == 1 or not run.model.moe.n_experts:
         return 0
     T, s = tokens_per_rank(run), DTYPE_BYTES[run.model.compute_dtype]
-    return int(2 * T * run.model.moe.top_k * run.plan.imbalance * run.model.dim * s)
+    return int(T * run.model.moe.top_k * max(run.plan.imbalance, 1.0)) * run.model.dim * s
 
 
 def comm_bytes(run: RunConfig) -> dict:
@@ -230,9 +250,11 @@ def comm_bytes(run: RunConfig) -> dict:
             again in backward when resharding or under full recompute; the embedding, final norm
             and head are gathered outside the blocks, once (twice for a tied embedding, which the
             head gathers again); QK-clip gathers each block once more, without gradient.
-      ep    the dispatch and combine all-to-alls of T·K rows of D (the (ep-1)/ep that leave the
-            rank, balanced routing), forward and backward: 4 passes a MoE layer; recompute never
-            repeats them (memory.EXCHANGE_OPS are saved by every recompute policy).
+      ep    the dispatch and combine all-to-alls of rows of D (the (ep-1)/ep that leave the rank),
+            forward and backward: 4 passes a MoE layer, on the busiest rank T·K rows in the
+            dispatch and its backward's reverse, imbalance times that in the combine and the
+            dispatch's backward; recompute never repeats them (memory.EXCHANGE_OPS are saved by
+            every recompute policy).
 
     Buffers are replicated and never communicated; the count exchange and the scalar all-reduces
     (loss, label count, expert counts, gradient norm) are a few bytes and left out. Checked against
@@ -260,7 +282,9 @@ def comm_bytes(run: RunConfig) -> dict:
             for k in blocks}
     fsdp = int(part["dense"] + part["expert"])
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    ep = int(accum * n_moe * 4 * tokens_per_rank(run) * cfg.moe.top_k * cfg.dim * s * (mesh.ep - 1) / mesh.ep)
+    imbalance = run.plan.imbalance if mesh.ep > 1 else 1.0
+    ep = int(accum * n_moe * 2 * (1 + imbalance) * tokens_per_rank(run) * cfg.moe.top_k * cfg.dim * s
+             * (mesh.ep - 1) / mesh.ep)
     # the split by link (plan_net): a ring over a group that leaves the node is all counted across
     intra = sum(part[k] for k, spans in (("dense", plan_net.dense_group_spans(run)),
                                           ("expert", plan_net.expert_group_spans(run))) if not spans)

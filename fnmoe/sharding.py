@@ -58,11 +58,12 @@ def make_mesh(mcfg: MeshConfig, dcfg: DistConfig | None = None) -> DeviceMesh:
     if world != mcfg.world:
         raise ValueError(f"mesh.fsdp={mcfg.fsdp} x mesh.ep={mcfg.ep} = {mcfg.world} ranks, but the job has "
                          f"{world} (torchrun --nproc-per-node x nodes must equal mesh.fsdp x mesh.ep)")
-    if fdist.simulated():
+    if fdist.simulated() or fdist.fake_group():  # no real groups to make or warm
         mesh = init_device_mesh("cpu", (mcfg.fsdp, mcfg.ep), mesh_dim_names=MESH_AXES)
         _torch.flatten_mesh(mesh[MESH_AXES], DP)
         for m in (mesh, *(submesh(mesh, name) for name in (*MESH_AXES, DP))):
             m.get_coordinate()  # computed (with tensor ops) and cached now, not inside a step
+            _ranks(m)  # (a rehearsal's steps run under FakeTensorMode, which cannot read them)
         return mesh
     # one options object per group: c10d writes per-group fields into the one it is given
     opts = {axis: fdist.group_options(dcfg or DistConfig()) for axis in (*MESH_AXES, DP)}
@@ -153,18 +154,36 @@ def local_index(spec: LeafSpec, shape: tuple[int, ...], coord: dict[str, int],
     return tuple(slice(lo, hi) for lo, hi in bounds)
 
 
-@functools.cache
+_submeshes: dict[tuple[int, str], tuple[DeviceMesh, DeviceMesh]] = {}
+
+
 def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """mesh[name], one object per axis: a simulation caches coordinates by mesh object, and a
-    recompute in backward must run the same ops as the forward did."""
-    with warnings.catch_warnings():  # torch asks callers to keep the flattened mesh; this cache does
-        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-        return mesh[name]
+    recompute in backward must run the same ops as the forward did. Kept by the mesh object, not
+    its value: meshes of two process groups in turn (two rehearsals of different ranks) are equal
+    but hold different coordinates."""
+    hit = _submeshes.get((id(mesh), name))
+    if hit is None or hit[0] is not mesh:
+        with warnings.catch_warnings():  # torch asks callers to keep the flattened mesh; this cache does
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            hit = _submeshes[(id(mesh), name)] = (mesh, mesh[name])
+    return hit[1]
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The flattened ("fsdp", "ep") mesh that make_mesh made."""
     return submesh(mesh, DP)
+
+
+def group_axes(mesh: DeviceMesh) -> dict[str, str]:
+    """{process group name: the mesh axes it serves, "/"-joined}; with fsdp 1 the ep group is the dp
+    group ("ep/dp"). Axes of one rank have no group."""
+    groups = {a: submesh(mesh, a) for a in MESH_AXES} | {DP: dp_mesh(mesh)}
+    out: dict[str, list[str]] = {}
+    for axis, m in groups.items():
+        if m.size() > 1:
+            out.setdefault(m.get_group().group_name, []).append(axis)
+    return {name: "/".join(axes) for name, axes in out.items()}
 
 
 def placements(spec: LeafSpec, mesh: DeviceMesh) -> tuple[DeviceMesh, tuple]:
@@ -327,7 +346,11 @@ def split_dims(t: DTensor) -> dict[int, int]:
 
 def coordinate(mesh: DeviceMesh, rank: int) -> tuple[int, ...]:
     """A global rank's index on each dim of mesh (DeviceMesh.get_coordinate knows only its own)."""
-    return tuple((mesh.mesh == rank).nonzero()[0].tolist())
+    i, out = _ranks(mesh).index(rank), []
+    for n in reversed(mesh.shape):
+        i, c = divmod(i, n)
+        out.append(c)
+    return tuple(reversed(out))
 
 
 def chunk_lengths(n: int, parts: int) -> list[int]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fnmoe import dist as fdist
-from fnmoe import optim
+from fnmoe import meters, optim
 from fnmoe.attention import upcast
 from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.data import IGNORE
@@ -105,27 +105,25 @@ def _all_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callable:
-    """train_step(state, micro_batches) -> (state, metrics); micro_batches: [(inputs_BL, labels_BL)]
-    or, for packed documents, [(inputs_BL, labels_BL, positions_BL)] (Loader.batch_at's)."""
+def make_device_step(run: RunConfig, tx: optim.GradientTransformation) -> Callable:
+    """device_step(state, micro_batches, n_global) -> (state, out): train_step without its host reads
+    (the token check, the label count, the metrics), so that it also runs on fake tensors
+    (fnmoe.rehearse). out holds device tensors: loss, grad_norm, finite, updated, counts, dropped."""
     cfg = run.model
     grad_fn = value_and_grad(loss_fn, has_aux=True)
     runner = train_runner(run)
     qk_clip = run.optim.qk_clip
 
-    def train_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
-        for inputs_BL, *_ in micro_batches:
-            check_tokens(inputs_BL, cfg.vocab_size)
-        # every rank's labels count: the loss is the same function of the global batch on any mesh
-        n_global = int(all_sum(sum((mb[1] != IGNORE).sum() for mb in micro_batches), "the step's label count"))
-        if n_global == 0:
-            raise ValueError("every label of this step is ignored (-100): the loss is undefined")
-        loss, grads, counts, max_logits_NH, dropped = torch.zeros(()), None, None, None, 0
+    def device_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, ...]], n_global: int):
+        loss, grads, counts, max_logits_NH = torch.zeros(()), None, None, None
+        dropped = torch.zeros((), dtype=torch.int64)
         for inputs_BL, labels_BL, *positions in micro_batches:
+            meters.mark("forward")
             (_, aux), g = grad_fn(state.params, inputs_BL, labels_BL, cfg, n_global, run.train.ce_chunks, runner,
                                   record_max_logits=qk_clip, positions_BL=positions[0] if positions else None)
             loss = loss + aux["ce_loss"]
             grads = g if grads is None else tree_map(torch.add, grads, g)
+            meters.mark("grads", grads)
             c = aux["expert_counts_NE"]
             counts = c if counts is None else counts + c
             if cfg.moe.capacity_factor:
@@ -133,6 +131,7 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
             if qk_clip:
                 m = aux["max_logits_NH"]
                 max_logits_NH = m if max_logits_NH is None else torch.maximum(max_logits_NH, m)
+        meters.mark("update")
         loss = all_sum(loss, "the loss")
         if qk_clip:  # every rank clips the same heads by the same gamma, or replicas would drift apart
             max_logits_NH = _all_max(max_logits_NH)
@@ -151,18 +150,40 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
         updated = torch.isfinite(optim.global_norm(params))
         ok = finite & updated
         # a non-finite step leaves params and optimizer state bitwise as they were; chosen on the
-        # device, so nothing waits for the flag before the metrics read it with the loss below
+        # device, so nothing waits for the flag before the metrics read it with the loss
         params = optim.select(ok, params, state.params, in_place=True)
         opt_state = optim.select(ok, opt_state, state.opt_state, in_place=True)
+        out = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "updated": updated, "counts": counts,
+               "dropped": dropped}
+        return TrainState(params, opt_state, state.step + 1), out
+
+    device_step.runner = runner  # (its host pool's bookkeeping is what fnmoe.rehearse reports)
+    return device_step
+
+
+def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callable:
+    """train_step(state, micro_batches) -> (state, metrics); micro_batches: [(inputs_BL, labels_BL)]
+    or, for packed documents, [(inputs_BL, labels_BL, positions_BL)] (Loader.batch_at's)."""
+    device_step = make_device_step(run, tx)
+
+    def train_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
+        for inputs_BL, *_ in micro_batches:
+            check_tokens(inputs_BL, run.model.vocab_size)
+        # every rank's labels count: the loss is the same function of the global batch on any mesh
+        n_global = int(all_sum(sum((mb[1] != IGNORE).sum() for mb in micro_batches), "the step's label count"))
+        if n_global == 0:
+            raise ValueError("every label of this step is ignored (-100): the loss is undefined")
+        state, out = device_step(state, micro_batches, n_global)
+        loss = out["loss"]
         loss_f, grad_norm_f, finite_f, updated_f = torch.stack(
-            [loss, grad_norm.to(loss), finite.to(loss), updated.to(loss)]).tolist()
+            [loss, out["grad_norm"].to(loss), out["finite"].to(loss), out["updated"].to(loss)]).tolist()
         metrics = {"loss": loss_f, "grad_norm": grad_norm_f, "skipped": int(not (finite_f and updated_f)),
-                   "n_tokens": n_global, "expert_counts_NE": counts}
+                   "n_tokens": n_global, "expert_counts_NE": out["counts"]}
         if not finite_f or not updated_f:
             metrics["skipped_why"] = "non-finite loss or gradients" if not finite_f else "non-finite update"
-        if cfg.moe.capacity_factor:  # routed (token, expert) rows over capacity, all ranks
-            metrics["dropped_tokens"] = int(all_sum(torch.as_tensor(dropped), "the dropped-token count"))
-        return TrainState(params, opt_state, state.step + 1), metrics
+        if run.model.moe.capacity_factor:  # routed (token, expert) rows over capacity, all ranks
+            metrics["dropped_tokens"] = int(all_sum(out["dropped"], "the dropped-token count"))
+        return state, metrics
 
     return train_step
 

@@ -12,7 +12,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fnmoe import memory, memory_report, moe, optim
+from fnmoe import host_pool, memory, memory_report, moe, optim
 from fnmoe.config import MemoryConfig, load_config
 from fnmoe.model import hidden_states
 from fnmoe.params import init_params
@@ -43,7 +43,8 @@ def test_offload_gradients_equal_none_bitwise(recompute):
     # the reference is the same recompute setting without offload
     loss0, leaves0, _ = _step(MemoryConfig(recompute=recompute), tokens=tokens)
     g0 = torch.autograd.grad(loss0, list(leaves0.values()))
-    loss1, leaves1, runner = _step(MemoryConfig(recompute=recompute, offload=True), memory.HostPool(64 << 20), tokens)
+    pool = host_pool.HostPool(64 << 20)
+    loss1, leaves1, runner = _step(MemoryConfig(recompute=recompute, offload=True), pool, tokens)
     g1 = torch.autograd.grad(loss1, list(leaves1.values()))
     assert torch.equal(loss0, loss1)
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
@@ -53,22 +54,22 @@ def test_offload_gradients_equal_none_bitwise(recompute):
 
 def test_offloaded_originals_die_and_copies_are_bitwise(monkeypatch):
     refs, pairs = [], []
-    store = memory.HostPool.store
+    store = host_pool.HostPool.store
 
     def spy(self, t):
         refs.append(StorageWeakRef(t.untyped_storage()))
         pairs.append((t.detach().clone(), store(self, t)))
         return pairs[-1][1]
 
-    monkeypatch.setattr(memory.HostPool, "store", spy)
-    loss, leaves, _ = _step(MemoryConfig(offload=True), memory.HostPool(64 << 20), _tokens())
+    monkeypatch.setattr(host_pool.HostPool, "store", spy)
+    loss, leaves, _ = _step(MemoryConfig(offload=True), host_pool.HostPool(64 << 20), _tokens())
     assert refs and all(r.expired() for r in refs)  # after forward, before backward
     assert all(torch.equal(a, b.host) for a, b in pairs)
     torch.autograd.grad(loss, list(leaves.values()))
 
 
 def _forward_device_bytes(mem: MemoryConfig) -> int:
-    pool = memory.HostPool(64 << 20)
+    pool = host_pool.HostPool(64 << 20)
     mt = MemTracker()
     for buffer in pool.buffers:
         mt.track_external(buffer)
@@ -115,7 +116,7 @@ def test_region_policies_give_the_gradients_of_none_bitwise(config, dtype, atten
     tokens = _tokens(2, 32)
     loss0, g0, aux0, _ = _grads(run, MemoryConfig(), tokens)
     mem = MemoryConfig(attention=attention, moe=moe, mlp=mlp, recompute=recompute, offload=offload)
-    loss1, g1, aux1, runner = _grads(run, mem, tokens, memory.HostPool(64 << 20))
+    loss1, g1, aux1, runner = _grads(run, mem, tokens, host_pool.HostPool(64 << 20))
     assert torch.equal(loss0, loss1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
     assert torch.equal(aux0["expert_counts_NE"], aux1["expert_counts_NE"])
     assert runner.stats and all(s["offloaded"] > 0 for s in runner.stats.values())
@@ -199,12 +200,12 @@ def test_copies_in_flight_stay_under_the_bound():
 
     events = []
 
-    class Copier(memory.Copier):
+    class Copier(host_pool.Copier):
         def to_host(self, slot, t):
             slot.copy_(t)
             events.append(Event())
             return events[-1]
-    pool = memory.HostPool(1024, max_inflight_bytes=100)
+    pool = host_pool.HostPool(1024, max_inflight_bytes=100)
     pool.copier = Copier(None)
     pool.store(torch.zeros(15))  # 60 bytes
     pool.store(torch.zeros(7))  # 28
@@ -245,7 +246,7 @@ def test_compiled_bf16_policies_match_none_with_routing_pinned(monkeypatch):
     _, eager, _, _ = _grads(dataclasses.replace(run, model=dataclasses.replace(cfg, compile=False)), MemoryConfig(),
                             tokens)
     mem = MemoryConfig(attention="full", moe="selective", mlp="offload")
-    pool, stored = memory.HostPool(64 << 20), []
+    pool, stored = host_pool.HostPool(64 << 20), []
     monkeypatch.setattr(pool, "store", lambda t, store=pool.store: stored.append(tuple(t.shape)) or store(t))
     _, got, _, _ = _grads(run, mem, tokens, pool)
     # offload copies activations, never a weight: compiled regions under it take params already cast

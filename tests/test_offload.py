@@ -1,5 +1,5 @@
 """Offload's lifecycle, as the GPU runs it, on CPU: the pool and its handles run the same code on
-both devices (only memory.Copier's copy primitives differ), so these tests see what a CUDA run
+both devices (only host_pool.Copier's copy primitives differ), so these tests see what a CUDA run
 does: reloaded tensors live only while backward uses them, the peak falls by what is offloaded,
 the pool pins exactly what it asks for. Legend: B batch, L sequence, D model."""
 import weakref
@@ -7,7 +7,7 @@ import weakref
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from fnmoe import memory
+from fnmoe import host_pool, memory
 from fnmoe.config import MemoryConfig, ModelConfig, MoEConfig
 from fnmoe.params import init_params
 from fnmoe.train import loss_fn
@@ -42,12 +42,12 @@ class _Watched:
 def _offloaded_step(mem: MemoryConfig):
     backs = []
 
-    class Copier(memory.Copier):  # the CPU primitives, noting each reloaded tensor
+    class Copier(host_pool.Copier):  # the CPU primitives, noting each reloaded tensor
         def to_device(self, host, device, after):
             back, ready = super().to_device(host, device, after)
             backs.append((id(host), weakref.ref(back)))
             return back, ready
-    pool = memory.HostPool(32 << 20)
+    pool = host_pool.HostPool(32 << 20)
     pool.copier = Copier(None)
     runner = _Watched(memory.Runner(mem, CFG.n_layers, pool), backs)
     params = init_params(CFG, 0)
@@ -71,7 +71,7 @@ def test_reloaded_tensors_are_gone_after_their_blocks_backward_and_one_block_is_
 
 def _peak_bytes(mem: MemoryConfig) -> tuple[int, int]:
     """(peak device bytes of a forward + backward, bytes offloaded), the pool outside the count."""
-    pool = memory.HostPool(32 << 20)
+    pool = host_pool.HostPool(32 << 20)
     runner = memory.block_runner(mem, CFG.n_layers, pool)
     params = init_params(CFG, 0)
     leaves = [v.requires_grad_(True) for k, v in flatten_dict(params).items() if not k.startswith("buffers.")]
@@ -98,11 +98,11 @@ def test_the_pool_pins_exactly_what_it_asks_for():
     """CUDA's caching host allocator rounds a pinned allocation up to a power of two: the pool asks
     for power-of-two segments that add up to its size (rounded to 2 MiB)."""
     for nbytes in (1, 2 << 20, (40 << 30) + 12345, 3 * (7 << 20) + 1):
-        sizes = memory.pool_segments(nbytes)
-        assert sum(sizes) == -(-nbytes // memory.PIN_UNIT) * memory.PIN_UNIT
-        assert all(s & (s - 1) == 0 and s >= memory.PIN_UNIT for s in sizes) and sizes == sorted(sizes, reverse=True)
-    assert memory.pool_segments((40 << 30) + 12345) == [32 << 30, 8 << 30, 2 << 20]
-    pool = memory.HostPool((5 << 20) + 1)
+        sizes = host_pool.pool_segments(nbytes)
+        assert sum(sizes) == -(-nbytes // host_pool.PIN_UNIT) * host_pool.PIN_UNIT
+        assert all(s & (s - 1) == 0 and s >= host_pool.PIN_UNIT for s in sizes) and sizes == sorted(sizes, reverse=True)
+    assert host_pool.pool_segments((40 << 30) + 12345) == [32 << 30, 8 << 30, 2 << 20]
+    pool = host_pool.HostPool((5 << 20) + 1)
     assert [b.numel() for b in pool.buffers] == [4 << 20, 2 << 20] and pool.nbytes == 6 << 20
     # a tensor that does not fit a segment's rest goes to the next one; one too big for any is refused
     pool.store(torch.zeros(3 << 18))  # 3 MiB into the 4 MiB segment

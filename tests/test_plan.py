@@ -39,7 +39,8 @@ def test_kimi_k2_counts_and_reference_layout():
     assert abs(total / 1.026e12 - 1) < 0.005 and abs(active / 3.17e10 - 1) < 0.01
     # the layout `fnmoe plan --search` ranks first for 384 GH200 (tests/test_plan_search.py checks it stays so)
     assert (run.mesh.fsdp, run.mesh.ep, run.optim.name) == (1, 384, "muon")
-    assert run.memory.recompute == "full" and not run.memory.offload
+    # what full recompute keeps (the EP exchange's outputs: 4.2 GB a MoE layer) must go to the host to fit
+    assert run.memory.recompute == "full" and run.memory.offload
 
 
 def test_plan_cli_json_for_1t_on_384_ranks_is_fast(capsys):

@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import struct
@@ -91,6 +92,32 @@ def _write_files(snap: Snapshot, tmp: Path) -> tuple[dict[str, dict], str | None
     return files, None
 
 
+def index_text(snap: Snapshot, entries: list[dict], files: dict[str, dict]) -> bytes:
+    """index.json of a checkpoint: every rank's entries merged, with the files' sizes and digests."""
+    index = {"format": FORMAT, "version": VERSION, "step": snap.step, "model": snap.model, **_merge(entries),
+             "files": files, "mesh": snap.mesh, "mesh_axes": list(MESH_AXES), "train": snap.train}
+    return json.dumps(index).encode()
+
+
+def index_only(state: TrainState, run: RunConfig, ranks) -> bytes:
+    """The index.json a save of state by `ranks` writes, from the leaves' shapes and placements
+    alone: no tensor is read or written (fnmoe.rehearse, over fake tensors, at a full mesh's size).
+    File digests are all-zero stand-ins of the right length."""
+    snap, entries, files = None, [], {}
+    for rank in ranks:
+        part = snapshot(state, run, None, ranks=(rank,), stage=_shape_only)
+        snap = snap or part
+        entries.append(part.entries)
+        for name, tensors in part.files.items():
+            n = sum(math.prod(t.shape) * t.element_size() for t in tensors.values())
+            files[name] = {"writer_rank": rank, "bytes": n, "sha256": "0" * 64}
+    return index_text(snap, entries, files)
+
+
+def _shape_only(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
 def _commit(snap: Snapshot, parts: list[tuple[dict, dict, str | None]], tmp: Path, final: Path) -> str | None:
     """Rank 0's end of a save, once every rank's files are on disk (parts: each rank's (files, entries,
     error)): config.toml and index.json last, then tmp renamed to final. What failed, or None."""
@@ -102,11 +129,8 @@ def _commit(snap: Snapshot, parts: list[tuple[dict, dict, str | None]], tmp: Pat
     current = tmp / CONFIG
     try:
         files[CONFIG] = {"writer_rank": 0, **_write_chunks(current, [snap.config_toml.encode()])}
-        index = {"format": FORMAT, "version": VERSION, "step": snap.step, "model": snap.model,
-                 **_merge([entries for _, entries, _ in parts]), "files": files, "mesh": snap.mesh,
-                 "mesh_axes": list(MESH_AXES), "train": snap.train}
         current = tmp / INDEX
-        _write_chunks(current, [json.dumps(index).encode()])
+        _write_chunks(current, [index_text(snap, [entries for _, entries, _ in parts], files)])
         _fsync_dir(tmp)
         current = final
         os.rename(tmp, final)

@@ -116,6 +116,12 @@ def _merge(parts: list[dict[str, dict[str, dict]]]) -> dict[str, dict[str, dict]
     return out
 
 
+def _stored_part(t: torch.Tensor, rank: int) -> torch.Tensor:
+    """A shape-only stand-in of the part of t that rank stores."""
+    idx, _ = _stored(t, rank)
+    return torch.empty([len(range(*s.indices(n))) for s, n in zip(idx, t.shape)], dtype=t.dtype, device="meta")
+
+
 def _refuse_non_finite(params: dict[str, dict[int, torch.Tensor]], step: int) -> None:
     """Raise on every rank if any rank holds a non-finite parameter value: a checkpoint never
     stores a broken model (training skips such steps; this catches params that arrived broken)."""
@@ -130,21 +136,27 @@ def _refuse_non_finite(params: dict[str, dict[int, torch.Tensor]], step: int) ->
         raise CheckpointError(f"refusing to save step {step}: non-finite values (NaN or inf) in {where}")
 
 
-def snapshot(state: TrainState, run: RunConfig, loader: Loader, copy: bool = False) -> Snapshot:
+def snapshot(state: TrainState, run: RunConfig, loader: Loader | None, copy: bool = False, ranks=None,
+             stage: Callable | None = None) -> Snapshot:
     """This process's part of the checkpoint of `state`: the shards its rank writes (every simulated
     rank's in a simulation). copy=True stages fresh CPU copies (for a write that runs while training
-    goes on), else CPU tensors are shared, not copied."""
-    stage = (lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach().cpu())
+    goes on), else CPU tensors are shared, not copied. With ranks (and a stage that reads nothing),
+    the part of those ranks from the leaves' placements alone: fnmoe.checkpoint.index_only."""
+    stage = stage or ((lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach().cpu()))
     flat = {"tensors": flatten_dict(state.params), "opt_state": _flat_opt_state(state.opt_state)}
-    local = {section: {path: fdist.rank_values(t.to_local() if isinstance(t, DTensor) else t)
-                       for path, t in leaves.items()} for section, leaves in flat.items()}
-    _refuse_non_finite(local["tensors"], state.step)
+    if ranks is None:
+        local = {section: {path: fdist.rank_values(t.to_local() if isinstance(t, DTensor) else t)
+                           for path, t in leaves.items()} for section, leaves in flat.items()}
+        _refuse_non_finite(local["tensors"], state.step)
+        value = lambda section, path, t, rank: local[section][path][rank]  # noqa: E731
+    else:
+        value = lambda section, path, t, rank: _stored_part(t, rank)  # noqa: E731
     files: dict[str, dict[str, torch.Tensor]] = {}
     writers: dict[str, int] = {}
     parts = []
-    for rank in fdist.ranks_here():
+    for rank in fdist.ranks_here() if ranks is None else ranks:
         with fdist.unsimulated():
-            leaves = {section: {path: (t, local[section][path][rank]) for path, t in section_leaves.items()}
+            leaves = {section: {path: (t, value(section, path, t, rank)) for path, t in section_leaves.items()}
                       for section, section_leaves in flat.items()}
             leaves["rng"] = {path: (t, t) for path, t in rng_states(rank).items()}
             rank_files, entries = _rank_part(leaves, rank, stage)
@@ -153,6 +165,6 @@ def snapshot(state: TrainState, run: RunConfig, loader: Loader, copy: bool = Fal
         parts.append(entries)
     schedule = {"name": run.optim.schedule, "position": state.step, "total_steps": run.train.steps,
                 "warmup_steps": run.optim.warmup_steps}
-    return Snapshot(state.step, files, writers, _merge(parts),
-                    {"step": state.step, "schedule": schedule, "data": loader_state(loader, state.step)},
+    data = loader_state(loader, state.step) if loader is not None else {}
+    return Snapshot(state.step, files, writers, _merge(parts), {"step": state.step, "schedule": schedule, "data": data},
                     to_toml(run), to_dict(run.model), {a: getattr(run.mesh, a) for a in MESH_AXES})

@@ -1,0 +1,84 @@
+"""fnmoe rehearse: one rank of a full mesh, one real step on fake tensors, against the planner.
+
+The truth at small scale (the rehearsal's bytes against a real gloo run of the same config) is in
+tests/test_mesh_memory.py, which has the 2x2 launch."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from fnmoe import cli
+from fnmoe.config import MemoryConfig, MeshConfig, load_config
+from fnmoe.rehearse import compare, held_bytes, rehearse, rehearsed_bytes, rehearsed_comm
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(120)
+
+
+def _tiny(fsdp: int, ep: int, **memory):
+    run = load_config(ROOT / "configs" / "tiny.toml")
+    return dataclasses.replace(run, mesh=MeshConfig(fsdp=fsdp, ep=ep), memory=MemoryConfig(**memory),
+                               train=dataclasses.replace(run.train, batch_size=fsdp * ep * 2))
+
+
+@pytest.mark.parametrize("fsdp,ep,memory", [(2, 2, {}), (4, 2, {"recompute": "full", "offload": True}),
+                                            (1, 8, {"recompute": "full"})])
+def test_tiny_rehearsal_agrees_with_the_plan(fsdp, ep, memory):
+    report = rehearse(_tiny(fsdp, ep, **memory), "worst")
+    assert not dist.is_initialized()  # the fake group is gone after
+    cmp = compare(report)
+    assert cmp["ok"], cmp
+    got, planned = rehearsed_bytes(report), report["plan"]["per_rank_bytes"]
+    # state is exact: the same shards the planner counts (gradients peak a padded reduce-scatter higher)
+    assert got["params"] == planned["params"]
+    assert 0 <= got["grads"] - planned["grads"] <= 0.02 * planned["grads"], (got["grads"], planned["grads"])
+    assert abs(got["optim"] - planned["optim"]) <= 64, (got["optim"], planned["optim"])  # + the step counters
+    comm = rehearsed_comm(report)
+    assert comm["fsdp"] == report["plan"]["comm_bytes_detail"]["fsdp"]
+    assert comm["ep"] == report["plan"]["comm_bytes_detail"]["ep"]
+    if memory.get("offload"):
+        assert got["offload_host"] > 0
+        assert abs(got["offload_host"] / planned["offload_host"] - 1) < 0.1, (got, planned)
+
+
+def test_worst_rank_holds_the_most_and_ranks_differ():
+    """torch.chunk gives leading ranks the larger shards when a dim does not divide (5 ranks): rank 0
+    is the worst. Two rehearsals of different ranks in one process, each in its own (DTensor caches
+    plans by mesh value: in one process the second took the first rank's local shapes)."""
+    run = _tiny(5, 1)
+    held = held_bytes(run)
+    assert held[0] == max(held) > held[4]
+    worst, last = rehearse(run, "worst"), rehearse(run, 4)
+    assert (worst["rank"], last["rank"]) == (0, 4)
+    assert worst["memory"]["end"]["params"] == held[0] and last["memory"]["end"]["params"] == held[4]
+
+
+def test_checkpoint_index_lists_every_rank():
+    run = _tiny(2, 2)
+    small, big = rehearse(run, 0), rehearse(_tiny(4, 2), 0)
+    assert 0 < small["index_json_bytes"] < big["index_json_bytes"]
+
+
+def test_bad_input_is_named():
+    run = _tiny(2, 2)
+    with pytest.raises(ValueError, match="--rank 4 is out of range: the mesh has ranks 0..3"):
+        rehearse(run, 4)
+    with pytest.raises(ValueError, match="--rank -1 is out of range"):
+        rehearse(run, -1)
+    with pytest.raises(ValueError, match="at most"):
+        rehearse(dataclasses.replace(run, mesh=MeshConfig(fsdp=1 << 14, ep=8)), 0)
+    with pytest.raises(ValueError, match="n_experts=8 must be a positive multiple of mesh.ep=3"):
+        rehearse(_tiny(1, 3), 0)
+    assert cli.main(["rehearse", "--config", str(ROOT / "configs" / "tiny.toml"), "--rank", "x"]) == 2
+
+
+def test_cli_json_and_exit_code(capsys):
+    code = cli.main(["rehearse", "--config", str(ROOT / "configs" / "tiny.toml"), "--mesh.fsdp", "2", "--mesh.ep", "2",
+                     "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["compare"]["ok"] and out["world"] == 4
+    assert {r["kind"] for r in out["collectives"]} >= {"all_gather", "reduce_scatter", "all_to_all"}
