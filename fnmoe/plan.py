@@ -159,8 +159,8 @@ def _on_muon(path: str, shape: tuple[int, ...]) -> bool:
 
 
 def state_bytes(run: RunConfig) -> dict:
-    """Per-rank bytes of fp32 master params, fp32 grads and optimizer state (every leaf sharded
-    over all fsdp·ep ranks), and the totals."""
+    """Per-rank bytes of fp32 master params, fp32 grads (twice with gradient accumulation: the sum
+    and a micro-batch's) and optimizer state (every leaf sharded over all fsdp·ep ranks)."""
     world = run.mesh.world
     sb = DTYPE_BYTES[run.plan.state_dtype]
     params = grads = optim = 0
@@ -172,7 +172,8 @@ def state_bytes(run: RunConfig) -> dict:
         grads += n * GRAD_BYTES
         moments = 1 if run.optim.name == "muon" and _on_muon(path, shape) else 2
         optim += n * moments * sb
-    return {"params": params, "grads": grads, "optim": optim}
+    # with micro-batches, each later backward's gradients live beside their running sum
+    return {"params": params, "grads": grads * (2 if run.train.grad_accum > 1 else 1), "optim": optim}
 
 
 def block_numels(cfg: ModelConfig, ep: int) -> list[int]:
@@ -220,7 +221,15 @@ def activation_plan(run: RunConfig) -> dict:
     head = norm_bytes(T, cfg.dim, s) + (T * cfg.vocab_size * 4 if run.train.ce_chunks == 1 else 0)
     device = sum(b["device"] for b in blocks) + head
     return {"blocks": blocks, "device": device, "host": sum(b["host"] for b in blocks),
-            "transient": max(b["transient"] for b in blocks), "head": head}
+            "transient": max(max(b["transient"] for b in blocks), unsharded_grad_bytes(run)), "head": head}
+
+
+def unsharded_grad_bytes(run: RunConfig) -> int:
+    """The largest gathered block's gradient before its reduce-scatter, in the compute dtype and in
+    fp32 (the embedding's, rehearsed: its dense backward, then the fp32 copy the reduce-scatter takes)."""
+    if run.mesh.world == 1:
+        return 0
+    return max(block_numels(run.model, run.mesh.ep)) * (DTYPE_BYTES[run.model.compute_dtype] + GRAD_BYTES)
 
 
 def logits_bytes(run: RunConfig) -> int:
@@ -371,7 +380,11 @@ def plan(run: RunConfig) -> dict:
     per_rank = dict(states, gathered=gathered_bytes(run), activations=acts["device"],
                     recompute_transient=acts["transient"], logits=logits_bytes(run),
                     ep_buffers=ep_buffer_bytes(run), offload_host=acts["host"])
-    per_rank["total_device"] = sum(v for k, v in per_rank.items() if k != "offload_host")
+    step = sum(v for k, v in per_rank.items() if k != "offload_host")
+    # the update makes the new optimizer state, the updates and the new params while the old ones,
+    # kept until the step is known finite (a non-finite step leaves them bitwise as they were), live
+    per_rank["update_transient"] = states["optim"] + 2 * states["params"]
+    per_rank["total_device"] = max(step, sum(states.values()) + per_rank["update_transient"])
     comm = comm_bytes(run)
     pl = run.plan
     return {"config": run.name, "mesh": {"fsdp": run.mesh.fsdp, "ep": run.mesh.ep, "world": run.mesh.world},
@@ -409,7 +422,8 @@ def format_plan(p: dict) -> str:
              f"{p['tokens_per_rank_microbatch']} tokens a rank a micro-batch; memory: {p['memory']}",
              f"  params {p['total_params']:.4g} total, {p['active_params']:.4g} active; "
              f"{p['flops_per_token'] / 1e9:.1f} GFLOP/token", "", "  per rank (device)"]
-    for key in ("params", "grads", "optim", "gathered", "activations", "recompute_transient", "logits", "ep_buffers"):
+    for key in ("params", "grads", "optim", "gathered", "activations", "recompute_transient", "logits", "ep_buffers",
+                "update_transient"):
         lines.append(f"    {key:<20}{gb(r[key])}")
     lines += [f"    {'total':<20}{gb(r['total_device'])}   fits {p['fits']['hbm_gb']:.0f} GB: {p['fits']['device']}",
               f"  host, offloaded       {gb(r['offload_host'])} a GPU, {gb(p['per_host_offload_bytes'])} a node; "

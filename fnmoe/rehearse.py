@@ -160,7 +160,7 @@ def measure_step(run: RunConfig, mesh, state: TrainState, tx, micro_batches: lis
 
 TOLERANCE, FLOOR = 0.10, 256 * 2**20  # a category fails beyond 10% of the plan or 256 MB, whichever is larger
 MEMORY_ROWS = ("params", "grads", "optim", "gathered", "activations", "recompute_transient", "logits", "ep_buffers",
-               "offload_host", "total_device")
+               "update_transient", "offload_host", "total_device")
 
 
 def rehearsed_bytes(report: dict) -> dict[str, int]:
@@ -172,7 +172,8 @@ def rehearsed_bytes(report: dict) -> dict[str, int]:
     saved = sum(start.values()) - sum(start[c] for c in ("params", "optim", "gathered", "grads"))
     return {"params": m["end"]["params"], "grads": top["grads"], "optim": m["end"]["optim"],
             "gathered": top["gathered"], "activations": saved, "recompute_transient": top["backward"],
-            "logits": top["logits"], "ep_buffers": top["ep_buffers"], "offload_host": report["host_offloaded_bytes"],
+            "logits": top["logits"], "ep_buffers": top["ep_buffers"],
+            "update_transient": top["optim"] - m["end"]["optim"], "offload_host": report["host_offloaded_bytes"],
             "total_device": m["peak"]}
 
 

@@ -26,7 +26,7 @@ from fnmoe.model import check_inputs, check_tokens, head_weight, hidden_states
 from fnmoe.moe import balance_loss_part, update_router_bias
 from fnmoe.runner import BlockRunner
 from fnmoe.sharding import all_sum
-from fnmoe.tree import Tree, tree_map, value_and_grad
+from fnmoe.tree import Tree, tree_flatten, tree_unflatten, value_and_grad
 
 
 @dataclass(frozen=True)
@@ -115,15 +115,24 @@ def make_device_step(run: RunConfig, tx: optim.GradientTransformation) -> Callab
     qk_clip = run.optim.qk_clip
 
     def device_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, ...]], n_global: int):
-        loss, grads, counts, max_logits_NH = torch.zeros(()), None, None, None
+        loss, sums, spec, counts, max_logits_NH = torch.zeros(()), None, None, None, None
         dropped = torch.zeros((), dtype=torch.int64)
         for inputs_BL, labels_BL, *positions in micro_batches:
             meters.mark("forward")
             (_, aux), g = grad_fn(state.params, inputs_BL, labels_BL, cfg, n_global, run.train.ce_chunks, runner,
                                   record_max_logits=qk_clip, positions_BL=positions[0] if positions else None)
+            meters.mark("grads", g)
             loss = loss + aux["ce_loss"]
-            grads = g if grads is None else tree_map(torch.add, grads, g)
-            meters.mark("grads", grads)
+            # summed leaf by leaf, each old pair let go once its sum exists: two gradient trees at the
+            # peak, not three (not in place: autograd may hand one gradient tensor to two inputs)
+            parts, spec = tree_flatten(g)
+            del g
+            if sums is None:
+                sums = parts
+            else:
+                for k in range(len(parts)):
+                    sums[k], parts[k] = sums[k] + parts[k], None
+            del parts
             c = aux["expert_counts_NE"]
             counts = c if counts is None else counts + c
             if cfg.moe.capacity_factor:
@@ -131,6 +140,8 @@ def make_device_step(run: RunConfig, tx: optim.GradientTransformation) -> Callab
             if qk_clip:
                 m = aux["max_logits_NH"]
                 max_logits_NH = m if max_logits_NH is None else torch.maximum(max_logits_NH, m)
+        grads = tree_unflatten(sums, spec)
+        del sums
         meters.mark("update")
         loss = all_sum(loss, "the loss")
         if qk_clip:  # every rank clips the same heads by the same gamma, or replicas would drift apart

@@ -82,3 +82,16 @@ def test_cli_json_and_exit_code(capsys):
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["compare"]["ok"] and out["world"] == 4
     assert {r["kind"] for r in out["collectives"]} >= {"all_gather", "reduce_scatter", "all_to_all"}
+
+
+def test_a_mid_size_preset_at_64_ranks_agrees_with_the_plan():
+    """deepseek_v3_16b's shapes (cut to 4 layers: 3 MoE) on fsdp 8 x ep 8 = 64 ranks, its memory
+    policy, the worst rank: every category and collective within the rehearsal's tolerance."""
+    run = load_config(ROOT / "configs" / "deepseek_v3_16b.toml")
+    run = dataclasses.replace(run, model=dataclasses.replace(run.model, n_layers=4), mesh=MeshConfig(fsdp=8, ep=8),
+                              train=dataclasses.replace(run.train, grad_accum=1))
+    report = rehearse(run, "worst")
+    cmp = compare(report)
+    assert report["world"] == 64 and cmp["ok"], cmp
+    kinds = {(r["kind"], r["axis"]) for r in report["collectives"]}
+    assert {("all_gather", "fsdp"), ("all_gather", "dp"), ("all_to_all", "ep"), ("reduce_scatter", "dp")} <= kinds

@@ -43,7 +43,15 @@ def has_torchtitan() -> bool:
 
 @pytest.mark.timeout(900)
 def test_gpu_check_dry_run(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path / "out"), TMPDIR=str(tmp_path))
+    """Every step of the GPU check on CPU, in the GPU image's state: tyro does not import there (a
+    tyro.py that raises ImportError comes first on PYTHONPATH), so no step may import fnmoe.cli."""
+    blocked = tmp_path / "no_tyro"
+    blocked.mkdir()
+    (blocked / "tyro.py").write_text('raise ImportError("tyro is blocked here: the GPU image has no tyro")\n')
+    path = os.pathsep.join(p for p in (str(blocked), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OUT=str(tmp_path / "out"), TMPDIR=str(tmp_path), PYTHONPATH=path)
+    probe = subprocess.run([sys.executable, "-c", "import tyro"], env=env, capture_output=True, text=True, timeout=60)
+    assert probe.returncode != 0 and "tyro is blocked" in probe.stderr, probe.stderr  # the block holds
     proc = subprocess.run(["bash", "tools/gpu_check.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=880)
     out = proc.stdout + proc.stderr
@@ -55,8 +63,8 @@ def test_gpu_check_dry_run(tmp_path):
     table = summary[1]
     for section in ("1 correctness", "2 moe bench", "3 model 16B-cut", "4 determinism"):
         assert section in table, f"section {section!r} missing from the summary:\n{table}"
-    for check in ("grouped GEMM", "tiny preset", "offload", "memory none", "memory recompute=full",
-                  "deterministic replay"):
+    for check in ("grouped GEMM", "compiled MoE block", "tiny preset", "offload", "memory none",
+                  "memory recompute=full", "deterministic replay"):
         assert check in table, f"{check!r} missing:\n{table}"
     assert " FAIL" not in table and "TIMEOUT" not in table, table
     written = (tmp_path / "out" / "gpu_check.txt").read_text()
