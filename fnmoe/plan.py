@@ -202,7 +202,8 @@ def gathered_bytes(run: RunConfig) -> int:
     layers, outer = blocks[1:-1], max(blocks[0], blocks[-1])
     if not run.mesh.reshard_after_forward:
         return (sum(blocks) + max(blocks)) * s
-    return max(2 * max(layers), outer) * s
+    # no prefetch under full recompute: a recomputed block gathers again by itself (memory.Runner)
+    return max((1 if run.memory.recompute == "full" else 2) * max(layers), outer) * s
 
 
 # ---------------------------------------------------------------- the plan
@@ -225,11 +226,15 @@ def activation_plan(run: RunConfig) -> dict:
 
 
 def unsharded_grad_bytes(run: RunConfig) -> int:
-    """The largest gathered block's gradient before its reduce-scatter, in the compute dtype and in
-    fp32 (the embedding's, rehearsed: its dense backward, then the fp32 copy the reduce-scatter takes)."""
+    """The largest gathered leaf's gradient before its reduce-scatter, in the compute dtype and in
+    fp32 (rehearsed: the embedding's dense backward, then the fp32 copy the reduce-scatter takes;
+    a block's leaves are reduced one by one)."""
     if run.mesh.world == 1:
         return 0
-    return max(block_numels(run.model, run.mesh.ep)) * (DTYPE_BYTES[run.model.compute_dtype] + GRAD_BYTES)
+    ep = run.mesh.ep
+    largest = max(math.prod(shape) // (ep if _leaf_kind(path) == "expert" else 1)
+                  for path, shape in leaf_shapes(run.model) if _leaf_kind(path) != "buffer")
+    return largest * (DTYPE_BYTES[run.model.compute_dtype] + GRAD_BYTES)
 
 
 def logits_bytes(run: RunConfig) -> int:
@@ -383,7 +388,9 @@ def plan(run: RunConfig) -> dict:
     step = sum(v for k, v in per_rank.items() if k != "offload_host")
     # the update makes the new optimizer state, the updates and the new params while the old ones,
     # kept until the step is known finite (a non-finite step leaves them bitwise as they were), live
-    per_rank["update_transient"] = states["optim"] + 2 * states["params"]
+    # Muon also holds the Nesterov blend (fp32) and the bf16 Newton-Schulz iterates of every matrix of
+    # the rank at once: 1.5 times the params' bytes more (rehearsed on the 1T and 671B presets)
+    per_rank["update_transient"] = states["optim"] + int((3.5 if run.optim.name == "muon" else 2) * states["params"])
     per_rank["total_device"] = max(step, sum(states.values()) + per_rank["update_transient"])
     comm = comm_bytes(run)
     pl = run.plan
