@@ -25,10 +25,16 @@ def _tiny(fsdp: int, ep: int, **memory):
                                train=dataclasses.replace(run.train, batch_size=fsdp * ep * 2))
 
 
-@pytest.mark.parametrize("fsdp,ep,memory", [(2, 2, {}), (4, 2, {"recompute": "full", "offload": True}),
-                                            (1, 8, {"recompute": "full"})])
-def test_tiny_rehearsal_agrees_with_the_plan(fsdp, ep, memory):
-    report = rehearse(_tiny(fsdp, ep, **memory), "worst")
+@pytest.mark.parametrize("fsdp,ep,memory,accum,opt", [(2, 2, {}, 2, "adamw"),
+                                                      (4, 2, {"recompute": "full", "offload": True}, 1, "adamw"),
+                                                      (1, 8, {"recompute": "full"}, 1, "muon")])
+def test_tiny_rehearsal_agrees_with_the_plan(fsdp, ep, memory, accum, opt):
+    """Three meshes, policies and optimizers; with 2 micro-batches the gradients live twice (they
+    lived three times before the step summed them leaf by leaf), and Muon's update holds more."""
+    run = _tiny(fsdp, ep, **memory)
+    run = dataclasses.replace(run, optim=dataclasses.replace(run.optim, name=opt),
+                              train=dataclasses.replace(run.train, batch_size=fsdp * ep * 2 * accum, grad_accum=accum))
+    report = rehearse(run, "worst")
     assert not dist.is_initialized()  # the fake group is gone after
     cmp = compare(report)
     assert cmp["ok"], cmp
@@ -36,7 +42,7 @@ def test_tiny_rehearsal_agrees_with_the_plan(fsdp, ep, memory):
     # state is exact: the same shards the planner counts (gradients peak a padded reduce-scatter higher)
     assert got["params"] == planned["params"]
     assert 0 <= got["grads"] - planned["grads"] <= 0.02 * planned["grads"], (got["grads"], planned["grads"])
-    assert abs(got["optim"] - planned["optim"]) <= 64, (got["optim"], planned["optim"])  # + the step counters
+    assert abs(got["optim"] - planned["optim"]) <= 128, (got["optim"], planned["optim"])  # + the scalars (step, lr)
     comm = rehearsed_comm(report)
     assert comm["fsdp"] == report["plan"]["comm_bytes_detail"]["fsdp"]
     assert comm["ep"] == report["plan"]["comm_bytes_detail"]["ep"]
