@@ -116,8 +116,9 @@ def block_activations(run: RunConfig, i: int, T: int) -> dict:
         kept = T * cfg.dim * s + exchanged
         host = kept if mem.offload and not last else 0
         # offloaded, what it keeps comes back for its recompute, beside the previous block's (prefetched)
+        # and, as backward reaches each weight, that leaf's compute-dtype gradient before its reduce-scatter
         return {"device": kept - host, "host": host, "recomputed": full,
-                "transient": full + exchanged + (2 * kept if host else 0)}
+                "transient": full + exchanged + (2 * kept if host else 0) + largest_leaf(run, layers=True) * s}
     R = int(T * cfg.moe.top_k * (run.plan.imbalance if run.mesh.ep > 1 else 1.0))
     out = {"device": 0, "host": 0, "recomputed": 0, "transient": 0}
     for region, none_bytes in regions.items():
@@ -231,10 +232,18 @@ def unsharded_grad_bytes(run: RunConfig) -> int:
     a block's leaves are reduced one by one)."""
     if run.mesh.world == 1:
         return 0
+    return largest_leaf(run) * (DTYPE_BYTES[run.model.compute_dtype] + GRAD_BYTES)
+
+
+def largest_leaf(run: RunConfig, layers: bool = False) -> int:
+    """Elements of the largest leaf a rank gathers (expert stacks: its E/ep experts); of the layers'
+    leaves only with layers; 0 on one rank."""
+    if run.mesh.world == 1:
+        return 0
     ep = run.mesh.ep
-    largest = max(math.prod(shape) // (ep if _leaf_kind(path) == "expert" else 1)
-                  for path, shape in leaf_shapes(run.model) if _leaf_kind(path) != "buffer")
-    return largest * (DTYPE_BYTES[run.model.compute_dtype] + GRAD_BYTES)
+    return max(math.prod(shape) // (ep if _leaf_kind(path) == "expert" else 1)
+               for path, shape in leaf_shapes(run.model)
+               if _leaf_kind(path) != "buffer" and (path.startswith("layers.") or not layers))
 
 
 def logits_bytes(run: RunConfig) -> int:
