@@ -101,6 +101,20 @@ def test_gpu_check_helpers():
     assert bm.Shape.parse("4096,512,256,32,4").flops == 18 * 4096 * 4 * 512 * 256
 
 
+def test_gpu_check_compiles_the_moe_block_under_bench_moes_inductor_config(monkeypatch):
+    """Step 1 compiles the MoE block under the inductor config bench_moe.main runs in, on each device,
+    so step 2's benchmark of the same block finds it in the inductor cache (the dry run's one compile)."""
+    gc, bm = load_tool("gpu_check"), load_tool("bench_moe")
+    inductor = torch._inductor.config
+    seen = []
+    monkeypatch.setattr(bm, "_run", lambda args: seen.append(inductor.get_config_copy()) or [])
+    for device in ("cpu", "cuda"):
+        bm.main(["--device", device, "--shapes", TINY_MOE])
+        with inductor.patch(gc.bm_inductor_patch(device)):
+            assert inductor.get_config_copy() == seen[-1], device
+    assert seen[0] != seen[1]  # the setting differs by device (a kernel profile on CPU), and is matched
+
+
 @pytest.mark.timeout(300)
 def test_bench_moe_tiny(capsys):
     bm = load_tool("bench_moe")

@@ -2,7 +2,8 @@
 # One prioritised check of fnmoe on a CUDA machine (one H200, ~6 minutes), run from the repo root:
 #
 #   bash tools/gpu_check.sh            # on the GPU machine
-#   bash tools/gpu_check.sh --dry-run  # the same steps on CPU at tiny sizes (CI; < 60 s on 2 cores, warm cache)
+#   bash tools/gpu_check.sh --dry-run  # the same steps on CPU at tiny sizes (CI; < 60 s on 2 cores, cold cache;
+#                                      # step 3 and 4's model eager there, steps 1 and 2 compile the MoE block once)
 #
 # Steps, in priority order, each its own process under a timeout (a crash or a hang in one does
 # not stop the rest; rows finished before a timeout are kept):
@@ -11,7 +12,7 @@
 #   2 moe           tools/bench_moe.py on cuda (vs TorchTitan when it imports)
 #   3 model         DeepSeek-V3-16B widths cut to 4 layers: tokens/s, MFU, peak memory per memory policy
 #   4 determinism   tokens/s with and without torch.use_deterministic_algorithms
-# then a summary table, also written to $OUT/gpu_check.txt when $OUT is set.
+# then a summary table (tools/gpu_check_summary.py), also written to $OUT/gpu_check.txt when $OUT is set.
 #
 # Needs Python with torch (no tyro, no torchtitan, no network). $PYTHON picks the interpreter;
 # GPU_CHECK_BUDGET_S (default 340) caps the whole run; step timeouts shrink to fit it.
@@ -23,7 +24,7 @@ DRY=""
 case "${1:-}" in
   --dry-run) DRY="--dry-run" ;;
   "") ;;
-  -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
   *) echo "usage: bash tools/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
 esac
 
@@ -44,7 +45,8 @@ else
   export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"
 fi
 START=$SECONDS
-echo "gpu_check: $($PY -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())' 2>&1 | tail -1)"
+# each step prints its torch version and device when it starts (no extra interpreter start here)
+echo "gpu_check: $PY is $(command -v "$PY") ($("$PY" -V 2>&1))"
 echo "gpu_check: results in $RESULTS, budget ${BUDGET}s ${DRY}"
 
 run_step() {  # run_step NAME CAP_SECONDS
@@ -76,7 +78,7 @@ else
   run_step determinism 90
 fi
 
-"$PY" tools/gpu_check.py --step summary --results "$RESULTS" $DRY
+"$PY" tools/gpu_check_summary.py --results "$RESULTS" $DRY   # imports no torch
 rc=$?
 [ -n "$DRY" ] && rm -rf "$RESULTS"   # CI: leave nothing behind (a GPU run keeps its per-step JSON files)
 echo "gpu_check: total $(( SECONDS - START ))s"
