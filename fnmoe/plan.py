@@ -227,23 +227,18 @@ def activation_plan(run: RunConfig) -> dict:
 
 
 def unsharded_grad_bytes(run: RunConfig) -> int:
-    """The largest gathered leaf's gradient before its reduce-scatter, in the compute dtype and in
-    fp32 (rehearsed: the embedding's dense backward, then the fp32 copy the reduce-scatter takes;
-    a block's leaves are reduced one by one)."""
-    if run.mesh.world == 1:
-        return 0
+    """The largest gathered leaf's gradient before its reduce-scatter, in the compute dtype and fp32
+    (rehearsed: the embedding's dense backward, then the fp32 copy the reduce-scatter takes)."""
     return largest_leaf(run) * (DTYPE_BYTES[run.model.compute_dtype] + GRAD_BYTES)
 
 
 def largest_leaf(run: RunConfig, layers: bool = False) -> int:
-    """Elements of the largest leaf a rank gathers (expert stacks: its E/ep experts); of the layers'
-    leaves only with layers; 0 on one rank."""
-    if run.mesh.world == 1:
-        return 0
-    ep = run.mesh.ep
-    return max(math.prod(shape) // (ep if _leaf_kind(path) == "expert" else 1)
-               for path, shape in leaf_shapes(run.model)
-               if _leaf_kind(path) != "buffer" and (path.startswith("layers.") or not layers))
+    """Elements of the largest leaf a rank gathers (expert stacks: its E/ep experts; of the layers'
+    only with layers); 0 on one rank."""
+    kinds = [(path, shape, _leaf_kind(path)) for path, shape in leaf_shapes(run.model)]
+    return 0 if run.mesh.world == 1 else max(math.prod(shape) // (run.mesh.ep if kind == "expert" else 1)
+                                             for path, shape, kind in kinds
+                                             if kind != "buffer" and (path.startswith("layers.") or not layers))
 
 
 def logits_bytes(run: RunConfig) -> int:
