@@ -1,8 +1,8 @@
 """Activation memory policies: how a block's saved tensors are kept for backward.
 
 `none` keeps everything; `full` recomputes the whole block in backward (torch.utils.checkpoint,
-non-reentrant), keeping only its input and the routing; the expert counts a block returns are
-read from the forward only.
+non-reentrant), keeping only its input, the routing and the EP exchange's outputs; the expert
+counts a block returns are read from the forward only.
 
 `offload` (memory.offload) wraps each block but the last in saved-tensor hooks: a saved tensor of
 at least memory.offload_min_bytes that is not one of the block's parameters (or a view of one) is

@@ -230,10 +230,11 @@ class MemoryConfig:
     blocks; attention / moe / mlp act on one region each, inside blocks that `recompute` leaves alone."""
 
     recompute: Literal["none", "full"] = "none"
-    """activation checkpointing per block: 'full' keeps only each block's input (the shorthand for
+    """activation checkpointing per block: 'full' keeps each block's input, its routing and its EP
+    exchange's outputs (never recomputed: no communication in backward) (the shorthand for
     recomputing every region)"""
     offload: bool = False
-    """move each block's saved tensors (with recompute='full': its input) to host memory; the last
+    """move each block's saved tensors (with recompute='full': what it keeps) to host memory; the last
     block stays"""
     attention: RegionPolicy = "none"
     """attention regions: keep, recompute, recompute cheap ops only, or offload their saved tensors"""
