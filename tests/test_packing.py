@@ -158,5 +158,5 @@ def test_sft_field_errors_name_the_line_and_field(tmp_path):
         load_data(DataConfig(corpus=str(src), prompt_field="prompt"), 257)
     txt = tmp_path / "plain.txt"
     txt.write_text("hello")
-    with pytest.raises(ValueError, match="needs a .jsonl corpus"):
+    with pytest.raises(ValueError, match="needs a JSONL, Parquet or datasets corpus"):
         load_data(DataConfig(corpus=str(txt), prompt_field="prompt"), 257)
