@@ -28,10 +28,11 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fnmoe._torch import TorchDispatchMode, is_traceable_wrapper_subclass
+from fnmoe._torch import TorchDispatchMode
 from fnmoe.config import MemoryConfig, RunConfig
 from fnmoe.host_pool import HostPool
 from fnmoe.memory import Runner
+from fnmoe.meters import plain_tensors
 from fnmoe.model import hidden_states
 from fnmoe.tree import Tree, tree_leaves, tree_map
 
@@ -76,17 +77,6 @@ def settled(read: Callable[[], int], pause_s: float = 0.01, max_reads: int = 100
             return now
         last = now
     return last
-
-
-def plain_tensors(tree) -> list[torch.Tensor]:
-    """The plain tensors of tree's leaves, wrapper subclasses (DTensor, AsyncCollectiveTensor) unwrapped."""
-    out = []
-    for t in tree_leaves(tree):
-        if is_traceable_wrapper_subclass(t):
-            out += plain_tensors([getattr(t, name) for name in t.__tensor_flatten__()[0]])
-        elif isinstance(t, torch.Tensor):
-            out.append(t)
-    return out
 
 
 def _storages(*trees) -> set[int]:

@@ -78,7 +78,19 @@ def _collective_kind(name: str) -> str | None:
     return None
 
 
-class StorageMeter(TorchDispatchMode):
+class _Meter(TorchDispatchMode):
+    """A dispatch mode that `mark` tells the step's phase while it is active."""
+
+    def __enter__(self):
+        _active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _active.remove(self)
+        return super().__exit__(*exc)
+
+
+class StorageMeter(_Meter):
     """Live and peak bytes by category of the storages made while active (and those tracked)."""
 
     def __init__(self, logits_shape: tuple[int, ...] = ()):
@@ -93,14 +105,6 @@ class StorageMeter(TorchDispatchMode):
         self._info: dict[int, list] = {}  # storage -> [bytes, category, weak reference, when made]
         self.at_backward: dict[str, int] | None = None  # live bytes when the first backward began
         self._excluded: set[int] = set()
-
-    def __enter__(self):
-        _active.append(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        _active.remove(self)
-        return super().__exit__(*exc)
 
     def track(self, tree, category: str) -> None:
         """Count tree's storages as category from now on (params and optimizer state made before the
@@ -182,7 +186,7 @@ class StorageMeter(TorchDispatchMode):
                 "end": {c: self.live[c] for c in CATEGORIES}}
 
 
-class CommMeter(TorchDispatchMode):
+class CommMeter(_Meter):
     """Bytes sent and calls of each (kind, axis, dtype) of collective; axes: {group name: axis}."""
 
     def __init__(self, axes: dict[str, str] | None = None):
@@ -224,14 +228,6 @@ class CommMeter(TorchDispatchMode):
         self.bytes[name] += int(n)
         self.calls[name] += 1
         return out
-
-    def __enter__(self):
-        _active.append(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        _active.remove(self)
-        return super().__exit__(*exc)
 
     def rows(self) -> list[dict]:
         """One row per (kind, axis, dtype, phase): phase "step" (forward and backward) or "update"."""

@@ -48,8 +48,8 @@ from fnmoe import memory_report, moe, optim, rehearse, sharding
 from fnmoe import dist as fdist
 from fnmoe.config import DistConfig, MemoryConfig, MeshConfig, load_config
 from fnmoe.memory import train_runner
-from fnmoe.memory_report import NewStorages, plain_tensors
-from fnmoe.meters import CommMeter
+from fnmoe.memory_report import NewStorages
+from fnmoe.meters import CommMeter, plain_tensors
 from fnmoe.params import init_params, leaf_inits
 from fnmoe.plan import block_activations, comm_bytes, tokens_per_rank
 from fnmoe.train import init_state, loss_fn, make_train_step
