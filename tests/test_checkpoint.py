@@ -99,7 +99,7 @@ def test_expert_ids_in_files_are_global(tmp_path):
     assert stacks
     for path in stacks:
         entry, covered = index["tensors"][path], []
-        for shard in entry["shards"]:
+        for shard in checkpoint.parts(entry["shards"]):
             with safe_open(ckpt / shard["file"], framework="pt") as f:
                 experts = f.get_tensor(shard["key"])
             for k in range(experts.shape[0]):
@@ -150,6 +150,55 @@ def test_index_lists_files_with_checksums_and_tensors_with_global_shapes(tmp_pat
     assert run.model.dim == 32 and run.train.steps == 2
     assert all(torch.equal(a, b) for a, b in zip(flatten_dict(params).values(),
                                                   flatten_dict(summary["params"]).values()))
+
+
+def _parts_of(layout, n_ranks):
+    """Every rank's part {file, key, rank, offset, shape} of a [64, 3] leaf; layout(rank) -> (start, rows)."""
+    out = []
+    for r in range(n_ranks):
+        start, rows = layout(r)
+        if rows:
+            out.append({"file": f"params-rank{r:05d}.safetensors", "key": "w", "rank": r, "offset": [start, 0],
+                        "shape": [rows, 3]})
+    return out
+
+
+@pytest.mark.parametrize("layout,n_ranks,most", [
+    (lambda r: ((r % 8) * 8 + (r // 8) * 2, 2), 32, 1),  # an expert stack on fsdp 4 x ep 8 (_StridedShard)
+    (lambda r: (r * 11, min(11, max(0, 64 - r * 11))), 8, 2),  # torch.chunk of 64 rows on 8 ranks: 5 x 11, 9, none
+    (lambda r: (0, 64 if r == 0 else 0), 384, 1),  # a replicated leaf, written by rank 0
+    (lambda r: ((r * 7) % 64, 1), 40, 40)])  # no linear step: every part listed as version 1 did
+def test_index_grids_stand_for_every_rank_part(layout, n_ranks, most):
+    """format.compact writes an entry's parts as grids (the index no longer grows with the world:
+    97 MB at 384 ranks listed part by part); format.parts gives back every part, in rank order."""
+    written = _parts_of(layout, n_ranks)
+    shards = checkpoint.format.compact(written)
+    assert len(shards) <= most, shards
+    assert list(checkpoint.parts(shards)) == [{k: v for k, v in p.items() if k != "rank"} for p in written]
+    assert all(("grid" in s) == ("{rank}" in s["file"]) for s in shards)
+
+
+def test_version_1_indexes_still_load_and_bad_grids_are_named(tmp_path, capsys):
+    train_here(*args(tmp_path, 2))
+    ckpt = tmp_path / "checkpoints" / "step_2"
+    index = json.loads((ckpt / "index.json").read_text())
+    assert index["version"] == 2
+    v1 = {**index, "version": 1, **{s: {p: {**e, "shards": list(checkpoint.parts(e["shards"]))}
+                                        for p, e in index[s].items()} for s in checkpoint.SECTIONS}}
+    (ckpt / "index.json").write_text(json.dumps(v1))
+    run, params = load_params(ckpt)
+    assert run.model.dim == 32
+    leaf = next(iter(index["tensors"]))
+    shard = index["tensors"][leaf]["shards"][0]
+    bad = [({"version": 3}, "is not an fnmoe checkpoint index of version 1 or 2"),
+           ({"tensors": {**index["tensors"], leaf: {**index["tensors"][leaf], "shards": [
+               {**shard, "file": "params-rank{rank}.safetensors", "rank": 0,
+                "grid": [{"count": "2", "rank_step": 1, "offset_step": [0, 0]}]}]}}},
+            f"tensors['{leaf}'].shards[0].grid[0].count = \"2\" is a str, expected int")]
+    for edit, line in bad:
+        (ckpt / "index.json").write_text(json.dumps({**index, **edit}))
+        assert main(["checkpoint", "verify", str(ckpt)]) == 2
+        assert line in capsys.readouterr().err
 
 
 def test_keep_last_defaults_to_three(tmp_path):

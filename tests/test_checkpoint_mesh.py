@@ -103,12 +103,12 @@ def test_resharding_chain_keeps_params_and_optimizer_state_bitwise_and_each_shar
     assert {m["writer_rank"] for m in index["files"].values()} == {0, 1, 2, 3}
     for section in ("tensors", "opt_state"):
         for path, entry in index[section].items():
-            n = sum(torch.Size(s["shape"]).numel() for s in entry["shards"])
+            n = sum(torch.Size(s["shape"]).numel() for s in checkpoint.parts(entry["shards"]))
             assert n == torch.Size(entry["shape"]).numel(), f"{section} '{path}' is stored {n} values, not once"
     # replicated leaves: one copy, from rank 0
     bias = index["tensors"]["buffers.layers.1.moe.router_bias_E"]
     assert bias["placement"] == {"fsdp": "Replicate()", "ep": "Replicate()"}
-    assert [s["file"] for s in bias["shards"]] == ["params-rank00000.safetensors"]
+    assert [s["file"] for s in checkpoint.parts(bias["shards"])] == ["params-rank00000.safetensors"]
     assert [s["file"] for s in index["opt_state"]["1.adamw.count"]["shards"]] == ["state-rank00000.safetensors"]
     assert sorted(index["rng"]) == [f"rank{r}.torch_cpu" for r in range(4)]
 
@@ -116,7 +116,8 @@ def test_resharding_chain_keeps_params_and_optimizer_state_bitwise_and_each_shar
     path = "layers.1.moe.w_up_EDF"
     entry = index["tensors"][path]
     assert entry["placement"] == {"fsdp": "_StridedShard(dim=0, sf=2)", "ep": "Shard(dim=0)"}
-    (shard,) = [s for s in entry["shards"] if s["file"] == "params-rank00001.safetensors"]
+    assert len(entry["shards"]) == 1 and entry["shards"][0]["grid"]  # one grid stands for the 4 ranks' parts
+    (shard,) = [s for s in checkpoint.parts(entry["shards"]) if s["file"] == "params-rank00001.safetensors"]
     assert shard["offset"] == [4, 0, 0] and shard["shape"][0] == 2
     with safe_open(ckpt / shard["file"], framework="pt") as f:
         assert torch.equal(f.get_tensor(shard["key"]), want[path][4:6])

@@ -11,7 +11,7 @@ A checkpoint is the directory `<run-dir>/checkpoints/step_<N>`:
 index.json extends the native tree format's (fnmoe/tree_io.py: "model", and "tensors" keyed by
 param path with "file", "dtype", "shape") with shards, checksums, optimizer and training state:
 
-  {"format": "fnmoe-checkpoint", "version": 1, "step": N, "model": {ModelConfig fields},
+  {"format": "fnmoe-checkpoint", "version": 2, "step": N, "model": {ModelConfig fields},
    "tensors" | "opt_state" | "rng": {PATH: ENTRY},    params | optimizer state | RNG states
    "files": {NAME: {"writer_rank": R, "bytes": SIZE, "sha256": HEX}},
    "mesh": {"fsdp": F, "ep": E}, "mesh_axes": ["fsdp", "ep"],
@@ -20,6 +20,16 @@ param path with "file", "dtype", "shape") with shards, checksums, optimizer and 
   ENTRY = {"dtype": "float32", "shape": GLOBAL_SHAPE, "placement": {MESH_AXIS: PLACEMENT},
            "shards": [{"file": NAME, "key": KEY_IN_FILE, "offset": START_PER_DIM, "shape": SHARD_SHAPE}],
            "file": NAME}                               the last only when one shard is the whole tensor
+
+A shard is either one part, {"file", "key", "offset", "shape"} as above, or (version 2) a grid of
+parts that differ only in their writer's rank and offset, each step linear:
+  {"file": "params-rank{rank}.safetensors", "key": KEY, "offset": FIRST_OFFSET, "shape": SHARD_SHAPE,
+   "rank": FIRST_RANK, "grid": [{"count": N, "rank_step": DR, "offset_step": [DO per dim]}, ...]}
+standing for the parts at rank = FIRST_RANK + sum(i_k * DR_k), offset = FIRST_OFFSET + sum(i_k * DO_k)
+for every 0 <= i_k < N_k, in the file named with {rank} replaced by that rank in 5 digits. The
+first grid row is the innermost. A save of n ranks lists an expert stack in one or a few grids,
+so index.json does not grow with the world (version 1 listed every rank's part: 97 MB at 384
+ranks). Readers take both versions; `parts` expands either.
 
 A tensor is its shards put at their offsets in its global shape, so a reader on any mesh can
 assemble or re-slice it. `placement` records how the writer's mesh held it, as DTensor prints
@@ -36,6 +46,7 @@ loads any checkpoint) is described in docs/architecture.md, section "Checkpoints
 """
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -44,7 +55,9 @@ from typing import Any
 import torch
 
 from fnmoe.config import types
-FORMAT, VERSION = "fnmoe-checkpoint", 1
+FORMAT, VERSION = "fnmoe-checkpoint", 2
+READABLE = (1, 2)
+"""the versions of index.json this reader takes (1: every part listed; 2: grids of parts)"""
 INDEX, CONFIG = "index.json", "config.toml"
 SECTIONS = ("tensors", "opt_state", "rng")
 """index.json's sections of tensor entries: params (named as in the tree format), optimizer state, RNG"""
@@ -116,9 +129,85 @@ def read_index(ckpt: Path) -> dict[str, Any]:
         index = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise CheckpointError(f"{path} is not an fnmoe checkpoint index of version {VERSION}")
-    problem = type_problem(index, INDEX_TYPES, "")
+    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") not in READABLE:
+        raise CheckpointError(f"{path} is not an fnmoe checkpoint index of version {' or '.join(map(str, READABLE))}")
+    problem = type_problem(index, INDEX_TYPES, "") or _grid_problem(index)
     if problem:
         raise CheckpointError(f"{path}: {problem}")
     return index
+
+
+_GRID = {"rank": int, "grid": [{"count": int, "rank_step": int, "offset_step": [int]}]}
+
+
+def _grid_problem(index: dict) -> str | None:
+    """The first grid shard (version 2) whose grid fields are not as _GRID says, or whose file name
+    has no {rank}; None if none."""
+    for section in SECTIONS:
+        for path, e in index[section].items():
+            for i, shard in enumerate(e["shards"]):
+                if "grid" not in shard:
+                    continue
+                where = f"{section}['{path}'].shards[{i}]"
+                problem = type_problem(shard, _GRID, where)
+                if problem or "{rank}" not in shard["file"]:
+                    return problem or f"{where}.file = {shard['file']!r} has no {{rank}} in it"
+                if any(len(row["offset_step"]) != len(shard["offset"]) or row["count"] < 1 for row in shard["grid"]):
+                    return f"{where}.grid: a row's count is below 1 or its offset_step is not one step per dim"
+    return None
+
+
+def parts(shards: list[dict]):
+    """The parts {"file", "key", "offset", "shape"} the shards of an index entry stand for, grids
+    expanded (lazily: a reader near one part looks at the others' offsets only)."""
+    for shard in shards:
+        if "grid" not in shard:
+            yield shard
+            continue
+        rows = shard["grid"][::-1]  # outermost first: product steps the last fastest
+        for steps in itertools.product(*(range(row["count"]) for row in rows)):
+            rank = shard["rank"] + sum(i * row["rank_step"] for i, row in zip(steps, rows))
+            offset = [o + sum(i * row["offset_step"][d] for i, row in zip(steps, rows))
+                      for d, o in enumerate(shard["offset"])]
+            yield {"file": shard["file"].replace("{rank}", f"{rank:05d}"), "key": shard["key"],
+                   "offset": offset, "shape": shard["shape"]}
+
+
+def _runs(groups: list[dict]) -> list[dict]:
+    """Consecutive groups alike but for rank and offset, at linear steps, merged into one with an
+    outer grid row."""
+    out: list[dict] = []
+    for g in groups:
+        last = out[-1] if out else None
+        alike = last is not None and all(last[k] == g[k] for k in ("file", "key", "shape")) and \
+            last["grid"][:-1 if last["merged"] else None] == g["grid"]
+        if alike:
+            step = [g["rank"] - last["rank"], [b - a for a, b in zip(last["offset"], g["offset"])]]
+            if not last["merged"]:
+                if step[0] > 0:
+                    last["grid"].append({"count": 2, "rank_step": step[0], "offset_step": step[1]})
+                    last["merged"] = True
+                    continue
+            else:
+                row, n = last["grid"][-1], last["grid"][-1]["count"]
+                if step == [n * row["rank_step"], [n * d for d in row["offset_step"]]]:
+                    row["count"] += 1
+                    continue
+        out.append({**g, "grid": list(g["grid"]), "merged": False})
+    for g in out:
+        del g["merged"]
+    return out
+
+
+def compact(shards: list[dict]) -> list[dict]:
+    """An entry's parts (each with its writer's "rank", in rank order) as version 2 shards: grids of
+    up to two levels where the parts step linearly, single parts elsewhere (`parts` undoes it)."""
+    groups = [{**s, "file": s["file"].replace(f"{s['rank']:05d}", "{rank}", 1), "grid": []} for s in shards]
+    out = []
+    for g in _runs(_runs(groups)):
+        if g["grid"]:
+            out.append(g)
+        else:  # one part: as version 1 writes it
+            out.append({k: v for k, v in g.items() if k not in ("rank", "grid")} |
+                       {"file": g["file"].replace("{rank}", f"{g['rank']:05d}")})
+    return out

@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from fnmoe import dist as fdist
-from fnmoe.checkpoint.format import CONFIG, INDEX, SECTIONS, ST_DTYPES, CheckpointError, _whole, read_index
+from fnmoe.checkpoint.format import CONFIG, INDEX, SECTIONS, ST_DTYPES, CheckpointError, _whole, parts, read_index
 from fnmoe.checkpoint.procs import _first_error, _job
 from fnmoe.config import RunConfig, load_config
 from fnmoe.params import current_path, shape_mismatches
@@ -34,7 +34,7 @@ def _check_shards(ckpt: Path, index: dict, names: set[str]) -> None:
     by_file: dict[str, list[tuple[str, str, dict]]] = {}
     for section in SECTIONS:
         for path, e in index[section].items():
-            for shard in e["shards"]:
+            for shard in parts(e["shards"]):
                 by_file.setdefault(shard["file"], []).append((f"{section} '{path}'", e["dtype"], shard))
                 inside = all(0 <= o and o + n <= g for o, n, g in zip(shard["offset"], shard["shape"], e["shape"]))
                 if len(shard["offset"]) != len(e["shape"]) or not inside:
@@ -115,7 +115,7 @@ def _read_region(get: Callable, entry: dict, idx: tuple[slice, ...], what: str) 
     with fdist.unsimulated():  # one plain value, the same on every simulated rank
         out = torch.empty([s.stop - s.start for s in idx], dtype=getattr(torch, entry["dtype"]))
         covered = 0
-        for shard in entry["shards"]:
+        for shard in parts(entry["shards"]):
             lo = [max(s.start, o) for s, o in zip(idx, shard["offset"])]
             hi = [min(s.stop, o + n) for s, o, n in zip(idx, shard["offset"], shard["shape"])]
             if any(a >= b for a, b in zip(lo, hi)):

@@ -22,7 +22,7 @@ from fnmoe import faults
 from fnmoe.checkpoint.format import (CONFIG, FORMAT, INDEX, MESH_AXES, ST_DTYPES, TMP_PREFIX, VERSION,
                                      CheckpointError, list_checkpoints, read_index)
 from fnmoe.checkpoint.procs import _from_lead, _gather_to_lead, _job
-from fnmoe.checkpoint.shards import Snapshot, _merge, snapshot
+from fnmoe.checkpoint.shards import Snapshot, index_sections, snapshot
 from fnmoe.config import CheckpointConfig, RunConfig
 from fnmoe.data import Loader
 from fnmoe.train import TrainState
@@ -94,7 +94,7 @@ def _write_files(snap: Snapshot, tmp: Path) -> tuple[dict[str, dict], str | None
 
 def index_text(snap: Snapshot, entries: list[dict], files: dict[str, dict]) -> bytes:
     """index.json of a checkpoint: every rank's entries merged, with the files' sizes and digests."""
-    index = {"format": FORMAT, "version": VERSION, "step": snap.step, "model": snap.model, **_merge(entries),
+    index = {"format": FORMAT, "version": VERSION, "step": snap.step, "model": snap.model, **index_sections(entries),
              "files": files, "mesh": snap.mesh, "mesh_axes": list(MESH_AXES), "train": snap.train}
     return json.dumps(index).encode()
 

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from fnmoe import dist as fdist
 from fnmoe import sharding
-from fnmoe.checkpoint.format import MESH_AXES, SECTIONS, ST_DTYPES, CheckpointError, _whole
+from fnmoe.checkpoint.format import MESH_AXES, SECTIONS, ST_DTYPES, CheckpointError, _whole, compact
 from fnmoe.config import RunConfig, to_dict, to_toml
 from fnmoe.data import Loader
 from fnmoe.train import TrainState
@@ -97,21 +97,29 @@ def _rank_part(leaves: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]], 
             if writes:
                 key = prefixes[section] + path
                 files.setdefault(names[section], {})[key] = stage(value)
-                entries[section][path]["shards"].append({"file": names[section], "key": key,
+                entries[section][path]["shards"].append({"file": names[section], "key": key, "rank": rank,
                                                          "offset": [s.start for s in idx], "shape": list(value.shape)})
     return files, entries
 
 
 def _merge(parts: list[dict[str, dict[str, dict]]]) -> dict[str, dict[str, dict]]:
-    """index.json's tensor sections from every rank's entries: an entry's shards are all ranks' shards."""
+    """The tensor sections of several ranks' entries: an entry's parts are all ranks' parts."""
     out: dict[str, dict[str, dict]] = {section: {} for section in SECTIONS}
     for part in parts:
         for section, entries in part.items():
             for path, e in entries.items():
                 out[section].setdefault(path, {**e, "shards": []})["shards"] += e["shards"]
+    return out
+
+
+def index_sections(parts: list[dict[str, dict[str, dict]]]) -> dict[str, dict[str, dict]]:
+    """index.json's tensor sections from every rank's entries (in rank order): each entry's parts in
+    grids where they step linearly (format.compact), and its file where one part is all of it."""
+    out = _merge(parts)
     for entries in out.values():
         for e in entries.values():
-            if len(e["shards"]) == 1 and e["shards"][0]["shape"] == e["shape"]:
+            e["shards"] = compact(sorted(e["shards"], key=lambda part: part["rank"]))
+            if len(e["shards"]) == 1 and "grid" not in e["shards"][0] and e["shards"][0]["shape"] == e["shape"]:
                 e["file"] = e["shards"][0]["file"]
     return out
 
