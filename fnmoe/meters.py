@@ -206,10 +206,12 @@ class CommMeter(_Meter):
         if func.namespace != "_c10d_functional" or func in (c10d.wait_tensor.default,
                                                             c10d._wrap_tensor_autograd.default):
             return out
-        x = args[0]
+        x = args[0][0] if func is c10d.all_gather_into_tensor_coalesced.default else args[0]
         dtype = str(x.dtype).removeprefix("torch.")
         if func is c10d.all_gather_into_tensor.default:
             key, n = ("all_gather", args[2]), x.nbytes * (args[1] - 1)
+        elif func is c10d.all_gather_into_tensor_coalesced.default:  # fnmoe.gather: a block's leaves, one call
+            key, n = ("all_gather", args[2]), sum(t.nbytes for t in args[0]) * (args[1] - 1)
         elif func is c10d.reduce_scatter_tensor.default:
             key, n = ("reduce_scatter", args[3]), x.nbytes * (args[2] - 1) // args[2]
         elif func is c10d.all_to_all_single.default:

@@ -23,7 +23,7 @@ from fnmoe.attention import attention, doc_mask, max_logits_H, rms_norm, rope, u
 from fnmoe.config import ModelConfig
 from fnmoe.moe import EXPERT_STACKS, expert_gemm, moe_block, swiglu
 from fnmoe.params import check_config, check_params
-from fnmoe import sharding
+from fnmoe import gather as fgather
 from fnmoe.runner import PLAIN, BlockRunner
 from fnmoe.tree import Tree, flatten_dict, tree_map, unflatten_dict
 
@@ -115,9 +115,9 @@ def cast(tree: Tree, dtype: torch.dtype) -> Tree:
 
 def gather_fn(params: Tree) -> Callable:
     """How params reach compute: `cast` for plain leaves; sharded (DTensor) leaves are gathered
-    one block at a time by fnmoe.sharding.gather."""
+    one block at a time by fnmoe.gather."""
     if isinstance(params["embed"]["w_VD"], DTensor):
-        return sharding.gather
+        return fgather.gather
     return cast
 
 
@@ -149,19 +149,22 @@ def stored_block(stored: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg:
 
 class _Prefetching:
     """stored_block's gather with one block of lookahead: `issue` starts gathering a layer's params
-    before the previous block computes (it overlaps that block only once the gathers are
-    asynchronous: today they wait at issue, see sharding._gather_leaf) and that
-    layer's block takes the result once; any later call (backward's) gathers anew."""
+    before the previous block computes, and that layer's block waits for them where it starts
+    (fnmoe.gather); any later call (backward's recompute) gathers anew."""
 
-    def __init__(self, gather: Callable, dtype: torch.dtype):
-        self.gather, self.dtype, self.ready = gather, dtype, {}
+    def __init__(self, dtype: torch.dtype):
+        self.dtype, self.issued = dtype, {}
 
     def issue(self, stored: dict) -> None:
-        self.ready[id(stored)] = self.gather(stored, self.dtype)
+        self.issued[id(stored)] = fgather.issue(stored, self.dtype)
 
     def __call__(self, stored: dict, dtype: torch.dtype):
-        got = self.ready.pop(id(stored), None)
-        return got if got is not None and dtype == self.dtype else self.gather(stored, dtype)
+        issued = self.issued.pop(id(stored), None)
+        if issued is not None and dtype == self.dtype:
+            return fgather.finish(issued, stored)
+        if issued is not None:
+            fgather.wait_all(issued)
+        return fgather.gather(stored, dtype)
 
 
 @torch.no_grad()
@@ -208,7 +211,7 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     block_gather = gather
     cast_inside = cfg.compile and not runner.offloads
     if gather is not cast and runner.prefetch:
-        block_gather = _Prefetching(gather, dtype)
+        block_gather = _Prefetching(dtype)
         block_gather.issue(params["layers"]["0"])
     for i in range(cfg.n_layers):
         stored, bias_E = params["layers"][str(i)], _router_bias(params, i)

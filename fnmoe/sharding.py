@@ -13,11 +13,9 @@ Storage (docs/design.md §4): every dim of a leaf has a logical axis (`logical_a
 Splits follow torch.chunk (DTensor's convention), in rule order: the expert dim is split over ep
 first and each ep part over fsdp, which DTensor calls _StridedShard(0, ep) on fsdp (fnmoe._torch.StridedShard).
 
-Compute: `gather` all-gathers a block's leaves in the compute dtype (dense leaves over dp; an
-expert stack over fsdp alone, giving the ep rank its own experts); gradients come back as fp32
-shards (a reduce-scatter of each rank's partial sums). fnmoe.reshard drops the gathered copies
-after the forward and gathers again in backward; fnmoe.model issues each block's gather one
-block early.
+Compute: fnmoe.gather all-gathers a block's leaves in the compute dtype (dense leaves over dp; an
+expert stack over fsdp alone, giving the ep rank its own experts), one block early; gradients come
+back as fp32 shards (a reduce-scatter of each rank's partial sums).
 """
 from __future__ import annotations
 
@@ -30,7 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fnmoe import _torch
 from fnmoe import dist as fdist
@@ -253,55 +251,6 @@ def stored_slice(t: DTensor, rank: int) -> tuple[tuple[slice, ...], bool]:
     idx = local_index(spec, tuple(t.shape), coord, dict(zip(names, dmesh.shape)))
     # moving to coordinate 0 on the axes that replicate t keeps the slice and lowers the rank
     return idx, all(coord[name] == 0 for name in names if name not in split)
-
-
-# ---------------------------------------------------------------- compute
-
-
-
-def _gather_leaf(path: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t whole (expert stacks: this ep rank's experts) in dtype. Synchronous (DTensor's default): the
-    async variant (async_op=True) corrupted the heap intermittently in gloo launches and broke a
-    compiled region's backward, so the one-block-early gather does not yet overlap compute."""
-    if not isinstance(t, DTensor):
-        return t.to(dtype)
-    if t.device_mesh.ndim == 1:  # dense: whole on every rank
-        fdist.entering(f"all-gather of {path} over dp (fsdp x ep)")
-        full = t.redistribute(t.device_mesh, (Replicate(),), forward_dtype=dtype, backward_dtype=torch.float32)
-        # each rank's gradient is a partial sum over its own tokens: backward reduce-scatters it
-        return fdist.entering_in_backward(full.to_local(grad_placements=(Partial(),)),
-                                          f"reduce-scatter of {path}'s gradient over dp (backward)")
-    # an expert stack: gather this ep rank's experts over fsdp alone, as a 1-D DTensor of shape
-    # [E/ep, ...] (one plain all-gather, whatever dim fsdp splits)
-    fsdp, _ = t.placements
-    local = t.to_local()
-    if isinstance(fsdp, Replicate):
-        return local.to(dtype)
-    E_ep = t.shape[0] // t.device_mesh.size(1)
-    shape = (E_ep, *t.shape[1:])
-    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    part = DTensor.from_local(local, submesh(t.device_mesh, "fsdp"), (Shard(fsdp.dim),), shape=torch.Size(shape),
-                              stride=stride)
-    fdist.entering(f"all-gather of {path} over fsdp")
-    full = part.redistribute(placements=(Replicate(),), forward_dtype=dtype, backward_dtype=torch.float32)
-    return fdist.entering_in_backward(full.to_local(grad_placements=(Partial(),)),
-                                      f"reduce-scatter of {path}'s gradient over fsdp (backward)")
-
-
-def gather(tree: Tree, dtype: torch.dtype) -> Tree:
-    """A subtree's leaves as plain compute-dtype tensors (expert stacks: this ep rank's experts);
-    the group of the expert-parallel axis is added as `ep_group` beside sharded expert stacks."""
-    return _with_ep_group(tree, map_with_path(lambda path, t: _gather_leaf(path, t, dtype), tree))
-
-
-def _with_ep_group(tree: Tree, out: Tree) -> Tree:
-    if not isinstance(tree, dict):
-        return out
-    out = {k: _with_ep_group(tree[k], v) for k, v in out.items()}
-    w = tree.get("w_gate_EDF")
-    if isinstance(w, DTensor) and w.device_mesh.ndim == 2 and w.device_mesh.size(1) > 1:
-        out["ep_group"] = w.device_mesh.get_group("ep")
-    return out
 
 
 # ---------------------------------------------------------------- reductions

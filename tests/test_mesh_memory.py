@@ -46,6 +46,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fnmoe import memory_report, moe, optim, rehearse, sharding
 from fnmoe import dist as fdist
+from fnmoe import gather as fgather
 from fnmoe.config import DistConfig, MemoryConfig, MeshConfig, load_config
 from fnmoe.memory import train_runner
 from fnmoe.memory_report import NewStorages
@@ -121,10 +122,10 @@ def _check_reshard(run, mesh, rank) -> dict:
         params = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()),
                           init_params(rr.model, 0, mesh=mesh))
         gathered = []
-        original = sharding.gather
+        original = fgather.finish
 
-        def spy(tree, dtype):
-            got = original(tree, dtype)
+        def spy(issued, tree):
+            got = original(issued, tree)
             if "attn" in tree:  # a block's gather, not the embedding's or the head's
                 storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in _plain(got)}
                 gathered.extend((StorageWeakRef(st), st.nbytes()) for st in storages.values())
@@ -132,7 +133,7 @@ def _check_reshard(run, mesh, rank) -> dict:
 
         mt = MemTracker()
         mt.track_external(*[_local(t) for t in tree_flatten(params)[0]])
-        sharding.gather = spy
+        fgather.finish = spy
         try:
             with mt:
                 before = _live(mt)
@@ -142,7 +143,7 @@ def _check_reshard(run, mesh, rank) -> dict:
                 alive = sum(n for ref, n in gathered if not ref.expired())
                 loss.backward()
         finally:
-            sharding.gather = original
+            fgather.finish = original
         out["on" if reshard else "off"] = {"live_after_forward": after - before,
                                            "gathered": sum(n for _, n in gathered), "gathered_alive": alive}
     return out

@@ -7,6 +7,7 @@ mesh (AdamW and Muon, by `_train` here) run on gloo in test_mesh_curves.py. Lege
 import gc
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,6 +22,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from fnmoe import dist as fdist
 from fnmoe import faults, memory, optim, sharding
+from fnmoe import gather as fgather
+from fnmoe._torch import TorchDispatchMode
 from fnmoe.config import (DistConfig, MemoryConfig, MeshConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig,
                           TrainConfig, validate)
 from fnmoe.model import forward
@@ -190,14 +193,14 @@ def _forward_backward(resharding: bool, monkeypatch) -> tuple[int, int, int]:
     """(gathered block weights still alive after the forward, all-gathers in forward + backward,
     sharded block leaves) of one 2x2 step."""
     refs = []
-    gather = sharding.gather
+    finish = fgather.finish
 
-    def spy(tree, dtype):
-        out = gather(tree, dtype)
+    def spy(issued, tree):
+        out = finish(issued, tree)
         if "attn" in tree:  # a block's gather (not the embedding's or the head's)
             refs.extend(weakref.ref(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         return out
-    monkeypatch.setattr(sharding, "gather", spy)
+    monkeypatch.setattr(fgather, "finish", spy)
     x_BL = _tokens(0)
     with fdist.simulate(4):
         mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
@@ -210,7 +213,9 @@ def _forward_backward(resharding: bool, monkeypatch) -> tuple[int, int, int]:
             gc.collect()
             alive = sum(r() is not None for r in refs)
             loss.backward()
-        gathers = comm.get_comm_counts()[torch.ops.c10d_functional.all_gather_into_tensor]
+        counts = comm.get_comm_counts()
+        # calls: a block's forward gathers its leaves in one (coalesced) call, backward's regathers one each
+        gathers = sum(n for op, n in counts.items() if "all_gather_into_tensor" in str(op))
         leaves = sum(isinstance(t, DTensor) for t in tree_flatten(params["layers"])[0])
     return alive, gathers, leaves
 
@@ -451,32 +456,71 @@ def test_one_rank_killed_under_torchrun_ends_the_job(tmp_path):
     assert time.monotonic() - start < 60, job.stderr[-3000:]
 
 
-def test_the_next_blocks_gather_is_issued_before_this_block_computes(monkeypatch):
+class _Order(TorchDispatchMode):
+    """The ops of a step as letters: I an all-gather issued (one call gathers a block's leaves on
+    one group), W the first wait for one of its outputs, c a matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.seq, self.pending = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default:
+            self.seq.append("I")
+            self.pending += out
+        elif func is torch.ops._c10d_functional.wait_tensor.default:
+            if any(args[0] is t for t in self.pending):
+                self.seq.append("W")
+                self.pending = [t for t in self.pending if t is not args[0]]
+        elif func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default):
+            self.seq.append("c")
+        return out
+
+
+def test_the_next_blocks_gathers_run_while_this_block_computes(monkeypatch):
+    """Block i+1's all-gathers are issued before block i's matmuls and waited for only after them,
+    where block i+1 starts (the gathers waited at issue before: I W I W ..., then compute)."""
     from fnmoe import model
 
     events, layers = [], {}
-    gather, block = sharding.gather, model.block
+    issue, finish, block = fgather.issue, fgather.finish, model.block
 
-    def spy_gather(tree, dtype):
+    def spy_issue(tree, dtype):
         if "attn" in tree:
-            events.append(f"gather {layers[id(tree)]}")
-        return gather(tree, dtype)
+            events.append(f"issue {layers[id(tree)]}")
+        return issue(tree, dtype)
+
+    def spy_finish(issued, tree):
+        if "attn" in tree:
+            events.append(f"wait {layers[id(tree)]}")
+        return finish(issued, tree)
 
     def spy_block(*args, **kw):
         events.append("compute")
         return block(*args, **kw)
-    monkeypatch.setattr(sharding, "gather", spy_gather)
+    monkeypatch.setattr(fgather, "issue", spy_issue)
+    monkeypatch.setattr(fgather, "finish", spy_finish)
     monkeypatch.setattr(model, "block", spy_block)
     x = _tokens(0)
     with fdist.simulate(4):
         mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
         params = init_params(CFG, 0, mesh=mesh)
         layers.update({id(p): i for i, p in params["layers"].items()})
-        with torch.no_grad():
+        with torch.no_grad(), _Order() as order:
             loss_fn(params, _rank_part(x, 4)[:, :-1], _rank_part(x, 4)[:, 1:], CFG, B * L)
     n = CFG.n_layers
-    want = ["gather 0"] + [e for i in range(n) for e in ([f"gather {i + 1}"] if i + 1 < n else []) + ["compute"]]
+    want = ["issue 0"] + [e for i in range(n)
+                          for e in ([f"issue {i + 1}"] if i + 1 < n else []) + [f"wait {i}", "compute"]]
     assert events == want
+    # at the ops: the embedding's gather (I W); block 0's gather (one call, dense leaves over dp);
+    # its leaves waited for before block 1's gathers go out on the same group (one in flight a
+    # group); block 1's two calls (dp, fsdp); block 0's matmuls while they are in flight; block 1's
+    # waits, then its matmuls; the final norm's and the head's gathers (I W each) and the head
+    seq = "".join(order.seq)
+    m = re.fullmatch(r"IWI(W+)II(c+)(W+)(c+)IWIWc", seq)
+    dense, moe = (sum(isinstance(t, DTensor) for t in tree_flatten(params["layers"][str(i)])[0]) for i in (0, 1))
+    assert m and (len(m[1]), len(m[3])) == (dense, moe), seq
 
 
 if __name__ == "__main__":  # a process of _compiled_and_eager: `python test_sharding.py OUT fnmoe-args...`

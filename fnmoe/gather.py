@@ -1,0 +1,172 @@
+"""FSDP's gather for compute: a block's sharded leaves all-gathered in the compute dtype, issued
+and waited apart, so a block's gathers run while the block before it computes.
+
+`issue(tree, dtype)` starts the gathers and returns at once (on gloo a worker thread sends, on NCCL
+a stream): one coalesced all-gather per process group (dense leaves over dp, expert stacks over
+fsdp), each leaf into its own output. `finish(issued, tree)` waits for each where the block needs
+it and puts it on the autograd graph, whose backward reduce-scatters the gradient (fp32, summed)
+to the leaf's shard, synchronously (the optimizer needs every shard). `gather` is the two back to
+back. fnmoe.model issues block i+1's gathers before block i computes; fnmoe.reshard gathers again
+in backward.
+
+At most one gather is in flight per process group: issuing on a group first waits for the one in
+flight there. Two collectives in flight on one gloo group corrupted the heap (reproduced: a 2x2
+gloo launch with a gather per leaf in flight aborted in malloc in 3 of 5 runs, none with one in
+flight per group), and the wait costs nothing in the prefetch order (block i's gathers are waited
+for before block i computes anyway).
+
+Both phases are the functional collectives' ops (`all_gather_into_tensor_coalesced`,
+`wait_tensor`), the same on gloo, NCCL, the fake group of `fnmoe rehearse` and a simulation's
+LocalTensorMode, so the meters and the tests see the code a GPU runs.
+
+A shard follows torch.chunk (DTensor's Shard): the leading ranks hold ceil(n / w) rows, the last
+the rest, trailing ranks maybe none. Every rank sends ceil(n / w) rows (padded) and the first n of
+the gathered rows are the leaf.
+
+Legend: no shape-suffixed tensors here; weights are handled leaf by leaf.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from fnmoe import _torch
+from fnmoe import dist as fdist
+from fnmoe.tree import Tree, map_with_path, tree_flatten
+
+
+@dataclass(eq=False)
+class Issued:
+    """One leaf's all-gather in flight: its result once waited, and how to send its gradient back."""
+    local: torch.Tensor        # this rank's shard (on the autograd graph: to_local of the leaf)
+    out: torch.Tensor | None   # the gathered rows, [w * rows, ...] along dim 0, until waited for
+    send: torch.Tensor | None  # what this rank sends, until then
+    dim: int                   # the dim the leaf is split along
+    n: int                     # the leaf's size along dim (expert stacks: this ep rank's experts)
+    group: object              # the process group gathered over
+    path: str                  # the leaf's path and the axis, for a failure's message
+    axis: str
+
+
+def _padded(x: torch.Tensor, dim: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype with dim moved first and padded with zeros to `rows` rows, contiguous, as a
+    collective sends it: one copy at most (a full gradient in fp32 is the backward's largest)."""
+    x = x.movedim(dim, 0)
+    if x.shape[0] == rows:
+        return x.to(dtype).contiguous()
+    out = x.new_zeros((rows, *x.shape[1:]), dtype=dtype)
+    out[:x.shape[0]] = x
+    return out
+
+
+def _prepare(path: str, t: torch.Tensor, dtype: torch.dtype):
+    """What t's all-gather sends (an Issued, not yet issued), or t in dtype when it is not sharded here."""
+    if not isinstance(t, DTensor):
+        return t.to(dtype)
+    if t.device_mesh.ndim == 1:  # dense: whole on every rank, over dp (fsdp x ep)
+        (placement,), group, n, axis = t.placements, t.device_mesh.get_group(), None, "dp"
+    else:  # an expert stack: this ep rank's experts, gathered over fsdp alone
+        placement, group, axis = t.placements[0], t.device_mesh.get_group("fsdp"), "fsdp"
+        n = t.shape[0] // t.device_mesh.size(1) if getattr(placement, "dim", None) == 0 else None
+    local = t.to_local()
+    if isinstance(placement, Replicate):
+        return local.to(dtype)
+    dim, w = placement.dim, group.size()
+    n = n if n is not None else t.shape[dim]
+    with torch.no_grad():
+        send = _padded(local.detach(), dim, math.ceil(n / w), dtype)
+    return Issued(local, None, send, dim, n, group, path, axis)
+
+
+_in_flight: dict[str, list[Issued]] = {}
+"""process group name -> the gathers last issued on it (each waited for once its out is None)"""
+
+
+def _wait_in_flight(group_name: str) -> None:
+    for x in _in_flight.pop(group_name, ()):
+        if x.out is not None:
+            _torch.c10d_ops.wait_tensor(x.out)
+
+
+def _start(xs: list[Issued]) -> None:
+    """One coalesced all-gather of xs (all on one group), after the group's gather in flight."""
+    group = xs[0].group
+    _wait_in_flight(group.group_name)
+    axis = "dp (fsdp x ep)" if xs[0].axis == "dp" else xs[0].axis
+    fdist.entering(f"all-gather of {','.join(x.path for x in xs)} over {axis}")
+    with torch.no_grad():
+        outs = _torch.c10d_ops.all_gather_into_tensor_coalesced([x.send for x in xs], group.size(), group.group_name)
+    for x, out in zip(xs, outs):
+        x.out = out
+    _in_flight[group.group_name] = xs
+
+
+class _Gathered(torch.autograd.Function):
+    """The waited all-gather of a shard, on the graph: backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, issued: Issued) -> torch.Tensor:
+        # the graph keeps what backward needs, not the gathered tensor (resharding drops that)
+        ctx.dim, ctx.n, ctx.group, ctx.rows, ctx.dtype = issued.dim, issued.n, issued.group, \
+            local.shape[issued.dim], local.dtype
+        ctx.what = f"reduce-scatter of {issued.path}'s gradient over {issued.axis} (backward)"
+        full = _torch.c10d_ops.wait_tensor(issued.out)
+        issued.out = issued.send = None
+        # contiguous, as resharding needs to regather it in backward instead of keeping it
+        return full[:issued.n].movedim(0, issued.dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        w = ctx.group.size()
+        fdist.entering(ctx.what)
+        send = _padded(grad, ctx.dim, w * math.ceil(ctx.n / w), torch.float32)
+        mine = _torch.c10d_ops.wait_tensor(_torch.c10d_ops.reduce_scatter_tensor(send, "sum", w, ctx.group.group_name))
+        return mine[:ctx.rows].movedim(0, ctx.dim).to(ctx.dtype), None
+
+
+def _finish_leaf(x):
+    return _Gathered.apply(x.local, x) if isinstance(x, Issued) else x
+
+
+def issue(tree: Tree, dtype: torch.dtype) -> Tree:
+    """Start gathering a subtree's leaves in dtype (Issued leaves; plain leaves cast at once)."""
+    prepared = map_with_path(lambda path, t: _prepare(path, t, dtype), tree)
+    by_group: dict[str, list[Issued]] = {}
+    for x in tree_flatten(prepared)[0]:
+        if isinstance(x, Issued):
+            by_group.setdefault(x.group.group_name, []).append(x)
+    for xs in by_group.values():
+        _start(xs)
+    return prepared
+
+
+def finish(issued: Tree, tree: Tree) -> Tree:
+    """The gathered leaves of `issue(tree, ...)`, waited for; the group of the expert-parallel axis
+    is added as `ep_group` beside sharded expert stacks."""
+    return _with_ep_group(tree, map_with_path(lambda path, x: _finish_leaf(x), issued))
+
+
+def gather(tree: Tree, dtype: torch.dtype) -> Tree:
+    """A subtree's leaves as plain compute-dtype tensors (expert stacks: this ep rank's experts)."""
+    return finish(issue(tree, dtype), tree)
+
+
+def wait_all(issued: Tree) -> None:
+    """Wait for gathers that will not be used (a collective is never left in flight)."""
+    for x in tree_flatten(issued)[0]:
+        if isinstance(x, Issued) and x.out is not None:
+            _torch.c10d_ops.wait_tensor(x.out)
+            x.out = x.send = None
+
+
+def _with_ep_group(tree: Tree, out: Tree) -> Tree:
+    if not isinstance(tree, dict):
+        return out
+    out = {k: _with_ep_group(tree[k], v) for k, v in out.items()}
+    w = tree.get("w_gate_EDF")
+    if isinstance(w, DTensor) and w.device_mesh.ndim == 2 and w.device_mesh.size(1) > 1:
+        out["ep_group"] = w.device_mesh.get_group("ep")
+    return out
