@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from typing import Callable, Iterator, NoReturn
 
 import torch
@@ -66,6 +67,20 @@ def backend_for(dcfg: DistConfig) -> str:
     if dcfg.backend != "auto":
         return dcfg.backend
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def compute_device(dcfg: DistConfig | None, world: int) -> torch.device:
+    """Where a process of a job of `world` ranks trains, one rule for params, batches and the host
+    pool's copies: its GPU (torchrun's LOCAL_RANK) when there is one and the ranks talk over NCCL
+    (or there is one rank), else the CPU. --dist.backend gloo on a GPU host trains on the CPU, as
+    gloo's mesh places the params (batches on the GPU beside CPU params failed at the first step)."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if world > 1 and backend_for(dcfg or DistConfig()) == "gloo":
+        warnings.warn("--dist.backend gloo on a host with GPUs: training runs on the CPU (gloo's mesh is a "
+                      "CPU mesh); use --dist.backend nccl (the default there) to train on the GPUs", stacklevel=2)
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def init_from_env(dcfg: DistConfig) -> None:

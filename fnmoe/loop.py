@@ -226,13 +226,6 @@ def _initial_params(run: RunConfig, device: torch.device, mesh):
     return _to(params, device)
 
 
-def _device() -> torch.device:
-    """Where this process trains: its GPU when there is one (torchrun's LOCAL_RANK picks it), else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
 def _to(tree, device: torch.device):
     """tree's plain tensors on device (DTensors are placed by their mesh already)."""
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t, tree)
@@ -286,7 +279,7 @@ def _train_locked(run: RunConfig, rank: int, mesh, request: stop.Request) -> dic
     found = _resume_point(run, ckpt_root)
 
     t, L = run.train, run.data.seq_len
-    device = _device()
+    device = fdist.compute_device(run.dist, run.mesh.world)
     # every rank evaluates the same global micro-batches: val_loss is the same on any mesh
     loader, val, weights = training_data(run)
     val = {name: [_to(b, device) for b in batches] for name, batches in val.items()}

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from fnmoe import _torch
 from fnmoe import compile as fcompile
+from fnmoe import dist as fdist
 from fnmoe import reshard
 from fnmoe.config import MemoryConfig
 from fnmoe.host_pool import Handle, HostPool
@@ -314,7 +315,8 @@ def train_runner(run) -> Runner | None:
 
     mem = run.memory
     offloads = mem.offload or "offload" in (getattr(mem, r) for r in REGIONS)
-    device = "cuda" if torch.cuda.is_available() else None  # where training runs (fnmoe.loop's rule)
+    device = fdist.compute_device(run.dist, run.mesh.world)  # where training runs (fnmoe.loop's rule)
+    device = device if device.type == "cuda" else None
     pool = HostPool(int(activation_plan(run)["host"] * 1.25) + (1 << 20), device, mem.max_inflight_bytes) \
         if offloads else None
     return block_runner(mem, run.model.n_layers, pool, run.mesh.world > 1 and run.mesh.reshard_after_forward)

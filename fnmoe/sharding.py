@@ -65,7 +65,7 @@ def make_mesh(mcfg: MeshConfig, dcfg: DistConfig | None = None) -> DeviceMesh:
         return mesh
     # one options object per group: c10d writes per-group fields into the one it is given
     opts = {axis: fdist.group_options(dcfg or DistConfig()) for axis in (*MESH_AXES, DP)}
-    mesh = init_device_mesh("cuda" if opts[DP][0] == "nccl" else "cpu", (mcfg.fsdp, mcfg.ep),
+    mesh = init_device_mesh(fdist.compute_device(dcfg, world).type, (mcfg.fsdp, mcfg.ep),
                             mesh_dim_names=MESH_AXES, backend_override={axis: opts[axis] for axis in MESH_AXES})
     _torch.flatten_mesh(mesh[MESH_AXES], DP, backend_override=opts[DP])
     for m in (submesh(mesh, "fsdp"), submesh(mesh, "ep"), dp_mesh(mesh)):

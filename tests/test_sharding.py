@@ -83,6 +83,24 @@ def test_bad_meshes_fail_naming_the_numbers():
         sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
 
 
+def test_gloo_on_a_gpu_host_trains_on_the_cpu(monkeypatch):
+    """One rule places params, batches and the host pool's copies (fnmoe.dist.compute_device): with
+    --dist.backend gloo and several ranks on a GPU host the mesh is a CPU mesh, so the batches and
+    the pool stay on the CPU too (the batches went to the GPU beside CPU params, and the pool made
+    a CUDA stream)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert fdist.compute_device(DistConfig(), 4) == torch.device("cuda", 3)  # auto: NCCL
+    assert fdist.compute_device(DistConfig(backend="gloo"), 1) == torch.device("cuda", 3)  # one rank: no mesh
+    with pytest.warns(UserWarning, match="--dist.backend gloo on a host with GPUs: training runs on the CPU"):
+        assert fdist.compute_device(DistConfig(backend="gloo"), 4) == torch.device("cpu")
+    run = RunConfig(model=CFG, mesh=MeshConfig(fsdp=2, ep=2), dist=DistConfig(backend="gloo"),
+                    memory=MemoryConfig(offload=True), train=TrainConfig(batch_size=8))
+    with pytest.warns(UserWarning):
+        runner = memory.train_runner(run)
+    assert runner.pool is not None and not runner.pool.copier.cuda  # copies on the CPU: no CUDA stream
+
+
 # ---------------------------------------------------------------- simulated meshes
 
 def test_sharded_init_gives_each_rank_its_slice():
