@@ -334,6 +334,7 @@ def _train_locked(run: RunConfig, rank: int, mesh, request: stop.Request) -> dic
             if why == stop.WRITE_FAILED:
                 break
             state = new_state  # only now: a checkpoint of `state` never lacks its metrics row
+            saver.wait_staged()  # a background save's copies of the state before: done, its memory free
             if artifacts and step == first and rank == 0:  # all is compiled after the first step; ranks compile alike
                 save_artifacts(artifacts)
                 log.info("compile: %s (artifacts in %s)", cache_stats(), artifacts)

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from fnmoe import checkpoint, optim
-from fnmoe.checkpoint import CheckpointError, load_params, verify
+from fnmoe.checkpoint import CheckpointError, load_params, shards, verify
 from fnmoe.cli import main, parse_run
 from fnmoe.config import load_config
 from fnmoe.data import Loader, load_data
@@ -215,8 +216,12 @@ def test_keep_last_defaults_to_three(tmp_path):
 def test_resume_is_bit_exact_async_save_does_not_block_and_metrics_rewind(tmp_path, monkeypatch):
     a, b = tmp_path / "a", tmp_path / "b"
     monkeypatch.setenv(SAVE_DELAY_ENV, "1.0")  # every write takes >= 1 s
+    staging = []  # the copies of the state to the CPU are made off the training thread
+    monkeypatch.setattr(checkpoint.save, "staged", lambda snap, after: (
+        staging.append(threading.current_thread().name), shards.staged(snap, after))[1])
     train_here(*args(a, 6, "--checkpoint.every", "3", "--checkpoint.async-save", "--train.log-every", "1"))
     monkeypatch.delenv(SAVE_DELAY_ENV)
+    assert staging == ["fnmoe-checkpoint"]  # step 3's (step 6, the last, is saved blocking)
     by_step = {r["step"]: r for r in rows(a) if "loss" in r}
     assert by_step[4]["time_s"] - by_step[3]["time_s"] < 0.8, "step 4 waited for the async save of step 3"
     assert ckpts(a) == ["step_3", "step_6"]

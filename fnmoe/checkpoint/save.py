@@ -22,7 +22,7 @@ from fnmoe import faults
 from fnmoe.checkpoint.format import (CONFIG, FORMAT, INDEX, MESH_AXES, ST_DTYPES, TMP_PREFIX, VERSION,
                                      CheckpointError, list_checkpoints, read_index)
 from fnmoe.checkpoint.procs import _from_lead, _gather_to_lead, _job
-from fnmoe.checkpoint.shards import Snapshot, index_sections, snapshot
+from fnmoe.checkpoint.shards import Snapshot, index_sections, snapshot, staged
 from fnmoe.config import CheckpointConfig, RunConfig
 from fnmoe.data import Loader
 from fnmoe.train import TrainState
@@ -225,24 +225,39 @@ class Saver:
         """the step of the newest checkpoint saved or resumed from"""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._pending: Snapshot | None = None  # a background save's snapshot until it is staged
+        self._staged: threading.Event | None = None
         self._background = cfg.async_save and _job()[1] == 1
         if cfg.async_save and not self._background:
             log.info("checkpoint.async_save applies to one process; on several ranks checkpoints are saved "
                      "synchronously")
 
     def save(self, state: TrainState, run: RunConfig, loader: Loader, blocking: bool = False) -> Path:
-        """Save state as root/step_<N> (returned; with async_save and not blocking it is being written)."""
+        """Save state as root/step_<N> (returned; with async_save and not blocking it is being written).
+        A background save takes the tensors as they are (no copy here) and copies them to the CPU on
+        its thread; `wait_staged` waits for those copies."""
         self.join()
-        background = self._background and not blocking
-        snap = snapshot(state, run, loader, copy=background)
-        if background:
-            self._thread = threading.Thread(target=self._write_in_background, args=(snap,), name="fnmoe-checkpoint")
+        if self._background and not blocking:
+            snap = snapshot(state, run, loader, stage=lambda t: t.detach())
+            after = torch.cuda.Event() if any(t.is_cuda for ts in snap.files.values() for t in ts.values()) else None
+            if after is not None:
+                after.record()
+            self._pending, self._staged = snap, threading.Event()
+            self._thread = threading.Thread(target=self._write_in_background, args=(after,), name="fnmoe-checkpoint")
             self._thread.start()
             path = self.root / f"step_{snap.step}"
         else:
+            snap = snapshot(state, run, loader)
             path = self._write(snap)
         self.last_step = snap.step  # not before: a save that Ctrl-C cut short saved nothing
         return path
+
+    def wait_staged(self) -> None:
+        """Wait until a background save holds its own CPU copies (usually long done): the training
+        loop calls it after the step that follows a save, so the saved state's device memory is not
+        held past that step (the step held it anyway, as its input)."""
+        if self._staged is not None:
+            self._staged.wait()
 
     def join(self) -> None:
         if self._thread is not None:
@@ -260,8 +275,12 @@ class Saver:
                  time.perf_counter() - t0)
         return path
 
-    def _write_in_background(self, snap: Snapshot) -> None:
+    def _write_in_background(self, after) -> None:
         try:
+            try:
+                snap, self._pending = staged(self._pending, after), None  # the device tensors let go
+            finally:
+                self._staged.set()
             self._write(snap)
         except BaseException as e:  # handed to the training thread by join()
-            self._error = e
+            self._pending, self._error = None, e

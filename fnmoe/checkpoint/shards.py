@@ -2,6 +2,8 @@
 index entries, staged on the CPU as a `Snapshot`."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -144,13 +146,14 @@ def _refuse_non_finite(params: dict[str, dict[int, torch.Tensor]], step: int) ->
         raise CheckpointError(f"refusing to save step {step}: non-finite values (NaN or inf) in {where}")
 
 
-def snapshot(state: TrainState, run: RunConfig, loader: Loader | None, copy: bool = False, ranks=None,
+def snapshot(state: TrainState, run: RunConfig, loader: Loader | None, ranks=None,
              stage: Callable | None = None) -> Snapshot:
     """This process's part of the checkpoint of `state`: the shards its rank writes (every simulated
-    rank's in a simulation). copy=True stages fresh CPU copies (for a write that runs while training
-    goes on), else CPU tensors are shared, not copied. With ranks (and a stage that reads nothing),
-    the part of those ranks from the leaves' placements alone: fnmoe.checkpoint.index_only."""
-    stage = stage or ((lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach().cpu()))
+    rank's in a simulation), on the CPU (CPU tensors shared, not copied), or as `stage` gives each
+    (`staged` copies a snapshot of device tensors later, off the training thread). The RNG states are
+    taken now. With ranks (and a stage that reads nothing), the part of those ranks from the leaves'
+    placements alone: fnmoe.checkpoint.index_only."""
+    stage = stage or (lambda t: t.detach().cpu())
     flat = {"tensors": flatten_dict(state.params), "opt_state": _flat_opt_state(state.opt_state)}
     if ranks is None:
         local = {section: {path: fdist.rank_values(t.to_local() if isinstance(t, DTensor) else t)
@@ -176,3 +179,19 @@ def snapshot(state: TrainState, run: RunConfig, loader: Loader | None, copy: boo
     data = loader_state(loader, state.step) if loader is not None else {}
     return Snapshot(state.step, files, writers, _merge(parts), {"step": state.step, "schedule": schedule, "data": data},
                     to_toml(run), to_dict(run.model), {a: getattr(run.mesh, a) for a in MESH_AXES})
+
+
+def staged(snap: Snapshot, after=None) -> Snapshot:
+    """snap with fresh CPU copies of its tensors, made on the calling thread (a background save's):
+    the training thread goes on meanwhile. A step returns new trees and never writes into the state
+    it was given, so the tensors are as they were when `snapshot` took them. after: a CUDA event
+    recorded on the training stream once the state was complete; the copies run on a side stream
+    that waits for it."""
+    stream = None
+    if after is not None:
+        stream = torch.cuda.Stream()
+        stream.wait_event(after)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        files = {name: {key: t.detach().to("cpu", copy=True) for key, t in tensors.items()}
+                 for name, tensors in snap.files.items()}
+    return dataclasses.replace(snap, files=files)
