@@ -64,9 +64,15 @@ def _policy(save_ops: frozenset) -> Callable:
 
 
 def recompute(fn: Callable, *args, save_ops: frozenset = ROUTING_OPS | EXCHANGE_OPS):
-    """fn(*args) keeping only its inputs and the outputs of save_ops for backward (non-reentrant)."""
-    return checkpoint(fn, *args, use_reentrant=False,
-                      context_fn=functools.partial(create_selective_checkpoint_contexts, _policy(save_ops)))
+    """fn(*args) keeping only its inputs and the outputs of save_ops for backward (non-reentrant).
+    Gathered weights among the inputs are held weakly and gathered again by the recompute
+    (reshard.weak_args); traced into a compiled region, the graph's saved inputs meet reshard's
+    hooks instead."""
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _policy(save_ops))
+    held = None if torch.compiler.is_compiling() else reshard.weak_args(args)
+    if held is not None:
+        return checkpoint(lambda *a: fn(*reshard.strong_args(a)), *held, use_reentrant=False, context_fn=context_fn)
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
 
 
 class _Kept:

@@ -131,13 +131,22 @@ def measure(run: RunConfig, params: Tree, batch: tuple) -> list[dict[str, int]]:
     """Per block: saved / kept / offloaded / recomputed bytes (see the module docstring). Off CUDA
     compiled regions are measured eager (see eager_note): dynamo cannot trace under the dispatch
     mode that counts storages there."""
+    return measure_policies(run, params, batch, {"run": run.memory})["run"]
+
+
+def measure_policies(run: RunConfig, params: Tree, batch: tuple,
+                     policies: dict[str, MemoryConfig]) -> dict[str, list[dict[str, int]]]:
+    """`measure` of each policy (name -> MemoryConfig) against one baseline measured once."""
     if run.model.compile and not torch.cuda.is_available():
         run = dataclasses.replace(run, model=dataclasses.replace(run.model, compile=False))
     _measure(run, params, batch, MemoryConfig())  # warm-up: one-time caches of a first forward are not a block's
     base = _measure(run, params, batch, MemoryConfig())
-    mine = _measure(run, params, batch, run.memory)
-    return [{"saved": b["kept"], "kept": m["kept"], "offloaded": m["offloaded"],
-             "recomputed": max(b["kept"] - m["kept"] - m["offloaded"], 0)} for b, m in zip(base, mine)]
+    out = {}
+    for name, memory in policies.items():
+        mine = _measure(dataclasses.replace(run, memory=memory), params, batch, memory)
+        out[name] = [{"saved": b["kept"], "kept": m["kept"], "offloaded": m["offloaded"],
+                      "recomputed": max(b["kept"] - m["kept"] - m["offloaded"], 0)} for b, m in zip(base, mine)]
+    return out
 
 
 def eager_note(run: RunConfig) -> str:

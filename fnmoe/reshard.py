@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from fnmoe._torch import view_base
-from fnmoe.tree import Tree, flatten_dict
+from fnmoe.tree import Tree, flatten_dict, tree_map
 
 
 @dataclass(eq=False)
@@ -89,6 +89,41 @@ def _unpack(handle, inner: Callable | None):
             whole = entry.gather_again()
             entry.again = (whole.wait() if hasattr(whole, "wait") else whole).contiguous()
     return entry.again.as_strided(handle.size, handle.stride, entry.again.storage_offset() + handle.offset)
+
+
+@dataclass(eq=False)
+class _Ref:
+    """A gathered weight handed to a recomputed region: the forward's tensor while it lives, else
+    gathered again (as a saved one would be)."""
+    tensor: weakref.ref
+    handle: _Regather
+
+    def get(self) -> torch.Tensor:
+        t = self.tensor()
+        return t if t is not None else _unpack(self.handle, None)
+
+
+def weak_args(args: tuple) -> tuple | None:
+    """args with each gathered weight in them a _Ref, or None when they hold none. A checkpointed
+    region keeps its inputs for the recompute (torch's non-reentrant checkpoint holds them in a
+    closure, where no saved-tensor hook sees them): a gathered weight among them lived until the
+    region's backward, the whole layer's weights on every rank (found by --memory.report of a
+    per-region policy on a 2x2 mesh: kept above none's saved)."""
+    found = []
+
+    def weak(t):
+        handle = _pack(t, None) if isinstance(t, torch.Tensor) else t
+        if not isinstance(handle, _Regather):
+            return t
+        found.append(t)
+        return _Ref(weakref.ref(t), handle)
+    out = tree_map(weak, args)
+    return out if found else None
+
+
+def strong_args(args: tuple) -> tuple:
+    """weak_args undone: each _Ref the forward's tensor, or in backward's recompute gathered again."""
+    return tree_map(lambda x: x.get() if isinstance(x, _Ref) else x, args)
 
 
 def clear() -> None:

@@ -149,18 +149,22 @@ def _check_reshard(run, mesh, rank) -> dict:
     return out
 
 
+REPORT_POLICIES = {"offload": MemoryConfig(offload=True), "full": MemoryConfig(recompute="full"),
+                   "full+offload": MemoryConfig(recompute="full", offload=True),
+                   "selective": MemoryConfig(attention="selective", moe="selective", mlp="selective"),
+                   "regions": MemoryConfig(attention="offload", moe="full", mlp="selective")}
+
+
 def _check_report(run, mesh, rank) -> dict:
-    """memory_report.measure on this rank's shards (resharding on): policy none, then offload (whose
-    failure is reported, not raised: it raises on every rank at the same point, before any collective)."""
+    """memory_report's measurement on this rank's shards (resharding on) of policy none and every
+    other policy against one baseline (a failure is reported, not raised: it raises on every rank
+    at the same point, before any collective)."""
     params = init_params(run.model, 0, mesh=mesh)
     batch = (_tokens(rank, 0)[:, :-1], None)
-    out = {"none": memory_report.measure(run, params, batch)}
     try:
-        offload = dataclasses.replace(run, memory=MemoryConfig(offload=True))
-        out["offload"] = memory_report.measure(offload, params, batch)
+        return memory_report.measure_policies(run, params, batch, {"none": MemoryConfig(), **REPORT_POLICIES})
     except Exception as e:  # noqa: BLE001 - reported to the test, which says what failed
-        out["offload_error"] = f"{type(e).__name__}: {e}"[:1000]
-    return out
+        return {"error": f"{type(e).__name__}: {e}"[:1000]}
 
 
 def _check_leak(run, mesh, rank) -> dict:
@@ -351,13 +355,32 @@ def test_offload_on_2x2_keeps_under_a_tenth_of_saved_bytes(ranks):
     of saved bytes bounded below by the planner's (a meter that counted nothing would not pass)."""
     reports = [_ok(res["report"]) for res in ranks]
     for report in reports:
-        assert "offload_error" not in report, report["offload_error"]
         rows = report["offload"][:-1]  # the last block stays
         assert sum(r["kept"] for r in rows) <= 0.1 * sum(r["saved"] for r in rows), rows
         assert all(r["offloaded"] > 0 for r in rows)
     n = len(reports[0]["offload"]) - 1
     saved = sum(r["offload"][i]["saved"] for r in reports for i in range(n))
     assert saved >= 0.9 * sum(_planned_saved()[:n]), (saved, _planned_saved())
+
+
+def test_memory_report_runs_every_policy_on_2x2(ranks):
+    """`--memory.report` under every memory policy on a mesh: each block's saved bytes are none's,
+    and what the policy does shows: full recompute keeps under a third, offload moves bytes to the
+    host (the last block stays), selective recomputes some, per-region policies do both."""
+    for r, res in enumerate(ranks):
+        report = _ok(res["report"])
+        for name in REPORT_POLICIES:
+            rows, none = report[name], report["none"]
+            assert [row["saved"] for row in rows] == [row["saved"] for row in none], (name, rows)
+            assert all(0 <= row["kept"] <= row["saved"] and row["recomputed"] >= 0 for row in rows), (name, rows)
+        first = {name: report[name][:-1] for name in REPORT_POLICIES}  # the last block keeps all under offload
+        assert all(3 * row["kept"] < row["saved"] and row["recomputed"] > 0 for row in report["full"]), report["full"]
+        assert all(row["offloaded"] > 0 for name in ("offload", "full+offload", "regions") for row in first[name])
+        assert all(row["offloaded"] == 0 for name in ("full", "selective") for row in report[name])
+        assert all(row["recomputed"] > 0 for name in ("selective", "regions") for row in report[name])
+        print(f"rank {r}: " + "; ".join(f"{name} kept {sum(x['kept'] for x in report[name])} B, offloaded "
+                                       f"{sum(x['offloaded'] for x in report[name])} B"
+                                       for name in ("none", *REPORT_POLICIES)))
 
 
 def test_full_recompute_with_ep_does_not_grow_live_bytes(ranks):

@@ -101,6 +101,23 @@ def test_gpu_check_helpers():
     assert bm.Shape.parse("4096,512,256,32,4").flops == 18 * 4096 * 4 * 512 * 256
 
 
+def test_gpu_check_reads_copy_overlap_from_a_trace():
+    """copy_overlap, which the GPU run applies to the offload step's profiler trace: the compute
+    stream is the one with the most kernel time; of each copy, the time a compute kernel ran too."""
+    gc = load_tool("gpu_check")
+    ev = lambda cat, name, ts, dur, stream: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                             "args": {"stream": stream}}
+    trace = {"traceEvents": [ev("kernel", "gemm", 0, 100, 7), ev("kernel", "gemm", 100, 50, 7),
+                             ev("kernel", "small", 0, 10, 20),
+                             ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 120, 60, 20),  # 30 us over gemm
+                             ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 200, 10, 20),  # after compute
+                             ev("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 0, 500, 7),  # not offload's
+                             {"ph": "i", "name": "marker", "ts": 5}]}
+    o = gc.copy_overlap(trace)
+    assert o == {"compute_stream": 7, "copy_streams": [20], "copy_ms": 0.07, "overlap_ms": 0.03}
+    assert gc.copy_overlap({"traceEvents": []})["copy_ms"] == 0
+
+
 def test_gpu_check_compiles_the_moe_block_under_bench_moes_inductor_config(monkeypatch):
     """Step 1 compiles the MoE block under the inductor config bench_moe.main runs in, on each device,
     so step 2's benchmark of the same block finds it in the inductor cache (the dry run's one compile)."""

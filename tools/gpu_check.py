@@ -9,7 +9,10 @@ Steps (in the priority order gpu_check.sh runs them):
   moe           tools/bench_moe.py on the device (against TorchTitan when it imports, else fnmoe alone)
   model         a DeepSeek-V3-16B-shaped model cut to 4 layers (MLA), bf16, compiled, AdamW, 2 x 4096
                 tokens, per memory policy: tokens/s, MFU (989 TFLOP/s peak), peak memory; policies
-                that would not finish in the step's time are skipped with a row saying so
+                that would not finish in the step's time are skipped with a row saying so. Offload's
+                proofs: each offload policy's CUDA peak below its policy without offload by the bytes
+                it offloaded less two blocks, and one step's profiler trace with the offload copies
+                on a side stream while the compute stream runs (copy_overlap)
   determinism   tokens/s of the same model with and without torch.use_deterministic_algorithms,
                 and a deterministic replay check
   summary       the table of every step's rows, also written to $OUT/gpu_check.txt when $OUT is set
@@ -50,6 +53,7 @@ from gpu_check_summary import SECTIONS, STEPS, summary  # noqa: E402 (torch-free
 PEAK_TFLOPS = 989.0  # H100/H200/GH200 bf16 dense (docs/design.md §7)
 NOTES: list[str] = []
 DEADLINE = float("inf")  # time.monotonic() by which this step must end (--timeout)
+RESULTS_DIR: list[Path] = [Path(".")]  # --results (the step's traces go there)
 
 
 def _stub_safetensors() -> None:
@@ -82,6 +86,7 @@ from fnmoe.config import MemoryConfig, ModelConfig, MoEConfig, OptimConfig, RunC
 from fnmoe.metrics import flops_per_token, mfu  # noqa: E402
 from fnmoe.params import init_params, leaf_inits  # noqa: E402
 from fnmoe.moe import expert_mlp, moe_block  # noqa: E402
+from fnmoe import train as fnmoe_train  # noqa: E402
 from fnmoe.train import init_state, make_train_step  # noqa: E402
 from fnmoe.tree import flatten_dict, map_with_path, tree_map  # noqa: E402
 
@@ -490,7 +495,13 @@ class ModelBench:
         tx, _ = optim.from_config(run.optim, run.train.steps)
         if self.state is None:
             self.state = init_state(self.params, tx)
-        step_fn = make_train_step(run, tx)
+        runners = []
+        made = fnmoe_train.train_runner
+        fnmoe_train.train_runner = lambda r: runners.append(made(r)) or runners[-1]
+        try:
+            step_fn = make_train_step(run, tx)
+        finally:
+            fnmoe_train.train_runner = made
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -508,7 +519,22 @@ class ModelBench:
         tps = self.B * self.L / dt
         fpt = flops_per_token(self.cfg, self.L)
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.startswith("cuda") else None
-        return {"ms": dt * 1e3, "tps": tps, "mfu": mfu(fpt, tps, PEAK_TFLOPS), "peak_gib": peak, "losses": losses}
+        pool = getattr(runners[0], "pool", None) if runners else None  # no runner: policy none
+        offloaded = pool.peak_used / 2**30 if pool is not None else 0.0
+        return {"ms": dt * 1e3, "tps": tps, "mfu": mfu(fpt, tps, PEAK_TFLOPS), "peak_gib": peak, "losses": losses,
+                "offloaded_gib": offloaded, "step": step_fn}
+
+    def trace(self, step_fn, path: Path) -> dict:
+        """One more step under the profiler (CUDA activity), its chrome trace at path: copy_overlap's."""
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.device.startswith("cuda")
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            self.state, _ = step_fn(self.state, self.batch)
+            sync(self.device)
+        prof.export_chrome_trace(str(path))
+        return copy_overlap(json.loads(path.read_text()))
+
 
     def describe(self) -> tuple[str, str]:
         c = self.cfg
@@ -516,6 +542,30 @@ class ModelBench:
                 f"+{c.moe.n_shared_experts} shared, {c.attention}, {self.n_params / 1e9:.2f} B params; batch "
                 f"{self.B} x {self.L}, bf16, compile={c.compile}")
 
+
+def copy_overlap(trace: dict) -> dict:
+    """From a chrome trace of CUDA activity: the compute stream (the most kernel time), the streams
+    of the device<->host copies, their time, and the part of it that ran while a compute-stream
+    kernel ran (offload's copies on a side stream overlap compute; on the compute stream they cannot)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    busy: dict = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            busy[e["args"].get("stream")] = busy.get(e["args"].get("stream"), 0.0) + e["dur"]
+    compute = max(busy, key=busy.get) if busy else None
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("cat") == "kernel" and e["args"].get("stream") == compute)
+    merged: list[list[float]] = []
+    for a, b in kernels:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and ("DtoH" in e["name"] or "HtoD" in e["name"])]
+    copy_us = sum(e["dur"] for e in copies)
+    overlap_us = sum(max(0.0, min(e["ts"] + e["dur"], b) - max(e["ts"], a)) for e in copies for a, b in merged)
+    return {"compute_stream": compute, "copy_streams": sorted({e["args"].get("stream") for e in copies}, key=str),
+            "copy_ms": copy_us / 1e3, "overlap_ms": overlap_us / 1e3}
 
 def _leaves(tree) -> list:
     if isinstance(tree, dict):
@@ -537,6 +587,7 @@ def step_model(rec: Recorder, device: str, dry: bool) -> None:
     mb = ModelBench(dry, device)
     rec.row(*mb.describe(), "info")
     last = 20.0  # seconds the previous policy took (the first one compiles)
+    results, traced = {}, False
     for label, kw in memory_policies():
         if time_left() < 1.5 * last:
             rec.row(f"memory {label}", f"not measured: {time_left():.0f} s left of the step's time", "skip")
@@ -558,6 +609,41 @@ def step_model(rec: Recorder, device: str, dry: bool) -> None:
         last = time.monotonic() - t0
         finite = all(x == x and abs(x) < 1e4 for x in r["losses"])
         rec.row(f"memory {label}", fmt_perf(r), status(finite))
+        results[label] = r
+        if r["offloaded_gib"] and not traced and time_left() > 2 * last:
+            traced = True
+            rec.guarded(f"offload copies overlap compute ({label})", _overlap_row, rec, mb, r, label)
+        r.pop("step")  # its host pool (pinned on CUDA) goes with it
+    _peak_rows(rec, mb, results)
+
+
+def _overlap_row(rec: Recorder, mb: "ModelBench", r: dict, label: str) -> None:
+    o = mb.trace(r["step"], RESULTS_DIR[0] / f"trace_{label.replace('=', '_').replace('+', '_')}.json")
+    if not mb.device.startswith("cuda"):  # the same step, trace and reading, without CUDA streams
+        rec.row(f"offload copies overlap compute ({label})", f"CUDA only (a CPU trace read: {o})", "skip")
+        return
+    side = [s for s in o["copy_streams"] if s != o["compute_stream"]]
+    rec.row(f"offload copies overlap compute ({label})",
+            f"copies {o['copy_ms']:.1f} ms on streams {o['copy_streams']} (compute on {o['compute_stream']}), "
+            f"{o['overlap_ms']:.1f} ms of them while compute ran", status(bool(side) and o["overlap_ms"] > 0))
+
+
+def _peak_rows(rec: Recorder, mb: "ModelBench", results: dict) -> None:
+    """Each offload policy's CUDA peak against its policy without offload: lower by at least the bytes
+    it offloaded less two blocks' (the last block stays; one block is reloaded ahead in backward)."""
+    for label, r in results.items():
+        base = results.get(label.replace("+offload=True", "") if "+offload=True" in label else "none")
+        if not r["offloaded_gib"] or base is None or base is r:
+            continue
+        if r["peak_gib"] is None:
+            rec.row(f"offload frees memory ({label})", "CUDA only (torch.cuda.max_memory_allocated)", "skip")
+            continue
+        block = r["offloaded_gib"] / max(mb.cfg.n_layers - 1, 1)
+        drop = base["peak_gib"] - r["peak_gib"]
+        rec.row(f"offload frees memory ({label})",
+                f"peak {base['peak_gib']:.2f} -> {r['peak_gib']:.2f} GiB: {drop:.2f} GiB lower, "
+                f"{r['offloaded_gib']:.2f} GiB offloaded (bound {r['offloaded_gib'] - 2 * block:.2f})",
+                status(drop >= r["offloaded_gib"] - 2 * block))
 
 
 def step_determinism(rec: Recorder, device: str, dry: bool) -> None:
@@ -594,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeout:
         DEADLINE = time.monotonic() + args.timeout - 5
     results = Path(args.results)
+    RESULTS_DIR[0] = results
     results.mkdir(parents=True, exist_ok=True)
     if args.step == "summary":
         return summary(results, args.dry_run)
