@@ -154,14 +154,6 @@ def gather(tree: Tree, dtype: torch.dtype) -> Tree:
     return finish(issue(tree, dtype), tree)
 
 
-def wait_all(issued: Tree) -> None:
-    """Wait for gathers that will not be used (a collective is never left in flight)."""
-    for x in tree_flatten(issued)[0]:
-        if isinstance(x, Issued) and x.out is not None:
-            _torch.c10d_ops.wait_tensor(x.out)
-            x.out = x.send = None
-
-
 def _with_ep_group(tree: Tree, out: Tree) -> Tree:
     if not isinstance(tree, dict):
         return out

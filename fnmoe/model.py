@@ -159,12 +159,8 @@ class _Prefetching:
         self.issued[id(stored)] = fgather.issue(stored, self.dtype)
 
     def __call__(self, stored: dict, dtype: torch.dtype):
-        issued = self.issued.pop(id(stored), None)
-        if issued is not None and dtype == self.dtype:
-            return fgather.finish(issued, stored)
-        if issued is not None:
-            fgather.wait_all(issued)
-        return fgather.gather(stored, dtype)
+        issued = self.issued.pop(id(stored), None)  # issued in dtype: the blocks' compute dtype
+        return fgather.finish(issued, stored) if issued is not None else fgather.gather(stored, dtype)
 
 
 @torch.no_grad()

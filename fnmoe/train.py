@@ -196,6 +196,7 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
             metrics["dropped_tokens"] = int(all_sum(out["dropped"], "the dropped-token count"))
         return state, metrics
 
+    train_step.runner = device_step.runner  # its memory runner (the host pool's bookkeeping: tools/gpu_check)
     return train_step
 
 

@@ -86,7 +86,6 @@ from fnmoe.config import MemoryConfig, ModelConfig, MoEConfig, OptimConfig, RunC
 from fnmoe.metrics import flops_per_token, mfu  # noqa: E402
 from fnmoe.params import init_params, leaf_inits  # noqa: E402
 from fnmoe.moe import expert_mlp, moe_block  # noqa: E402
-from fnmoe import train as fnmoe_train  # noqa: E402
 from fnmoe.train import init_state, make_train_step  # noqa: E402
 from fnmoe.tree import flatten_dict, map_with_path, tree_map  # noqa: E402
 
@@ -495,13 +494,7 @@ class ModelBench:
         tx, _ = optim.from_config(run.optim, run.train.steps)
         if self.state is None:
             self.state = init_state(self.params, tx)
-        runners = []
-        made = fnmoe_train.train_runner
-        fnmoe_train.train_runner = lambda r: runners.append(made(r)) or runners[-1]
-        try:
-            step_fn = make_train_step(run, tx)
-        finally:
-            fnmoe_train.train_runner = made
+        step_fn = make_train_step(run, tx)
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -519,7 +512,7 @@ class ModelBench:
         tps = self.B * self.L / dt
         fpt = flops_per_token(self.cfg, self.L)
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.startswith("cuda") else None
-        pool = getattr(runners[0], "pool", None) if runners else None  # no runner: policy none
+        pool = getattr(step_fn.runner, "pool", None)  # no runner: policy none
         offloaded = pool.peak_used / 2**30 if pool is not None else 0.0
         return {"ms": dt * 1e3, "tps": tps, "mfu": mfu(fpt, tps, PEAK_TFLOPS), "peak_gib": peak, "losses": losses,
                 "offloaded_gib": offloaded, "step": step_fn}
