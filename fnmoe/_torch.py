@@ -155,6 +155,22 @@ def group_of(name: str):
     return _resolve_group(name)
 
 
+(wait_on_use,) = _names("torch.distributed._functional_collectives", "_maybe_wrap_tensor")
+"""a collective's output that waits for it at its first non-view use (AsyncCollectiveTensor)"""
+_engine = _attr(torch.autograd, "Variable._execution_engine", "torch.autograd.Variable._execution_engine")
+
+
+def at_backward_end(fn: Callable[[], None]) -> None:
+    """Run fn when the backward pass running on this thread ends (inside the engine, as FSDP's
+    post-backward callback)."""
+    _engine.queue_callback(fn)
+
+
+def graph_task() -> int:
+    """The id of the backward pass autograd's engine runs on this thread, -1 outside one."""
+    return _graph_task()
+
+
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward pass on this thread."""
     return _graph_task() != -1

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from fnmoe import compile as fcompile
 from fnmoe import cpu_attention, data, memory, reshard, sharding
+from fnmoe import gather as fgather
 
 
 def clear_caches() -> None:
     fcompile.clear()                            # compiled regions, warnings said once
     reshard.clear()                             # gathered weights tracked for regathering (weakly held)
+    fgather.clear()                             # collectives noted in flight (after a failed step)
     memory.with_policy.cache_clear()            # a region under a recompute policy
     cpu_attention._with_impl.cache_clear()      # configs with the attention impl resolved
     sharding._ranks.cache_clear()               # each mesh's ranks (keeps the meshes alive)

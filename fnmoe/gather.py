@@ -1,23 +1,30 @@
-"""FSDP's gather for compute: a block's sharded leaves all-gathered in the compute dtype, issued
-and waited apart, so a block's gathers run while the block before it computes.
+"""FSDP's collectives for compute: a block's sharded leaves all-gathered in the compute dtype, and
+their gradients reduce-scattered back, each issued apart from its wait, so that communication runs
+while blocks compute.
 
 `issue(tree, dtype)` starts the gathers and returns at once (on gloo a worker thread sends, on NCCL
 a stream): one coalesced all-gather per process group (dense leaves over dp, expert stacks over
 fsdp), each leaf into its own output. `finish(issued, tree)` waits for each where the block needs
-it and puts it on the autograd graph, whose backward reduce-scatters the gradient (fp32, summed)
-to the leaf's shard, synchronously (the optimizer needs every shard). `gather` is the two back to
-back. fnmoe.model issues block i+1's gathers before block i computes; fnmoe.reshard gathers again
-in backward.
+it and puts it on the autograd graph. `gather` is the two back to back. fnmoe.model issues block
+i+1's gathers before block i computes, and in backward a recomputed block i issues block i-1's;
+fnmoe.reshard does the same for the weights backward gathers again.
 
-At most one gather is in flight per process group: issuing on a group first waits for the one in
-flight there. Two collectives in flight on one gloo group corrupted the heap (reproduced: a 2x2
-gloo launch with a gather per leaf in flight aborted in malloc in 3 of 5 runs, none with one in
-flight per group), and the wait costs nothing in the prefetch order (block i's gathers are waited
-for before block i computes anyway).
+The graph's backward reduce-scatters the gradient (fp32, summed) to the leaf's shard and does not
+wait: the gradient it returns waits for the collective at its first use (torch's
+AsyncCollectiveTensor: autograd summing a leaf's two gradients, the optimizer), and every
+reduce-scatter is waited for where the backward pass ends. So block i's reduce-scatters run while
+block i-1's backward computes.
 
-Both phases are the functional collectives' ops (`all_gather_into_tensor_coalesced`,
-`wait_tensor`), the same on gloo, NCCL, the fake group of `fnmoe rehearse` and a simulation's
-LocalTensorMode, so the meters and the tests see the code a GPU runs.
+NCCL runs a group's collectives in issue order on its stream, and a wait holds back only the
+compute stream, so any number may be in flight. On gloo at most one is in flight per process group:
+issuing there first waits for the one in flight. Two collectives in flight on one gloo group
+corrupted the heap (reproduced: a 2x2 gloo launch with a gather per leaf in flight aborted in malloc
+in 3 of 5 runs, none with one in flight per group). gloo's order is the same code with a wait at
+issue; tests/test_sharding.py records both orders.
+
+Every phase is a functional collective's op (`all_gather_into_tensor_coalesced`,
+`reduce_scatter_tensor`, `wait_tensor`), the same on gloo, NCCL, the fake group of `fnmoe
+rehearse` and a simulation's LocalTensorMode, so the meters and the tests see the code a GPU runs.
 
 A shard follows torch.chunk (DTensor's Shard): the leading ranks hold ceil(n / w) rows, the last
 the rest, trailing ranks maybe none. Every rank sends ceil(n / w) rows (padded) and the first n of
@@ -28,9 +35,12 @@ Legend: no shape-suffixed tensors here; weights are handled leaf by leaf.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from fnmoe import _torch
@@ -49,6 +59,7 @@ class Issued:
     group: object              # the process group gathered over
     path: str                  # the leaf's path and the axis, for a failure's message
     axis: str
+    block: object = None       # the issue() call it came from: a block's gathers share it
 
 
 def _padded(x: torch.Tensor, dim: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
@@ -81,27 +92,92 @@ def _prepare(path: str, t: torch.Tensor, dtype: torch.dtype):
     return Issued(local, None, send, dim, n, group, path, axis)
 
 
-_in_flight: dict[str, list[Issued]] = {}
-"""process group name -> the gathers last issued on it (each waited for once its out is None)"""
+_in_flight: dict[str, list[weakref.ref]] = {}
+"""serial process group name -> the outputs of the collectives issued on it and not yet waited for"""
 
 
-def _wait_in_flight(group_name: str) -> None:
-    for x in _in_flight.pop(group_name, ()):
-        if x.out is not None:
-            _torch.c10d_ops.wait_tensor(x.out)
+@dataclass(eq=False)
+class _Scatter:
+    """A reduce-scatter in flight: its output (the gradient is a view of it) and its input, which
+    the collective reads until it is waited for (NCCL keeps it until then)."""
+    block: object  # the gather call whose gradient it sends back
+    out: torch.Tensor
+    send: torch.Tensor
+
+
+_scattering: list[_Scatter] = []
+"""the reduce-scatters issued and not yet waited for here, in issue order"""
+_backward_end_queued: set[int] = set()
+"""graph tasks whose end waits for their reduce-scatters"""
+
+
+def _is_serial(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def _wait(group_name: str) -> None:
+    for ref in _in_flight.pop(group_name, ()):
+        if (out := ref()) is not None:
+            _torch.c10d_ops.wait_tensor(out)  # a second wait of one output does nothing
+
+
+def _wait_scatters() -> None:
+    while _scattering:
+        _torch.c10d_ops.wait_tensor(_scattering.pop(0).out)
+
+
+def wait_all() -> None:
+    """Wait for every collective issued here and not yet waited for (where a backward ends)."""
+    _wait_scatters()
+    for name in list(_in_flight):
+        _wait(name)
+
+
+def clear() -> None:
+    """Forget the collectives noted in flight, unwaited (their process groups may be gone)."""
+    _in_flight.clear()
+    _scattering.clear()
+    _backward_end_queued.clear()
+
+
+def _issue_on(group, start: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """start()'s collectives on group, after the one in flight there where the group is serial."""
+    serial = _is_serial(group)
+    if serial:
+        _wait(group.group_name)
+    with torch.no_grad():
+        outs = start()
+    if serial:
+        _in_flight[group.group_name] = [weakref.ref(t) for t in outs]
+    return outs
 
 
 def _start(xs: list[Issued]) -> None:
-    """One coalesced all-gather of xs (all on one group), after the group's gather in flight."""
+    """One coalesced all-gather of xs (all on one group)."""
     group = xs[0].group
-    _wait_in_flight(group.group_name)
     axis = "dp (fsdp x ep)" if xs[0].axis == "dp" else xs[0].axis
     fdist.entering(f"all-gather of {','.join(x.path for x in xs)} over {axis}")
-    with torch.no_grad():
-        outs = _torch.c10d_ops.all_gather_into_tensor_coalesced([x.send for x in xs], group.size(), group.group_name)
+    outs = _issue_on(group, lambda: _torch.c10d_ops.all_gather_into_tensor_coalesced(
+        [x.send for x in xs], group.size(), group.group_name))
     for x, out in zip(xs, outs):
         x.out = out
-    _in_flight[group.group_name] = xs
+
+
+def _reduce_scatter(send: torch.Tensor, group, block: object) -> torch.Tensor:
+    """send summed over group, this rank's rows, issued now. It is waited for at its first use
+    (autograd summing a leaf's gradients, the optimizer), where the next block's reduce-scatters
+    start (so one block's run while the block before computes, and their inputs are let go then),
+    or where the backward ends, whichever comes first."""
+    task = _torch.graph_task()
+    if task not in _backward_end_queued:
+        _backward_end_queued.add(task)
+        _torch.at_backward_end(lambda: (_backward_end_queued.discard(task), wait_all()))
+    if _scattering and _scattering[-1].block is not block:
+        _wait_scatters()
+    w = group.size()
+    (mine,) = _issue_on(group, lambda: [_torch.c10d_ops.reduce_scatter_tensor(send, "sum", w, group.group_name)])
+    _scattering.append(_Scatter(block, mine, send))
+    return _torch.wait_on_use(mine)
 
 
 class _Gathered(torch.autograd.Function):
@@ -112,6 +188,7 @@ class _Gathered(torch.autograd.Function):
         # the graph keeps what backward needs, not the gathered tensor (resharding drops that)
         ctx.dim, ctx.n, ctx.group, ctx.rows, ctx.dtype = issued.dim, issued.n, issued.group, \
             local.shape[issued.dim], local.dtype
+        ctx.block = issued.block
         ctx.what = f"reduce-scatter of {issued.path}'s gradient over {issued.axis} (backward)"
         full = _torch.c10d_ops.wait_tensor(issued.out)
         issued.out = issued.send = None
@@ -120,11 +197,9 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        w = ctx.group.size()
         fdist.entering(ctx.what)
-        send = _padded(grad, ctx.dim, w * math.ceil(ctx.n / w), torch.float32)
-        mine = _torch.c10d_ops.wait_tensor(_torch.c10d_ops.reduce_scatter_tensor(send, "sum", w, ctx.group.group_name))
-        return mine[:ctx.rows].movedim(0, ctx.dim).to(ctx.dtype), None
+        send = _padded(grad, ctx.dim, ctx.group.size() * math.ceil(ctx.n / ctx.group.size()), torch.float32)
+        return _reduce_scatter(send, ctx.group, ctx.block)[:ctx.rows].movedim(0, ctx.dim).to(ctx.dtype), None
 
 
 def _finish_leaf(x):
@@ -135,8 +210,10 @@ def issue(tree: Tree, dtype: torch.dtype) -> Tree:
     """Start gathering a subtree's leaves in dtype (Issued leaves; plain leaves cast at once)."""
     prepared = map_with_path(lambda path, t: _prepare(path, t, dtype), tree)
     by_group: dict[str, list[Issued]] = {}
+    block = object()
     for x in tree_flatten(prepared)[0]:
         if isinstance(x, Issued):
+            x.block = block
             by_group.setdefault(x.group.group_name, []).append(x)
     for xs in by_group.values():
         _start(xs)

@@ -234,9 +234,6 @@ class Runner:
         # offload knows a block's params by their storages, so its blocks take params already cast:
         # a compiled region casting inside would save the casts, and offload would copy weights
         self.offloads = offloads
-        # a block recomputed in backward gathers its weights again there by itself: nothing to
-        # reshard, and a gather issued one block early would not be among the ops recompute replays
-        self.prefetch = mem.recompute != "full"
         self.stats, self.handles, self.reloaded = {}, {}, set()
 
     def __call__(self, i: int, fn: Callable, p: dict, x_BLD: torch.Tensor, *rest):

@@ -105,7 +105,7 @@ class _Measured:
 
     def __init__(self, runner: Runner):
         self.runner, self.rows = runner, []
-        self.offloads, self.prefetch, self.region = runner.offloads, runner.prefetch, runner.region
+        self.offloads, self.region = runner.offloads, runner.region
 
     def __call__(self, i: int, fn: Callable, p: dict, x_BLD: torch.Tensor, *rest):
         x_BLD = x_BLD.detach().requires_grad_().clone()  # not a leaf: offload may move it

@@ -25,7 +25,7 @@ from fnmoe.moe import EXPERT_STACKS, expert_gemm, moe_block, swiglu
 from fnmoe.params import check_config, check_params
 from fnmoe import gather as fgather
 from fnmoe.runner import PLAIN, BlockRunner
-from fnmoe.tree import Tree, flatten_dict, tree_map, unflatten_dict
+from fnmoe.tree import Tree, tree_map
 
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -143,24 +143,31 @@ def stored_block(stored: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg:
     backward gathers them again there, and resharding (fnmoe.reshard) regathers what backward needs."""
     dtype = DTYPE[cfg.compute_dtype]
     p = gather(stored, dtype)
-    reshard.track(p, stored, lambda path, leaf: flatten_dict(gather(unflatten_dict({path: leaf}), dtype))[path])
+    reshard.track(p, stored, lambda: functools.partial(fgather.finish, fgather.issue(stored, dtype), stored))
     return block(_with_bias(p, bias_E), x_BLD, cos_LP, sin_LP, cfg, mask, runner, i)
 
 
 class _Prefetching:
-    """stored_block's gather with one block of lookahead: `issue` starts gathering a layer's params
-    before the previous block computes, and that layer's block waits for them where it starts
-    (fnmoe.gather); any later call (backward's recompute) gathers anew."""
+    """stored_block's gather with one block of lookahead, over the layers' stored params in order.
+    Forward issues layer i+1's gathers before block i computes (`issue`), and block i+1 waits for
+    them where it starts (fnmoe.gather). A block recomputed in backward gathers again, and issues
+    the gathers of the layer before it, which backward recomputes next."""
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype, self.issued = dtype, {}
+    def __init__(self, dtype: torch.dtype, layers: list[dict]):
+        self.dtype, self.layers, self.issued = dtype, layers, {}
+        self.index = {id(stored): i for i, stored in enumerate(layers)}
 
-    def issue(self, stored: dict) -> None:
-        self.issued[id(stored)] = fgather.issue(stored, self.dtype)
+    def issue(self, i: int) -> None:
+        if 0 <= i < len(self.layers) and i not in self.issued:
+            self.issued[i] = fgather.issue(self.layers[i], self.dtype)
 
     def __call__(self, stored: dict, dtype: torch.dtype):
-        issued = self.issued.pop(id(stored), None)  # issued in dtype: the blocks' compute dtype
-        return fgather.finish(issued, stored) if issued is not None else fgather.gather(stored, dtype)
+        i = self.index[id(stored)]
+        self.issue(i)  # issued in dtype: the blocks' compute dtype
+        issued = self.issued.pop(i)
+        if _torch.in_backward():
+            self.issue(i - 1)
+        return fgather.finish(issued, stored)
 
 
 @torch.no_grad()
@@ -204,15 +211,14 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     x_BLD = F.embedding(tokens_BL, gather(params["embed"], dtype)["w_VD"])
     stats, max_logits = [], []
     runner = runner or PLAIN
-    block_gather = gather
     cast_inside = cfg.compile and not runner.offloads
-    if gather is not cast and runner.prefetch:
-        block_gather = _Prefetching(dtype)
-        block_gather.issue(params["layers"]["0"])
+    if gather is not cast:
+        block_gather = _Prefetching(dtype, [params["layers"][str(i)] for i in range(cfg.n_layers)])
+        block_gather.issue(0)
     for i in range(cfg.n_layers):
         stored, bias_E = params["layers"][str(i)], _router_bias(params, i)
-        if isinstance(block_gather, _Prefetching) and i + 1 < cfg.n_layers:
-            block_gather.issue(params["layers"][str(i + 1)])  # block i+1's gather runs while block i computes
+        if gather is not cast:
+            block_gather.issue(i + 1)  # block i+1's gather runs while block i computes
         if gather is cast:  # one process: compiled regions cast their params inside (in_compute_dtype)
             p = _with_bias(dict(stored) if cast_inside else cast(stored, dtype), bias_E)
             fn, p, rest = block, p, (cos_LP, sin_LP, cfg, mask, runner, i)

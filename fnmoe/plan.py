@@ -193,18 +193,13 @@ def block_numels(cfg: ModelConfig, ep: int) -> list[int]:
 def gathered_bytes(run: RunConfig) -> int:
     """Transient full weights in the compute dtype: a layer and the next one, prefetched (all layers
     without resharding, or on one rank where the compute-dtype copies are saved for backward), or
-    the embedding or head, gathered outside the layers, alone. One fp32 rank gathers nothing. A
-    block's unsharded gradients count in backward's transient (recompute_transient)."""
-    cfg, world = run.model, run.mesh.world
-    s = DTYPE_BYTES[cfg.compute_dtype]
-    blocks = block_numels(cfg, run.mesh.ep)
-    if world == 1:
+    the embedding or head alone. One fp32 rank gathers nothing."""
+    s, blocks = DTYPE_BYTES[run.model.compute_dtype], block_numels(run.model, run.mesh.ep)
+    if run.mesh.world == 1:
         return 0 if s == 4 else sum(blocks) * s
-    layers, outer = blocks[1:-1], max(blocks[0], blocks[-1])
     if not run.mesh.reshard_after_forward:
         return (sum(blocks) + max(blocks)) * s
-    # no prefetch under full recompute: a recomputed block gathers again by itself (memory.Runner)
-    return max((1 if run.memory.recompute == "full" else 2) * max(layers), outer) * s
+    return max(2 * max(blocks[1:-1]), blocks[0], blocks[-1]) * s
 
 
 # ---------------------------------------------------------------- the plan
@@ -223,12 +218,17 @@ def activation_plan(run: RunConfig) -> dict:
     head = norm_bytes(T, cfg.dim, s) + (T * cfg.vocab_size * 4 if run.train.ce_chunks == 1 else 0)
     device = sum(b["device"] for b in blocks) + head
     return {"blocks": blocks, "device": device, "host": sum(b["host"] for b in blocks),
-            "transient": max(max(b["transient"] for b in blocks), unsharded_grad_bytes(run)), "head": head}
+            "transient": max(max(b["transient"] for b in blocks), unsharded_grad_bytes(run)) + scatter_bytes(run),
+            "head": head}
+
+
+def scatter_bytes(run: RunConfig) -> int:
+    """A layer's fp32 gradients in flight while the layer before's backward computes (fnmoe.gather)."""
+    return 0 if run.mesh.world == 1 else max(block_numels(run.model, run.mesh.ep)[1:-1]) * GRAD_BYTES
 
 
 def unsharded_grad_bytes(run: RunConfig) -> int:
-    """The largest gathered leaf's gradient before its reduce-scatter, in the compute dtype and fp32
-    (rehearsed: the embedding's dense backward, then the fp32 copy the reduce-scatter takes)."""
+    """The largest gathered leaf's gradient before its reduce-scatter, compute dtype and fp32."""
     return largest_leaf(run) * (DTYPE_BYTES[run.model.compute_dtype] + GRAD_BYTES)
 
 

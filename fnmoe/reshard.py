@@ -1,12 +1,17 @@
 """Resharding after forward: a block's gathered weights are not kept for backward.
 
-With FSDP each block gathers its weights for compute (fnmoe.sharding.gather). The matmuls of the
-block save those gathered weights for their backward; keeping them would hold every block's full
-weights from forward to backward. Instead `track` notes which tensors are gathered weights, and
-saved-tensor hooks (`hooks`) replace each saved gathered weight (or a view of one) by a handle that
-gathers the leaf again when backward first needs it; the forward's gathered tensors are then
-freed as soon as the block's forward ends. Gradients still flow through the forward's gather, whose
-backward reduce-scatters them.
+With FSDP each block gathers its weights for compute (fnmoe.gather). The matmuls of the block save
+those gathered weights for their backward; keeping them would hold every block's full weights from
+forward to backward. Instead `track` notes which tensors are gathered weights, and saved-tensor
+hooks (`hooks`) replace each saved gathered weight (or a view of one) by a handle that backward
+unpacks from the block's weights gathered again; the forward's gathered tensors are then freed as
+soon as the block's forward ends. Gradients still flow through the forward's gather, whose backward
+reduce-scatters them.
+
+Backward gathers a block again as a whole (one coalesced all-gather per group) when it first needs
+one of its weights, and then starts the gathers of the block before it (the one backward reaches
+next, if it saved gathered weights), so those run while this block's backward computes: forward's
+prefetch, in reverse. A leaf's copy is let go once backward has unpacked it for the last time.
 
 Hooks, not selective checkpointing: a checkpoint's recompute must replay the forward's ops exactly,
 and a gather issued one block early (model._Prefetching) is not among the block's own ops.
@@ -16,13 +21,48 @@ Legend: no shape-suffixed tensors here; weights are handled leaf by leaf.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from fnmoe._torch import view_base
+from fnmoe._torch import in_backward, view_base
 from fnmoe.tree import Tree, flatten_dict, tree_map
+
+
+@dataclass(eq=False)
+class _Block:
+    """One block's gathered weights, to gather again in backward. It lives while any of its
+    entries does."""
+    start: Callable[[], Callable[[], Tree]]  # issues the block's gathers; returns what waits for them
+    saved: bool = False                      # whether backward holds handles to its weights
+    waiting: Callable[[], Tree] | None = None
+    again: dict[str, torch.Tensor] | None = None  # path -> the leaf gathered again, until an entry takes it
+
+    def issue(self) -> None:
+        if self.waiting is None and self.again is None:
+            self.waiting = self.start()
+
+    def take(self, path: str) -> torch.Tensor:
+        if self.again is None:
+            self.issue()
+            with torch.no_grad():
+                self.again = {k: v for k, v in flatten_dict(self.waiting()).items() if isinstance(v, torch.Tensor)}
+            self.waiting = None
+            _issue_before(self)
+        return self.again.pop(path)
+
+
+_blocks: list[weakref.ref] = []
+"""the tracked blocks in forward order (dead ones pruned as blocks are added)"""
+
+
+def _issue_before(block: _Block) -> None:
+    """Start gathering again the block before `block` in forward order (backward's next)."""
+    alive = [b for b in (r() for r in _blocks) if b is not None]
+    i = next((k for k, b in enumerate(alive) if b is block), 0)
+    if i > 0 and alive[i - 1].saved:
+        alive[i - 1].issue()
 
 
 @dataclass(eq=False)
@@ -31,21 +71,27 @@ class _Gathered:
     it) and while backward still has handles to it, so a regathered copy is shared by every saved
     view of the leaf and freed once the last backward node that needs it has run."""
     tensor: weakref.ref                 # the forward's gathered weight
-    gather_again: Callable[[], torch.Tensor]
-    again: torch.Tensor | None = None   # the regathered copy, made by the first unpack
+    block: _Block
+    path: str
+    again: torch.Tensor | None = field(default=None)  # the regathered copy, taken by the first unpack
 
 
 _tracked: weakref.WeakValueDictionary[int, _Gathered] = weakref.WeakValueDictionary()
 
 
-def track(gathered: Tree, stored: Tree, gather_leaf: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
-    """Note gathered's leaves (gathered from stored's leaf at the same path) as gathered weights that
-    backward gathers again by gather_leaf(path, stored leaf) instead of keeping them."""
+def track(gathered: Tree, stored: Tree, start: Callable[[], Callable[[], Tree]]) -> None:
+    """Note gathered's leaves (gathered from stored's leaf at the same path) as one block's gathered
+    weights, which backward gathers again by start() (issues the block's gathers, returning what
+    waits for them: the gathered tree) instead of keeping them. A block recomputed in backward is not
+    tracked: its recompute's graph is used at once."""
+    if in_backward():
+        return
     stored_flat = flatten_dict(stored)
+    block = _Block(start)
+    _blocks[:] = [r for r in _blocks if r() is not None] + [weakref.ref(block)]
     for path, t in flatten_dict(gathered).items():
         if isinstance(t, torch.Tensor) and t is not stored_flat.get(path):
-            leaf = stored_flat[path]
-            entry = _Gathered(weakref.ref(t), lambda leaf=leaf, path=path: gather_leaf(path, leaf))
+            entry = _Gathered(weakref.ref(t), block, path)
             t._fnmoe_gathered = entry  # the entry lives as long as the gathered tensor
             _tracked[id(t)] = entry
             if view_base(t) is not None:  # a view's views name the root as their base
@@ -76,6 +122,7 @@ def _pack(t: torch.Tensor, inner: Callable | None):
     found = _source(t)
     if found is not None and found[1].is_contiguous():
         entry, base = found
+        entry.block.saved = True
         return _Regather(entry, t.size(), t.stride(), t.storage_offset() - base.storage_offset())
     return inner(t) if inner else t
 
@@ -85,9 +132,7 @@ def _unpack(handle, inner: Callable | None):
         return inner(handle) if inner else handle
     entry = handle.entry
     if entry.again is None:
-        with torch.no_grad():
-            whole = entry.gather_again()
-            entry.again = (whole.wait() if hasattr(whole, "wait") else whole).contiguous()
+        entry.again = entry.block.take(entry.path).contiguous()
     return entry.again.as_strided(handle.size, handle.stride, entry.again.storage_offset() + handle.offset)
 
 
@@ -129,6 +174,7 @@ def strong_args(args: tuple) -> tuple:
 def clear() -> None:
     """Forget every tracked gathered weight (the forward of a block in flight then keeps its own)."""
     _tracked.clear()
+    _blocks.clear()
 
 
 def hooks(inner: tuple[Callable, Callable] | None = None):

@@ -20,9 +20,6 @@ class BlockRunner(Protocol):
     """blocks take their params already cast to the compute dtype: offload tells a block's params
     from its activations by their storages, and casts inside a compiled region would be saved
     (and copied to the host) as activations"""
-    prefetch: bool
-    """the next block's weights may be gathered while this block computes (false when backward
-    recomputes blocks: a gather issued one block early is not among the ops recompute replays)"""
 
     def __call__(self, i: int, fn: Callable, p: dict, x_BLD, *rest) -> Any:
         """Block i: fn(p, x_BLD, *rest) under this runner's policy for blocks."""
@@ -34,7 +31,6 @@ class BlockRunner(Protocol):
 class Plain:
     """Every block and region as it is (regions compiled when asked)."""
     offloads = False
-    prefetch = True
 
     def __call__(self, i: int, fn: Callable, p: dict, x_BLD, *rest):
         return fn(p, x_BLD, *rest)

@@ -12,6 +12,7 @@ import torch
 
 import fnmoe
 from fnmoe import _torch, cpu_attention, data, memory, reshard, sharding
+from fnmoe import gather as fgather
 from fnmoe import compile as fcompile
 from fnmoe import dist as fdist
 
@@ -134,7 +135,8 @@ def _sizes() -> dict[str, int]:
             "with_policy": memory.with_policy.cache_info().currsize,
             "with_impl": cpu_attention._with_impl.cache_info().currsize,
             "ranks": sharding._ranks.cache_info().currsize, "submesh": len(sharding._submeshes),
-            "epochs": data._epoch_permutation.cache_info().currsize, "tracked": len(reshard._tracked)}
+            "epochs": data._epoch_permutation.cache_info().currsize, "tracked": len(reshard._tracked),
+            "blocks": len(reshard._blocks), "in flight": len(fgather._in_flight) + len(fgather._scattering)}
 
 
 def test_clear_caches_empties_them_and_a_forward_still_runs(monkeypatch):

@@ -118,28 +118,32 @@ def test_sharded_init_gives_each_rank_its_slice():
             assert torch.equal(_plain(leaf), ref[path]), path
 
 
-def _first_step(mesh_shape):
+def _first_step(mesh_shape, cfg: ModelConfig = CFG):
     """(loss, grads) of one full-batch step on a mesh (None: one process)."""
     x_BL = _tokens(0)
     grad_fn = value_and_grad(loss_fn, has_aux=True)
     if mesh_shape is None:
-        (loss, _), grads = grad_fn(init_params(CFG, 0), x_BL[:, :-1], x_BL[:, 1:], CFG, B * L)
+        (loss, _), grads = grad_fn(init_params(cfg, 0), x_BL[:, :-1], x_BL[:, 1:], cfg, B * L)
         return loss, flatten_dict(grads)
     f, e = mesh_shape
     with fdist.simulate(f * e):
         mesh = sharding.make_mesh(MeshConfig(fsdp=f, ep=e))
         x = _rank_part(x_BL, f * e)
-        (loss, _), grads = grad_fn(init_params(CFG, 0, mesh=mesh), x[:, :-1], x[:, 1:], CFG, B * L)
+        (loss, _), grads = grad_fn(init_params(cfg, 0, mesh=mesh), x[:, :-1], x[:, 1:], cfg, B * L)
         return _plain(sharding.all_sum(loss)), {k: _plain(g) for k, g in flatten_dict(grads).items()}
 
 
 def test_first_step_loss_and_grads_match_one_process_on_every_mesh():
-    ref_loss, ref_grads = _first_step(None)
-    for shape in MESHES:
-        loss, grads = _first_step(shape)
-        assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item()), shape
-        for path, g in ref_grads.items():
-            assert rel(grads[path], g) <= 1e-5, (shape, path, rel(grads[path], g))
+    """Every mesh; and tied embeddings on 2x2, whose one leaf gets two reduce-scattered gradients
+    that autograd sums while the second may still be in flight (it waits at that first use)."""
+    tied = ModelConfig(**{**CFG.__dict__, "tie_embeddings": True})
+    for cfg, meshes in ((CFG, MESHES), (tied, [(2, 2)])):
+        ref_loss, ref_grads = _first_step(None, cfg)
+        for shape in meshes:
+            loss, grads = _first_step(shape, cfg)
+            assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item()), shape
+            for path, g in ref_grads.items():
+                assert rel(grads[path], g) <= 1e-5, (shape, path, rel(grads[path], g))
 
 
 def _train(mesh_shape, steps: int, grad_accum: int = 1, reshard: bool = True,
@@ -209,7 +213,7 @@ def test_ignored_labels_count_globally():
 
 def _forward_backward(resharding: bool, monkeypatch) -> tuple[int, int, int]:
     """(gathered block weights still alive after the forward, all-gathers in forward + backward,
-    sharded block leaves) of one 2x2 step."""
+    the blocks' gather calls: one per block and process group) of one 2x2 step."""
     refs = []
     finish = fgather.finish
 
@@ -232,17 +236,19 @@ def _forward_backward(resharding: bool, monkeypatch) -> tuple[int, int, int]:
             alive = sum(r() is not None for r in refs)
             loss.backward()
         counts = comm.get_comm_counts()
-        # calls: a block's forward gathers its leaves in one (coalesced) call, backward's regathers one each
+        # calls: a block's gathers are one (coalesced) call per group, dense leaves' (1-D mesh, over
+        # dp) and expert stacks' (2-D mesh, over fsdp); backward's regathers the same
         gathers = sum(n for op, n in counts.items() if "all_gather_into_tensor" in str(op))
-        leaves = sum(isinstance(t, DTensor) for t in tree_flatten(params["layers"])[0])
-    return alive, gathers, leaves
+        calls = sum(len({t.device_mesh.ndim for t in tree_flatten(layer)[0] if isinstance(t, DTensor)})
+                    for layer in params["layers"].values())
+    return alive, gathers, calls
 
 
 def test_resharding_drops_gathered_weights_after_forward_and_gathers_again(monkeypatch):
-    alive, gathers, leaves = _forward_backward(True, monkeypatch)
+    alive, gathers, calls = _forward_backward(True, monkeypatch)
     kept_alive, kept_gathers, _ = _forward_backward(False, monkeypatch)
     assert alive == 0 and kept_alive > 0
-    assert gathers - kept_gathers == leaves  # each sharded block leaf is gathered once more, in backward
+    assert gathers - kept_gathers == calls == 3  # each block is gathered once more, in backward
 
 
 def _biased(params: dict, bias: list[float]) -> dict:
@@ -297,9 +303,11 @@ def _free_port() -> int:
 
 @pytest.mark.timeout(240)
 def test_torchrun_two_nodes_2x2_matches_one_process(tmp_path):
-    """Two torchrun agents on 127.0.0.1 (two "nodes" of 2 processes) train the 2x2 mesh on gloo."""
+    """Two torchrun agents on 127.0.0.1 (two "nodes" of 2 processes) train the 2x2 mesh on gloo.
+    Tied embeddings: autograd sums the leaf's two reduce-scattered gradients, the second maybe in
+    flight then (it is waited for at that first use)."""
     common = ["--train.steps", "3", "--train.batch-size", "8", "--data.seq-len", "32", "--train.eval-batches", "1",
-              "--train.log-every", "1", "--dist.timeout-s", "10"]
+              "--train.log-every", "1", "--dist.timeout-s", "10", "--model.tie-embeddings"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     one = subprocess.run([sys.executable, "-m", "fnmoe", "train", *common, "--train.run-dir", str(tmp_path / "one")],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
@@ -476,69 +484,74 @@ def test_one_rank_killed_under_torchrun_ends_the_job(tmp_path):
 
 class _Order(TorchDispatchMode):
     """The ops of a step as letters: I an all-gather issued (one call gathers a block's leaves on
-    one group), W the first wait for one of its outputs, c a matmul."""
+    one group), W the first wait for one of its outputs, R a reduce-scatter issued (a leaf's
+    gradient), w its wait, c a matmul, | where backward starts. `overlapping` notes every issue on a
+    group while an earlier one there was not yet waited for."""
 
     def __init__(self):
         super().__init__()
-        self.seq, self.pending = [], []
+        self.seq, self.pending, self.overlapping = [], {}, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default:
-            self.seq.append("I")
-            self.pending += out
-        elif func is torch.ops._c10d_functional.wait_tensor.default:
-            if any(args[0] is t for t in self.pending):
-                self.seq.append("W")
-                self.pending = [t for t in self.pending if t is not args[0]]
+        c10d = torch.ops._c10d_functional
+        if func in (c10d.all_gather_into_tensor_coalesced.default, c10d.reduce_scatter_tensor.default):
+            gather = func is c10d.all_gather_into_tensor_coalesced.default
+            group = args[-1]
+            if any(g == group for g, _ in self.pending.values()):
+                self.overlapping.append(group)
+            self.seq.append("I" if gather else "R")
+            self.pending.update({id(t): (group, "W" if gather else "w") for t in (out if gather else [out])})
+        elif func is c10d.wait_tensor.default and id(args[0]) in self.pending:
+            self.seq.append(self.pending.pop(id(args[0]))[1])
         elif func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default):
             self.seq.append("c")
         return out
 
 
-def test_the_next_blocks_gathers_run_while_this_block_computes(monkeypatch):
-    """Block i+1's all-gathers are issued before block i's matmuls and waited for only after them,
-    where block i+1 starts (the gathers waited at issue before: I W I W ..., then compute)."""
-    from fnmoe import model
+# forward: the embedding's gather (I W); block 0's (one call: dense leaves over dp) and block 1's
+# (two: dp, fsdp) issued before block 0's matmuls; block 0's waited for, its matmuls, block 1's
+# waited for, its matmuls; the final norm's and the head's gathers (I W each) and the head. gloo
+# (serial): block 0's waited for before block 1's go out on the same group.
+FORWARD = {False: r"IWIII(W+)(c+)(W+)(c+)IWIWc", True: r"IWI(W+)II(c+)(W+)(c+)IWIWc"}
+# backward (NCCL's order, no waits at issue): the head's and the final norm's reduce-scatters; block
+# 1 gathered again (II W+, with --memory.recompute full by its recompute), block 0's gathers issued
+# (I) before block 1's matmuls and waited for (W+) only after them; block 1's reduce-scatters (R+)
+# issued before block 0's matmuls and waited for (w+) only after them, where block 0's start; the
+# embedding's; every reduce-scatter waited for by then, or where backward ends
+BACKWARD = {"none": r"ccRwRccIIW+I(c+)w(R+)(W+)(c+)(w+)(R+)(w+)Rw",
+            "full": r"ccRwRIIIW+(c+)w(R+)(W+)(c+)(w+)(R+)(w+)Rw"}
 
-    events, layers = [], {}
-    issue, finish, block = fgather.issue, fgather.finish, model.block
 
-    def spy_issue(tree, dtype):
-        if "attn" in tree:
-            events.append(f"issue {layers[id(tree)]}")
-        return issue(tree, dtype)
-
-    def spy_finish(issued, tree):
-        if "attn" in tree:
-            events.append(f"wait {layers[id(tree)]}")
-        return finish(issued, tree)
-
-    def spy_block(*args, **kw):
-        events.append("compute")
-        return block(*args, **kw)
-    monkeypatch.setattr(fgather, "issue", spy_issue)
-    monkeypatch.setattr(fgather, "finish", spy_finish)
-    monkeypatch.setattr(model, "block", spy_block)
+@pytest.mark.parametrize("serial", [False, True], ids=["nccl-order", "gloo-serial"])
+def test_gathers_run_ahead_and_reduce_scatters_behind_the_blocks_compute(monkeypatch, serial):
+    """Forward: block i+1's all-gathers are issued before block i's matmuls and waited for only
+    after them (the gathers waited at issue before: I W I W ..., then compute). Backward, with the
+    blocks' weights gathered again (resharding, or recompute): block i-1's gathers run while block i
+    computes, and block i's reduce-scatters while block i-1 does (waited at issue before: R w R w).
+    On a serial group (gloo) no collective is issued while another is in flight there."""
+    monkeypatch.setattr(fgather, "_is_serial", lambda group: serial)
     x = _tokens(0)
-    with fdist.simulate(4):
-        mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
-        params = init_params(CFG, 0, mesh=mesh)
-        layers.update({id(p): i for i, p in params["layers"].items()})
-        with torch.no_grad(), _Order() as order:
-            loss_fn(params, _rank_part(x, 4)[:, :-1], _rank_part(x, 4)[:, 1:], CFG, B * L)
-    n = CFG.n_layers
-    want = ["issue 0"] + [e for i in range(n)
-                          for e in ([f"issue {i + 1}"] if i + 1 < n else []) + [f"wait {i}", "compute"]]
-    assert events == want
-    # at the ops: the embedding's gather (I W); block 0's gather (one call, dense leaves over dp);
-    # its leaves waited for before block 1's gathers go out on the same group (one in flight a
-    # group); block 1's two calls (dp, fsdp); block 0's matmuls while they are in flight; block 1's
-    # waits, then its matmuls; the final norm's and the head's gathers (I W each) and the head
-    seq = "".join(order.seq)
-    m = re.fullmatch(r"IWI(W+)II(c+)(W+)(c+)IWIWc", seq)
-    dense, moe = (sum(isinstance(t, DTensor) for t in tree_flatten(params["layers"][str(i)])[0]) for i in (0, 1))
-    assert m and (len(m[1]), len(m[3])) == (dense, moe), seq
+    for recompute in ("none", "full"):
+        with fdist.simulate(4):
+            mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
+            params = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()),
+                              init_params(CFG, 0, mesh=mesh))
+            runner = memory.block_runner(MemoryConfig(recompute=recompute), CFG.n_layers, reshard=True)
+            with _Order() as order:
+                loss, _ = loss_fn(params, _rank_part(x, 4)[:, :-1], _rank_part(x, 4)[:, 1:], CFG, B * L, runner=runner)
+                order.seq.append("|")
+                loss.backward()
+        forward, backward = "".join(order.seq).split("|")
+        leaves = [sum(isinstance(t, DTensor) for t in tree_flatten(params["layers"][str(i)])[0]) for i in (0, 1)]
+        m = re.fullmatch(FORWARD[serial], forward)
+        assert m and (len(m[1]), len(m[3])) == (leaves[0], leaves[1]), (recompute, forward)
+        if serial:
+            assert not order.overlapping and backward.count("R") == backward.count("w"), (recompute, backward)
+            continue
+        m = re.fullmatch(BACKWARD[recompute], backward)
+        counts = tuple(len(m[k]) for k in (2, 3, 5, 6, 7)) if m else None
+        assert counts == (leaves[1], leaves[0], leaves[1], leaves[0], leaves[0]), (recompute, backward)
 
 
 if __name__ == "__main__":  # a process of _compiled_and_eager: `python test_sharding.py OUT fnmoe-args...`
