@@ -217,14 +217,13 @@ def activation_plan(run: RunConfig) -> dict:
     # final norm, the head's input, and the fp32 log-softmax cross-entropy keeps when not chunked
     head = norm_bytes(T, cfg.dim, s) + (T * cfg.vocab_size * 4 if run.train.ce_chunks == 1 else 0)
     device = sum(b["device"] for b in blocks) + head
-    return {"blocks": blocks, "device": device, "host": sum(b["host"] for b in blocks),
-            "transient": max(max(b["transient"] for b in blocks), unsharded_grad_bytes(run)) + scatter_bytes(run),
+    # block i's backward (the embedding's after block 0's) runs while block i+1's reduce-scatters
+    # read their inputs, the layer's fp32 gradients (fnmoe.gather); none on one rank
+    sends = [n * GRAD_BYTES * (run.mesh.world > 1) for n in block_numels(cfg, run.mesh.ep)[1:-1]] + [0]
+    transient = max(max(b["transient"] + sends[i + 1] for i, b in enumerate(blocks)),
+                    unsharded_grad_bytes(run) + sends[0])
+    return {"blocks": blocks, "device": device, "host": sum(b["host"] for b in blocks), "transient": transient,
             "head": head}
-
-
-def scatter_bytes(run: RunConfig) -> int:
-    """A layer's fp32 gradients in flight while the layer before's backward computes (fnmoe.gather)."""
-    return 0 if run.mesh.world == 1 else max(block_numels(run.model, run.mesh.ep)[1:-1]) * GRAD_BYTES
 
 
 def unsharded_grad_bytes(run: RunConfig) -> int:
