@@ -143,7 +143,7 @@ def stored_block(stored: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg:
     backward gathers them again there, and resharding (fnmoe.reshard) regathers what backward needs."""
     dtype = DTYPE[cfg.compute_dtype]
     p = gather(stored, dtype)
-    reshard.track(p, stored, lambda: functools.partial(fgather.finish, fgather.issue(stored, dtype), stored))
+    reshard.track(p, stored, lambda: functools.partial(fgather.finish, fgather.issue(stored, dtype), stored), i)
     return block(_with_bias(p, bias_E), x_BLD, cos_LP, sin_LP, cfg, mask, runner, i)
 
 

@@ -35,6 +35,7 @@ class _Block:
     """One block's gathered weights, to gather again in backward. It lives while any of its
     entries does."""
     start: Callable[[], Callable[[], Tree]]  # issues the block's gathers; returns what waits for them
+    before: weakref.ref | None = None        # the block tracked before it in this forward (layer i-1)
     saved: bool = False                      # whether backward holds handles to its weights
     waiting: Callable[[], Tree] | None = None
     again: dict[str, torch.Tensor] | None = None  # path -> the leaf gathered again, until an entry takes it
@@ -49,20 +50,16 @@ class _Block:
             with torch.no_grad():
                 self.again = {k: v for k, v in flatten_dict(self.waiting()).items() if isinstance(v, torch.Tensor)}
             self.waiting = None
-            _issue_before(self)
+            # the block backward reaches next; every rank must decide alike, so by what it saved
+            # (a block that saved weights lives until its backward), not by what is still alive
+            before = self.before() if self.before is not None else None
+            if before is not None and before.saved:
+                before.issue()
         return self.again.pop(path)
 
 
-_blocks: list[weakref.ref] = []
-"""the tracked blocks in forward order (dead ones pruned as blocks are added)"""
-
-
-def _issue_before(block: _Block) -> None:
-    """Start gathering again the block before `block` in forward order (backward's next)."""
-    alive = [b for b in (r() for r in _blocks) if b is not None]
-    i = next((k for k, b in enumerate(alive) if b is block), 0)
-    if i > 0 and alive[i - 1].saved:
-        alive[i - 1].issue()
+_last: weakref.ref | None = None
+"""the block tracked last"""
 
 
 @dataclass(eq=False)
@@ -79,16 +76,17 @@ class _Gathered:
 _tracked: weakref.WeakValueDictionary[int, _Gathered] = weakref.WeakValueDictionary()
 
 
-def track(gathered: Tree, stored: Tree, start: Callable[[], Callable[[], Tree]]) -> None:
-    """Note gathered's leaves (gathered from stored's leaf at the same path) as one block's gathered
-    weights, which backward gathers again by start() (issues the block's gathers, returning what
-    waits for them: the gathered tree) instead of keeping them. A block recomputed in backward is not
-    tracked: its recompute's graph is used at once."""
+def track(gathered: Tree, stored: Tree, start: Callable[[], Callable[[], Tree]], layer: int) -> None:
+    """Note gathered's leaves (gathered from stored's leaf at the same path) as layer `layer`'s
+    gathered weights, which backward gathers again by start() (issues the block's gathers,
+    returning what waits for them: the gathered tree) instead of keeping them. A block recomputed
+    in backward is not tracked: its recompute's graph is used at once."""
+    global _last
     if in_backward():
         return
     stored_flat = flatten_dict(stored)
-    block = _Block(start)
-    _blocks[:] = [r for r in _blocks if r() is not None] + [weakref.ref(block)]
+    block = _Block(start, _last if layer > 0 else None)
+    _last = weakref.ref(block)
     for path, t in flatten_dict(gathered).items():
         if isinstance(t, torch.Tensor) and t is not stored_flat.get(path):
             entry = _Gathered(weakref.ref(t), block, path)
@@ -173,8 +171,9 @@ def strong_args(args: tuple) -> tuple:
 
 def clear() -> None:
     """Forget every tracked gathered weight (the forward of a block in flight then keeps its own)."""
+    global _last
     _tracked.clear()
-    _blocks.clear()
+    _last = None
 
 
 def hooks(inner: tuple[Callable, Callable] | None = None):

@@ -251,6 +251,24 @@ def test_resharding_drops_gathered_weights_after_forward_and_gathers_again(monke
     assert gathers - kept_gathers == calls == 3  # each block is gathered once more, in backward
 
 
+def test_backward_gathers_ahead_only_within_its_own_forward():
+    """Which block backward gathers ahead must not depend on what is still alive: every rank has
+    to issue the same collectives. A forward whose graph lives on (here held on purpose; in a run,
+    a reference cycle the collector has not reached on one rank) must not lend its last block to
+    the next forward's block 0 (its gathers would then run on this rank alone: a deadlock)."""
+    x = _rank_part(_tokens(0), 4)
+    with fdist.simulate(4):
+        mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
+        params = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), init_params(CFG, 0, mesh=mesh))
+        runner = memory.block_runner(MemoryConfig(), CFG.n_layers, reshard=True)
+        held, _ = loss_fn(params, x[:, :-1], x[:, 1:], CFG, B * L, runner=runner)  # never differentiated
+        loss, _ = loss_fn(params, x[:, :-1], x[:, 1:], CFG, B * L, runner=runner)
+        with CommDebugMode() as comm:
+            loss.backward()
+        gathers = sum(n for op, n in comm.get_comm_counts().items() if "all_gather_into_tensor" in str(op))
+    assert held.requires_grad and gathers == 3  # block 1's (dp, fsdp) and block 0's (dp), nothing else
+
+
 def _biased(params: dict, bias: list[float]) -> dict:
     """params with layer 1's router bias set: top-2 then always picks the two largest."""
     buffers = {"layers": {"1": {"moe": {"router_bias_E": torch.tensor(bias)}}}}
