@@ -122,8 +122,9 @@ def _wait(group_name: str) -> None:
 
 
 def _wait_scatters() -> None:
-    while _scattering:
-        _torch.c10d_ops.wait_tensor(_scattering.pop(0).out)
+    for s in _scattering:
+        _torch.c10d_ops.wait_tensor(s.out)
+    _scattering.clear()
 
 
 def wait_all() -> None:
@@ -198,7 +199,8 @@ class _Gathered(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         fdist.entering(ctx.what)
-        send = _padded(grad, ctx.dim, ctx.group.size() * math.ceil(ctx.n / ctx.group.size()), torch.float32)
+        w = ctx.group.size()
+        send = _padded(grad, ctx.dim, w * math.ceil(ctx.n / w), torch.float32)
         return _reduce_scatter(send, ctx.group, ctx.block)[:ctx.rows].movedim(0, ctx.dim).to(ctx.dtype), None
 
 

@@ -13,15 +13,15 @@ one of its weights, and then starts the gathers of the block before it (the one 
 next, if it saved gathered weights), so those run while this block's backward computes: forward's
 prefetch, in reverse. A leaf's copy is let go once backward has unpacked it for the last time.
 
-Hooks, not selective checkpointing: a checkpoint's recompute must replay the forward's ops exactly,
-and a gather issued one block early (model._Prefetching) is not among the block's own ops.
+Hooks, not a checkpoint of the block: the block's other saved tensors stay visible to offload's
+hooks, which these wrap (`hooks(inner)`), and nothing but the weights is computed twice.
 
 Legend: no shape-suffixed tensors here; weights are handled leaf by leaf.
 """
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -70,7 +70,7 @@ class _Gathered:
     tensor: weakref.ref                 # the forward's gathered weight
     block: _Block
     path: str
-    again: torch.Tensor | None = field(default=None)  # the regathered copy, taken by the first unpack
+    again: torch.Tensor | None = None   # the regathered copy, taken by the first unpack
 
 
 _tracked: weakref.WeakValueDictionary[int, _Gathered] = weakref.WeakValueDictionary()
