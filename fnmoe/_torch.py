@@ -57,12 +57,12 @@ def _names(module: str, *names: str) -> tuple:
 # -- trees: key paths, flatten/unflatten (fnmoe.tree)
 pytree = _module("torch.utils._pytree")
 
-# -- collectives dynamo traces, and their ops (fnmoe.dispatch, fnmoe.memory)
+# -- collectives dynamo traces, and their ops (fnmoe.parallel.dispatch, fnmoe.memory.policies)
 funcol = _module("torch.distributed._functional_collectives")
 all_to_all_ops = tuple(_attr(torch.ops, f"{ns}.all_to_all_single.default", f"torch.ops.{ns}.all_to_all_single")
                        for ns in ("_c10d_functional", "_c10d_functional_autograd"))
 
-# -- ranks simulated in one process: LocalTensorMode over the fake group (fnmoe.dist)
+# -- ranks simulated in one process: LocalTensorMode over the fake group (fnmoe.parallel.dist)
 LocalTensor, LocalTensorMode, enabled_local_tensor_mode, maybe_disable_local_tensor_mode = _names(
     "torch.distributed._local_tensor", "LocalTensor", "LocalTensorMode", "enabled_local_tensor_mode",
     "maybe_disable_local_tensor_mode")
@@ -76,7 +76,7 @@ def local_tensors(t: torch.Tensor) -> dict[int, torch.Tensor]:
     return t._local_tensors
 
 
-# -- process groups: the rendezvous store, a new group's timeout (fnmoe.dist)
+# -- process groups: the rendezvous store, a new group's timeout (fnmoe.parallel.dist)
 (default_store,) = _names("torch.distributed.distributed_c10d", "_get_default_store")
 
 
@@ -93,7 +93,7 @@ def set_pg_timeout(opts, timeout: datetime.timedelta) -> None:
         raise unsupported(f"{type(opts).__qualname__}._timeout", e) from e
 
 
-# -- DTensor: a dim split twice, flattened mesh axes (fnmoe.sharding)
+# -- DTensor: a dim split twice, flattened mesh axes (fnmoe.parallel.sharding)
 (StridedShard,) = _names("torch.distributed.tensor.placement_types", "_StridedShard")
 
 
@@ -103,7 +103,7 @@ def flatten_mesh(mesh, name: str, backend_override=None):
     return flatten(name) if backend_override is None else flatten(name, backend_override=backend_override)
 
 
-# -- tensor internals: in-place version counter, a view's base (fnmoe.memory, fnmoe.reshard)
+# -- tensor internals: in-place version counter, a view's base (fnmoe.memory.policies, fnmoe.parallel.reshard)
 _attr(torch.Tensor, "_version", "torch.Tensor._version")
 _attr(torch.Tensor, "_base", "torch.Tensor._base")
 
@@ -118,11 +118,11 @@ def view_base(t: torch.Tensor) -> torch.Tensor | None:
     return t._base
 
 
-# -- dispatch modes: see every op, unwrap tensor subclasses (fnmoe.memory_report)
+# -- dispatch modes: see every op, unwrap tensor subclasses (fnmoe.memory.report)
 TorchDispatchMode, is_traceable_wrapper_subclass = _names(
     "torch.utils._python_dispatch", "TorchDispatchMode", "is_traceable_wrapper_subclass")
 
-# -- ops: CUDA's grouped GEMM (None where absent), size facts for compile (fnmoe.moe, fnmoe.dispatch)
+# -- ops: CUDA's grouped GEMM (None where absent), size facts for compile (fnmoe.moe, fnmoe.parallel.dispatch)
 grouped_mm: Callable | None = getattr(torch, "_grouped_mm", None)
 check: Callable = _attr(torch, "_check", "torch._check")
 
@@ -201,7 +201,7 @@ def in_sharding_propagation(depth: int = 16) -> bool:
 def clear_dtensor_caches() -> None:
     """Forget DTensor's sharding decisions and redistribution plans: they are cached by mesh value and
     hold the mesh object they were made with (and its rank's coordinates), which is wrong for the
-    mesh of another process group, of another rank, in the same process (fnmoe.rehearse, run twice)."""
+    mesh of another process group, of another rank, in the same process (fnmoe.plan.rehearse, run twice)."""
     from torch.distributed.tensor import DTensor
     redistribute = _module("torch.distributed.tensor._redistribute")
     redistribute._gen_transform_infos.cache_clear()

@@ -1,6 +1,6 @@
 """Attention: RoPE (half-split or interleaved, optionally YaRN-scaled), GQA (optional per-head
 q/k RMSNorm) and MLA (DeepSeek's multi-head latent attention), all through SDPA or, for short bf16
-rows on CPU, fnmoe.cpu_attention's kernel; packed rows of several documents attend only within a
+rows on CPU, fnmoe.kernels.attention's kernel; packed rows of several documents attend only within a
 document (see doc_mask).
 
 Legend: B batch, L sequence (K key positions), D model, H heads, G kv heads, A head dim, N = H·A, M = G·A,
@@ -17,7 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fnmoe import _torch, cpu_attention
+from fnmoe import _torch
+from fnmoe.kernels import attention as cpu_attention
 from fnmoe.config import ModelConfig
 
 # DeepSeek's reference and transformers build the q/kv latent RMSNorms with their default eps,
@@ -143,7 +144,7 @@ def sdpa(q_BHLA, k_BGKA, v_BGKU, mask=None, scale: float | None = None) -> torch
 
 
 def _fused_stand_in(q_BHLA, k_BGKA, v_BGKU, scale: float | None) -> torch.Tensor:
-    """For fake tensors on CPU (fnmoe.rehearse plays a GPU rank): what SDPA runs there, a fused kernel
+    """For fake tensors on CPU (fnmoe.plan.rehearse plays a GPU rank): what SDPA runs there, a fused kernel
     saving O(L) a head (CPU SDPA takes its math path for MLA's unequal head dims, which saves the
     [L, L] scores). The memory-efficient kernel's op: fake tensors run it from shapes alone."""
     R = q_BHLA.shape[1] // k_BGKA.shape[1]
@@ -168,7 +169,7 @@ def math_attention(q_BHLA, k_BGKA, v_BGKU, mask=None, scale: float | None = None
 def causal_attention(q_BLHA, k_BLGA, v_BLGU, cfg: ModelConfig, mask=None, scale: float | None = None
                      ) -> torch.Tensor:
     """Causal attention [B, L, H, U] through cfg.attention_impl: fnmoe's CPU kernel
-    (fnmoe.cpu_attention), SDPA (see sdpa) or math_attention. model.block resolves "auto" before a
+    (fnmoe.kernels.attention), SDPA (see sdpa) or math_attention. model.block resolves "auto" before a
     compiled region."""
     impl = cfg.attention_impl
     if impl == "auto":

@@ -5,15 +5,19 @@ permutation is computed again, a warning said once may be said again. Call it be
 (tests, notebooks, a process that trains several models), not inside a step: a gathered weight
 tracked for regathering would then be kept for backward instead.
 
-Not caches, so kept: fnmoe.cpu_gemm's build-and-load (its ops and their fake kernels register once
+Not caches, so kept: fnmoe.kernels.gemm's build-and-load (its ops and their fake kernels register once
 per process) and the compile flags (set once per process). torch's own compile caches are torch's
 (torch.compiler.reset).
 """
 from __future__ import annotations
 
 from fnmoe import compile as fcompile
-from fnmoe import cpu_attention, data, memory, reshard, sharding
-from fnmoe import gather as fgather
+from fnmoe.kernels import attention as cpu_attention
+from fnmoe.data import loader as data
+from fnmoe.memory import policies as memory
+from fnmoe.parallel import reshard
+from fnmoe.parallel import sharding
+from fnmoe.parallel import gather as fgather
 
 
 def clear_caches() -> None:

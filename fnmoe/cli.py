@@ -19,7 +19,7 @@ from typing import Annotated, Callable
 
 import tyro
 
-from fnmoe import dist as fdist
+from fnmoe.parallel import dist as fdist
 from fnmoe.cli_checks import check_range, out_dir
 from fnmoe.cli_prepare import cmd_prepare
 from fnmoe.config import RunConfig, load_config, to_toml, validate
@@ -194,7 +194,7 @@ def cmd_generate(argv: list[str]) -> int:
     import torch
 
     from fnmoe.config.schema import Range
-    from fnmoe.data import EOS_ID, ByteTokenizer, corpus_codec
+    from fnmoe.data.loader import EOS_ID, ByteTokenizer, corpus_codec
     from fnmoe.generate import generate
 
     parser = argparse.ArgumentParser(prog="fnmoe generate", description="sample text from a trained model "
@@ -268,7 +268,7 @@ def cmd_convert(argv: list[str]) -> int:
 
 
 def cmd_plot(argv: list[str]) -> int:
-    from fnmoe.plot import plot_run
+    from fnmoe.run.plot import plot_run
 
     parser = argparse.ArgumentParser(prog="fnmoe plot", description="PNG charts of a run's metrics.jsonl: "
                                      "loss, tokens/s, MFU and a per-layer expert-load heatmap")
@@ -283,8 +283,8 @@ def cmd_plot(argv: list[str]) -> int:
 
 def cmd_plan(argv: list[str]) -> int:
     """Per-rank memory, FLOPs, communication and a step-time model for a config; allocates nothing.
-    --search ranks every layout of the world size instead (fnmoe.plan_search)."""
-    from fnmoe.plan import format_plan, plan
+    --search ranks every layout of the world size instead (fnmoe.plan.search)."""
+    from fnmoe.plan.summary import format_plan, plan
 
     usage = ("fnmoe plan [--config FILE] [overrides, e.g. --mesh.fsdp 48 --mesh.ep 8 --memory.recompute full] "
              "[--json]: per-rank bytes, FLOPs per token, communication and a modelled step time\n"
@@ -306,7 +306,7 @@ def cmd_plan(argv: list[str]) -> int:
         result = plan(run)
         print(json.dumps(result, indent=1) if known.json else format_plan(result))
         return 0
-    from fnmoe.plan_search import format_search, search
+    from fnmoe.plan.search import format_search, search
 
     if known.top < 1:
         raise ValueError(f"--top must be >= 1, got {known.top}")
@@ -316,9 +316,9 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def cmd_rehearse(argv: list[str]) -> int:
-    """One rank of the config's full mesh runs one training step on fake tensors (fnmoe.rehearse);
+    """One rank of the config's full mesh runs one training step on fake tensors (fnmoe.plan.rehearse);
     exit 1 when what it holds or sends differs from the plan."""
-    from fnmoe.rehearse import compare, format_report, rehearse
+    from fnmoe.plan.rehearse import compare, format_report, rehearse
 
     usage = ("fnmoe rehearse [--config FILE] [overrides] [--rank R|worst] [--json]: this process plays rank R "
              "of the config's mesh (fsdp x ep ranks) over a fake process group with fake tensors, runs one real "

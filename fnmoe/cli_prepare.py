@@ -1,4 +1,4 @@
-"""`fnmoe prepare`'s command line: corpus files to prepared token shards (fnmoe.prepare), or
+"""`fnmoe prepare`'s command line: corpus files to prepared token shards (fnmoe.data.prepare), or
 --verify a prepared directory."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from fnmoe.cli_checks import check_range, out_dir
 
 def cmd_prepare(argv: list[str]) -> int:
     from fnmoe.config.schema import Range
-    from fnmoe.prepare import prepare
+    from fnmoe.data.prepare import prepare
 
     parser = argparse.ArgumentParser(prog="fnmoe prepare", description="tokenise text, JSONL, Parquet or "
                                      "`datasets` corpora into memory-mapped token shards for --data.corpus DIR, "
@@ -52,7 +52,7 @@ def cmd_prepare(argv: list[str]) -> int:
 
 
 def _verify_prepared(path: str) -> int:
-    from fnmoe.data import check_prepared_checksums
+    from fnmoe.data.loader import check_prepared_checksums
 
     index = check_prepared_checksums(path)
     names = [e["file"] for e in index["splits"].values()] + \

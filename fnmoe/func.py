@@ -15,7 +15,7 @@ import torch
 from torch import func
 
 from fnmoe.config import ModelConfig
-from fnmoe.data import IGNORE
+from fnmoe.data.loader import IGNORE
 from fnmoe.model import forward
 from fnmoe.train import loss_fn
 from fnmoe.tree import Tree, tree_leaves, tree_map

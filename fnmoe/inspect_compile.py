@@ -8,7 +8,7 @@ kernel counts, and host syncs (data-dependent scalar reads such as `.item()` / `
 `_local_scalar_dense`, each size read named with its hint for inductor, fnmoe.compile.size_hint).
 Regions trace in bfloat16 (the dtype training compiles in; on CUDA a float32 config's MoE region
 runs the eager loop, which reads counts on the host), so a float32 config is inspected as its bf16
-twin, said once; the MoE region traces the expert GEMM path CPU uses (under impl='auto' fnmoe.cpu_gemm's grouped
+twin, said once; the MoE region traces the expert GEMM path CPU uses (under impl='auto' fnmoe.kernels.gemm's grouped
 op, which reads nothing on the host; the padded path reads its slab size once, named in the report).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from fnmoe import _torch
 from fnmoe import compile as fcompile
-from fnmoe import cpu_attention
+from fnmoe.kernels import attention as cpu_attention
 from fnmoe.config import ModelConfig
 from fnmoe.attention import rope
 from fnmoe.model import DTYPE, _attention_region, _mlp_region, _moe_region, layer_params
@@ -54,7 +54,7 @@ def traceable_config(cfg: ModelConfig) -> tuple[ModelConfig, str]:
         return cfg, ""
     return (dataclasses.replace(cfg, compute_dtype="bfloat16"),
             f"note: model.compute_dtype={cfg.compute_dtype!r}: regions are traced in bfloat16 "
-            "(on CUDA, or without fnmoe.cpu_gemm, the float32 MoE path runs eager)")
+            "(on CUDA, or without fnmoe.kernels.gemm, the float32 MoE path runs eager)")
 
 
 def region_cases(cfg: ModelConfig, B: int = 2, L: int = 64, seed: int = 0) -> list[tuple[str, Callable, list[tuple]]]:
@@ -139,7 +139,7 @@ def gemm_note(cfg: ModelConfig) -> str:
     gemm = expert_gemm(cfg, DTYPE[cfg.compute_dtype])
     why = {"padded": ": it reads the largest expert count on the host, once per MoE layer (its slab "
                      "size; free on CPU; impl='auto' picks grouped, which reads nothing)",
-           "grouped": ": one ragged grouped GEMM (fnmoe.cpu_gemm here, torch's grouped_mm on CUDA), "
+           "grouped": ": one ragged grouped GEMM (fnmoe.kernels.gemm here, torch's grouped_mm on CUDA), "
                       "no host reads"}.get(gemm, "")
     return f"note: MoE expert GEMMs {gemm!r} (model.moe.impl={cfg.moe.impl!r}, on CPU){why}"
 
@@ -147,7 +147,7 @@ def gemm_note(cfg: ModelConfig) -> str:
 def attention_note(cfg: ModelConfig, B: int = 2, L: int = 64) -> str:
     """Which attention the attention region traces with here (CPU, [B, L] rows)."""
     impl = cpu_attention.choice(cfg, B, L, DTYPE[cfg.compute_dtype], torch.device("cpu"))
-    what = {"cpu": "fnmoe's CPU kernel (fnmoe.cpu_attention)", "sdpa": "SDPA",
+    what = {"cpu": "fnmoe's CPU kernel (fnmoe.kernels.attention)", "sdpa": "SDPA",
             "math": "softmax(q·k) as plain ops"}[impl]
     return f"note: attention {impl!r} (model.attention_impl={cfg.attention_impl!r}, [{B}, {L}] rows on CPU): {what}"
 

@@ -15,15 +15,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fnmoe import checkpoint, faults, optim, rundir, sharding, stop
-from fnmoe import dist as fdist
+from fnmoe import checkpoint, optim
+from fnmoe.run import faults
+from fnmoe.run import rundir
+from fnmoe.parallel import sharding
+from fnmoe.run import stop
+from fnmoe.parallel import dist as fdist
 from fnmoe.checkpoint.procs import _from_lead
 from fnmoe.compile import cache_stats, save_artifacts, warm_start
 from fnmoe.config import RunConfig, to_toml
-from fnmoe.data import Loader
-from fnmoe.metrics import (JsonlWriter, MetricsWriter, TensorBoardWriter, drop_rows_after, flops_per_token,
+from fnmoe.data.loader import Loader
+from fnmoe.run.metrics import (JsonlWriter, MetricsWriter, TensorBoardWriter, drop_rows_after, flops_per_token,
                            load_by_layer, load_max_over_mean, mfu)
-from fnmoe.mixture import training_data
+from fnmoe.data.mixture import training_data
 from fnmoe.params import init_params, shape_mismatches
 from fnmoe.train import TrainState, eval_loss, init_state, make_train_step
 from fnmoe.tree import tree_map
@@ -131,8 +135,8 @@ def train(run: RunConfig) -> dict:
     every rank runs this; rank 0 prints and writes metrics.jsonl and config.toml.
 
     SIGINT, SIGTERM and SIGUSR1 stop every rank after the same step, which is saved (a second signal
-    aborts; fnmoe.stop); the summary then says `interrupted`. One run at a time holds the run
-    directory (fnmoe.rundir)."""
+    aborts; fnmoe.run.stop); the summary then says `interrupted`. One run at a time holds the run
+    directory (fnmoe.run.rundir)."""
     rank, mesh = _start_ranks(run)
     try:
         with stop.on_signals(speak=rank == 0) as request:
@@ -187,7 +191,7 @@ def _is_oom(e: RuntimeError) -> bool:
 
 def _oom_report(run: RunConfig, rank: int, e: RuntimeError) -> str:
     """What ran out, the measured peak, and the planner's table for this config, to pick a policy from."""
-    from fnmoe.plan import format_plan, plan
+    from fnmoe.plan.summary import format_plan, plan
 
     if torch.cuda.is_available():
         peak = (f"peak device memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB "
@@ -203,7 +207,7 @@ def _oom_report(run: RunConfig, rank: int, e: RuntimeError) -> str:
 
 def _memory_report(run: RunConfig, params, batch: tuple, rank: int) -> None:
     """--memory.report: every rank measures (a mesh's forward needs all of them); rank 0 prints."""
-    from fnmoe import memory_report
+    from fnmoe.memory import report as memory_report
 
     rows = memory_report.measure(run, params, batch)
     if rank == 0:
@@ -258,7 +262,7 @@ def _open_outputs(run: RunConfig, run_dir: Path, state: TrainState, resumed: boo
             checkpoint.discard_after(run_dir / "checkpoints", state.step)
             mirrors = [TensorBoardWriter(run_dir / "tensorboard")] if run.train.tensorboard else []
             if run.train.wandb:  # imported only when asked: the core never imports wandb
-                from fnmoe.wandb_log import WandbWriter
+                from fnmoe.run.wandb_log import WandbWriter
                 mirrors.append(WandbWriter(run, run_dir, resumed))
             writer = MetricsWriter(_metrics_writer(run_dir / "metrics.jsonl", state.step if resumed else None),
                                    *mirrors)

@@ -17,14 +17,14 @@ from torch.distributed.tensor import DTensor
 
 from fnmoe import _torch, transforms
 from fnmoe import compile as fcompile
-from fnmoe import cpu_attention
-from fnmoe import reshard
+from fnmoe.kernels import attention as cpu_attention
+from fnmoe.parallel import reshard
 from fnmoe.attention import attention, doc_mask, max_logits_H, rms_norm, rope, upcast
 from fnmoe.config import ModelConfig
 from fnmoe.moe import EXPERT_STACKS, expert_gemm, moe_block, swiglu
 from fnmoe.params import check_config, check_params
-from fnmoe import gather as fgather
-from fnmoe.runner import PLAIN, BlockRunner
+from fnmoe.parallel import gather as fgather
+from fnmoe.memory.runner import PLAIN, BlockRunner
 from fnmoe.tree import Tree, tree_map
 
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -36,7 +36,7 @@ def in_compute_dtype(p: dict, dtype: torch.dtype, keep: tuple[str, ...] = ("rout
     gradients' casts back into the backward graph (one eager op per leaf each way otherwise, a
     noticeable share of a small CPU step); sharded gathers and blocks under offload (memory.Runner.offloads) arrive
     cast. Leaves named in keep stay as stored: the router bias (it only ranks fp32 router scores)
-    and, for fnmoe.cpu_gemm, the expert stacks (it casts slices inside its threads)."""
+    and, for fnmoe.kernels.gemm, the expert stacks (it casts slices inside its threads)."""
     return {k: v if k in keep or not isinstance(v, (dict, torch.Tensor))
             else in_compute_dtype(v, dtype, keep) if isinstance(v, dict)
             else v.to(dtype) if v.is_floating_point() else v
@@ -90,7 +90,7 @@ def check_tokens(tokens_BL: torch.Tensor, vocab_size: int, what: str = "tokens")
         raise ValueError(f"{what} must be a non-empty 2-D tensor [batch, seq], got shape {tuple(tokens_BL.shape)}")
     if tokens_BL.dtype.is_floating_point or tokens_BL.dtype.is_complex or tokens_BL.dtype == torch.bool:
         raise TypeError(f"{what} must be an integer tensor of token ids, got {tokens_BL.dtype}")
-    # a traced graph (linearize's) and fake tensors (fnmoe.rehearse's) have no ids to read
+    # a traced graph (linearize's) and fake tensors (fnmoe.plan.rehearse's) have no ids to read
     if tokens_BL.device.type != "cpu" or _torch.tracing() or _torch.is_fake(tokens_BL):
         return
     tokens_BL = _torch.unwrapped(tokens_BL)
@@ -115,7 +115,7 @@ def cast(tree: Tree, dtype: torch.dtype) -> Tree:
 
 def gather_fn(params: Tree) -> Callable:
     """How params reach compute: `cast` for plain leaves; sharded (DTensor) leaves are gathered
-    one block at a time by fnmoe.gather."""
+    one block at a time by fnmoe.parallel.gather."""
     if isinstance(params["embed"]["w_VD"], DTensor):
         return fgather.gather
     return cast
@@ -140,7 +140,7 @@ def layer_params(params: Tree, i: int, dtype: torch.dtype) -> dict:
 def stored_block(stored: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg: ModelConfig, gather: Callable,
                  mask=None, runner: BlockRunner = PLAIN, i: int = 0):
     """block on a layer's stored (sharded) params, gathered here: a runner that recomputes in
-    backward gathers them again there, and resharding (fnmoe.reshard) regathers what backward needs."""
+    backward gathers them again there, and resharding (fnmoe.parallel.reshard) regathers what backward needs."""
     dtype = DTYPE[cfg.compute_dtype]
     p = gather(stored, dtype)
     reshard.track(p, stored, lambda: functools.partial(fgather.finish, fgather.issue(stored, dtype), stored), i)
@@ -150,7 +150,7 @@ def stored_block(stored: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg:
 class _Prefetching:
     """stored_block's gather with one block of lookahead, over the layers' stored params in order.
     Forward issues layer i+1's gathers before block i computes (`issue`), and block i+1 waits for
-    them where it starts (fnmoe.gather). A block recomputed in backward gathers again, and issues
+    them where it starts (fnmoe.parallel.gather). A block recomputed in backward gathers again, and issues
     the gathers of the layer before it, which backward recomputes next."""
 
     def __init__(self, dtype: torch.dtype, layers: list[dict]):
@@ -186,7 +186,7 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     MoE), plus seq_balance_loss and z_loss (the same means) only when their coefficients are set,
     and with record_max_logits max_logits_NH (per layer and head, fp32; MuonClip's input).
 
-    runner (fnmoe.runner.BlockRunner; memory.Runner under a memory policy) runs each block and
+    runner (fnmoe.memory.runner.BlockRunner; memory.Runner under a memory policy) runs each block and
     each of its regions: recompute in backward, offload, resharding. Under torch.func's transforms
     it runs the paths fnmoe.transforms picks.
     positions_BL marks packed documents (positions restart at 0 where one starts): RoPE uses them

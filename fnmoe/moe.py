@@ -8,10 +8,10 @@ fixed and no shape depends on routing (a compiled region never recompiles as cou
 model.moe.capacity_factor rows over an expert's capacity are dropped (`over_capacity`).
 
 Expert GEMM paths (`expert_gemm` picks one): grouped runs all experts as one ragged grouped GEMM:
-torch's grouped_mm (`_torch.grouped_mm`) on CUDA (bf16, dims aligned to 16 bytes), fnmoe.cpu_gemm's op on CPU (any float
-dtype; one parallel region, no padding). Padded puts each expert's rows in a slab of C rows, C the
+torch's grouped_mm (`_torch.grouped_mm`) on CUDA (bf16, dims aligned to 16 bytes), fnmoe.kernels.gemm's op on CPU (any
+float dtype; one parallel region, no padding). Padded puts each expert's rows in a slab of C rows, C the
 step's largest count rounded up to 16 (P = E·C slots), and runs batched matmuls: CPU's path when
-fnmoe.cpu_gemm cannot build (torch's CPU `_grouped_mm` wakes the threads once per expert: slower
+fnmoe.kernels.gemm cannot build (torch's CPU `_grouped_mm` wakes the threads once per expert: slower
 than either). The loop path runs one matmul per expert and is the reference.
 """
 from __future__ import annotations
@@ -21,11 +21,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fnmoe import _torch, cpu_gemm
+from fnmoe import _torch
+from fnmoe.kernels import gemm as cpu_gemm
 from fnmoe.attention import upcast
 from fnmoe.compile import size_hint
 from fnmoe.config import ModelConfig
-from fnmoe.dispatch import ep_expert_mlp
+from fnmoe.parallel.dispatch import ep_expert_mlp
 
 _grouped_mm = _torch.grouped_mm  # None on a torch without it
 
@@ -248,7 +249,7 @@ def swiglu(p: dict, x_TD: torch.Tensor) -> torch.Tensor:
 
 def expert_gemm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
     """The expert GEMM path for compute in dtype on device: model.moe.impl, and for "auto" grouped
-    where it runs (CPU: fnmoe.cpu_gemm built; CUDA: grouped_ok), else padded where grouped_ok holds
+    where it runs (CPU: fnmoe.kernels.gemm built; CUDA: grouped_ok), else padded where grouped_ok holds
     (bf16, aligned dims), else the loop."""
     impl = cfg.moe.impl
     if impl in ("loop", "padded", "dense"):
@@ -306,7 +307,7 @@ def _balance_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
 def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str):
     """(out_BLD, stats): routed experts (+ shared experts) for every token. p holds w_router_DE,
     the expert stacks, optionally shared.* and router_bias_E, and with expert parallelism ep_group
-    (the stacks then hold that ep rank's experts; fnmoe.sharding.gather adds it). stats: counts_E,
+    (the stacks then hold that ep rank's experts; fnmoe.parallel.sharding.gather adds it). stats: counts_E,
     balance_loss, probs_sum_E (the Switch loss's parts, for data parallelism), dropped (rows over
     capacity), and seq_balance_loss / z_loss when their coefficients are non-zero."""
     m = cfg.moe

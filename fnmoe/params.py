@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from fnmoe.config import ModelConfig, validate_model
-from fnmoe.sharding import distribute
+from fnmoe.parallel.sharding import distribute
 from fnmoe.tree import Tree, flatten_dict, map_with_path, tree_map
 
 CHUNK_ROWS = 256

@@ -16,16 +16,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from fnmoe import dist as fdist
-from fnmoe import meters, optim
+from fnmoe.parallel import dist as fdist
+from fnmoe import optim
+from fnmoe.plan import meters
 from fnmoe.attention import upcast
 from fnmoe.config import ModelConfig, RunConfig
-from fnmoe.data import IGNORE
-from fnmoe.memory import train_runner
+from fnmoe.data.loader import IGNORE
+from fnmoe.memory.policies import train_runner
 from fnmoe.model import check_inputs, check_tokens, head_weight, hidden_states
 from fnmoe.moe import balance_loss_part, update_router_bias
-from fnmoe.runner import BlockRunner
-from fnmoe.sharding import all_sum
+from fnmoe.memory.runner import BlockRunner
+from fnmoe.parallel.sharding import all_sum
 from fnmoe.tree import Tree, tree_flatten, tree_unflatten, value_and_grad
 
 
@@ -108,7 +109,7 @@ def _all_max(t: torch.Tensor) -> torch.Tensor:
 def make_device_step(run: RunConfig, tx: optim.GradientTransformation) -> Callable:
     """device_step(state, micro_batches, n_global) -> (state, out): train_step without its host reads
     (the token check, the label count, the metrics), so that it also runs on fake tensors
-    (fnmoe.rehearse). out holds device tensors: loss, grad_norm, finite, updated, counts, dropped."""
+    (fnmoe.plan.rehearse). out holds device tensors: loss, grad_norm, finite, updated, counts, dropped."""
     cfg = run.model
     grad_fn = value_and_grad(loss_fn, has_aux=True)
     runner = train_runner(run)
@@ -168,7 +169,7 @@ def make_device_step(run: RunConfig, tx: optim.GradientTransformation) -> Callab
                "dropped": dropped}
         return TrainState(params, opt_state, state.step + 1), out
 
-    device_step.runner = runner  # (its host pool's bookkeeping is what fnmoe.rehearse reports)
+    device_step.runner = runner  # (its host pool's bookkeeping is what fnmoe.plan.rehearse reports)
     return device_step
 
 

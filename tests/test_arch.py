@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from fnmoe import optim
 from fnmoe.attention import attention, mla_softmax_scale, rope, yarn_inv_freq
 from fnmoe.config import ModelConfig, MoEConfig, OptimConfig, RunConfig, DataConfig, TrainConfig, load_config
-from fnmoe.metrics import flops_per_token, param_counts
+from fnmoe.run.metrics import flops_per_token, param_counts
 from fnmoe.model import forward
 from fnmoe.params import init_params, leaf_inits
 from fnmoe.moe import moe_block, route, seq_balance_loss, update_router_bias, z_loss
@@ -397,7 +397,7 @@ def test_small_presets_validate_and_train(preset, attn, tmp_path):
     # step 1's logged loss is the cross-entropy of the initial params on the run's first batch,
     # computed here by forward and F.cross_entropy (the router losses are not part of the logged loss)
     from fnmoe.cli import parse_run
-    from fnmoe.data import Loader, load_data
+    from fnmoe.data.loader import Loader, load_data
 
     run = parse_run(args[1:], "fnmoe train")
     inputs_BL, labels_BL = Loader(load_data(run.data, run.model.vocab_size), run.data.seq_len, run.train.batch_size,

@@ -20,10 +20,10 @@ from fnmoe import checkpoint, optim
 from fnmoe.checkpoint import CheckpointError, load_params, shards, verify
 from fnmoe.cli import main, parse_run
 from fnmoe.config import load_config
-from fnmoe.data import Loader, load_data
-from fnmoe.faults import KILL_AT_STEP_ENV, SAVE_DELAY_ENV
+from fnmoe.data.loader import Loader, load_data
+from fnmoe.run.faults import KILL_AT_STEP_ENV, SAVE_DELAY_ENV
 from fnmoe.loop import train
-from fnmoe.metrics import drop_rows_after
+from fnmoe.run.metrics import drop_rows_after
 from fnmoe.params import draw_leaf, init_params, leaf_inits
 from fnmoe.train import init_state
 from fnmoe.tree import flatten_dict

@@ -1,7 +1,7 @@
 """Sharded checkpoints: each rank writes its own shards once, any mesh loads any checkpoint bit for
 bit, a failed rank leaves no checkpoint, and a 2x2 run resumed under torchrun repeats its losses.
 
-Meshes other than the torchrun one are simulated in this process (fnmoe.dist.simulate), which
+Meshes other than the torchrun one are simulated in this process (fnmoe.parallel.dist.simulate), which
 writes and reads every simulated rank's files as the real ranks would.
 """
 import errno
@@ -16,11 +16,12 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
-from fnmoe import checkpoint, optim, sharding
-from fnmoe import dist as fdist
+from fnmoe import checkpoint, optim
+from fnmoe.parallel import sharding
+from fnmoe.parallel import dist as fdist
 from fnmoe.checkpoint import CheckpointError, load_params, verify
 from fnmoe.cli import parse_run
-from fnmoe.data import Loader, load_data
+from fnmoe.data.loader import Loader, load_data
 from fnmoe.params import init_params
 from fnmoe.train import TrainState, init_state
 from fnmoe.tree import tree_flatten_with_paths, tree_map

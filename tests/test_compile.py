@@ -157,7 +157,7 @@ def test_default_cache_is_compile_cache_unless_a_dir_is_chosen(tmp_path):
     """Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to inductor's temp default; that must
     not count as a choice (it hid compile_cache/), while a user's choice wins. The CPU extension
     builds under compile_cache/ either way (a temp inductor cache must not rebuild it)."""
-    code = ("import os, torch._dynamo, fnmoe.compile as c, fnmoe.cpu_gemm as g; "
+    code = ("import os, torch._dynamo, fnmoe.compile as c, fnmoe.kernels.gemm as g; "
             "print(c.setup_cache()); print(os.environ['TORCHINDUCTOR_CACHE_DIR']); print(g.build_dir().parent.parent)")
 
     def roots(**env):

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from fnmoe import compile as fcompile
-from fnmoe import cpu_attention, cpu_gemm
+from fnmoe.kernels import attention as cpu_attention
+from fnmoe.kernels import gemm as cpu_gemm
 from fnmoe.attention import causal_attention
 from fnmoe.config import DataConfig, ModelConfig, RunConfig, validate
 from fnmoe.model import forward

@@ -1,4 +1,4 @@
-"""Tests of fnmoe.data: tokenizer, corpus reading, train/val split, loader layout, val batches."""
+"""Tests of fnmoe.data.loader: tokenizer, corpus reading, train/val split, loader layout, val batches."""
 from __future__ import annotations
 
 import collections
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fnmoe.config import DataConfig
-from fnmoe.data import (EOS_ID, ByteTokenizer, Loader, TokenData, check_token_ids, load_data,
+from fnmoe.data.loader import (EOS_ID, ByteTokenizer, Loader, TokenData, check_token_ids, load_data,
                         read_documents, val_batches)
 
 

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fnmoe import dist as fdist
-from fnmoe import optim, sharding
+from fnmoe.parallel import dist as fdist
+from fnmoe import optim
+from fnmoe.parallel import sharding
 from fnmoe.config import MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
-from fnmoe.faults import STOP_AT_STEP_ENV, STOP_RANK_ENV
+from fnmoe.run.faults import STOP_AT_STEP_ENV, STOP_RANK_ENV
 from fnmoe.params import init_params
 from fnmoe.train import init_state, make_train_step
 

@@ -11,8 +11,9 @@ import torch
 from torch import func
 
 from fnmoe import func as ffunc
-from fnmoe import moe, sharding, transforms
-from fnmoe import dist as fdist
+from fnmoe import moe, transforms
+from fnmoe.parallel import sharding
+from fnmoe.parallel import dist as fdist
 from fnmoe.config import MeshConfig, ModelConfig, MoEConfig
 from fnmoe.model import forward
 from fnmoe.params import init_params

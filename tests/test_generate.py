@@ -7,7 +7,7 @@ import torch
 
 from fnmoe.checkpoint import load_params
 from fnmoe.config import load_config
-from fnmoe.data import EOS_ID, ByteTokenizer
+from fnmoe.data.loader import EOS_ID, ByteTokenizer
 from fnmoe.generate import generate, init_cache, sample, step_logits
 from fnmoe.model import forward
 from fnmoe.params import init_params

@@ -401,8 +401,8 @@ def test_convert_refuses_a_corrupt_training_checkpoint(tmp_path, capsys):
 def test_load_on_a_mesh_reads_only_each_ranks_experts(tmp_path, monkeypatch):
     from torch.distributed.tensor import DTensor
 
-    from fnmoe import dist as fdist
-    from fnmoe import sharding
+    from fnmoe.parallel import dist as fdist
+    from fnmoe.parallel import sharding
     from fnmoe.config import MeshConfig
 
     qwen3(seed=7, num_experts=8, num_hidden_layers=2).save_pretrained(tmp_path)
@@ -430,7 +430,7 @@ def test_load_on_a_mesh_reads_only_each_ranks_experts(tmp_path, monkeypatch):
 
 def test_train_starts_from_a_hugging_face_checkpoint(tmp_path, capsys):
     from fnmoe.cli import main
-    from fnmoe.data import Loader, load_data
+    from fnmoe.data.loader import Loader, load_data
     from fnmoe.train import loss_fn
 
     src, conv = tmp_path / "hf", tmp_path / "native"

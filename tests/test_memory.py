@@ -12,11 +12,14 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fnmoe import host_pool, memory, memory_report, moe, optim
+from fnmoe import moe, optim
+from fnmoe.memory import host_pool
+from fnmoe.memory import policies as memory
+from fnmoe.memory import report as memory_report
 from fnmoe.config import MemoryConfig, load_config
 from fnmoe.model import hidden_states
 from fnmoe.params import init_params
-from fnmoe.runner import Plain
+from fnmoe.memory.runner import Plain
 from fnmoe.train import loss_fn
 from fnmoe.tree import flatten_dict
 from conftest import rel
@@ -346,7 +349,7 @@ def test_out_of_memory_prints_the_plan_and_peak_and_leaves_no_checkpoint(tmp_pat
     script.write_text(
         "import resource, sys\n"
         "from fnmoe.cli import main\n"
-        "import fnmoe.loop, fnmoe.plan, fnmoe.memory  # imported before the cap\n"
+        "import fnmoe.loop, fnmoe.plan.summary, fnmoe.memory.policies  # imported before the cap\n"
         "vm = int(open('/proc/self/statm').read().split()[0]) * 4096\n"
         "resource.setrlimit(resource.RLIMIT_AS, (vm + (600 << 20), resource.RLIM_INFINITY))\n"
         "sys.exit(main(['train', *sys.argv[1:]]))\n")

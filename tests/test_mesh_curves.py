@@ -1,7 +1,7 @@
 """Loss curves of the mesh matrix, AdamW and Muon, on real gloo process groups.
 
 Meshes 2x2, 4x1 and 1x4 train in ONE torchrun launch of 4 processes and 2x1, 1x2 in one launch of
-2 (fnmoe.sharding.make_mesh needs world == fsdp * ep, so a world-4 job cannot build the world-2
+2 (fnmoe.parallel.sharding.make_mesh needs world == fsdp * ep, so a world-4 job cannot build the world-2
 meshes); the two launches run side by side. Each process runs this file as a script (`_worker`):
 one default gloo group with a 10 s timeout, a fresh mesh (new subgroups, 10 s timeouts) per mesh
 and run, test_sharding's training loop (its B, L, tokens and contiguous per-rank batch parts) on
@@ -33,8 +33,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fnmoe import dist as fdist
-from fnmoe import sharding
+from fnmoe.parallel import dist as fdist
+from fnmoe.parallel import sharding
 from fnmoe.config import DistConfig, MeshConfig, OptimConfig, load_config
 from fnmoe.params import init_params
 from fnmoe.tree import flatten_dict

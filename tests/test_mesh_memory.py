@@ -1,7 +1,7 @@
 """Memory and communication measured per rank on a real 2x2 (fsdp x ep) gloo mesh.
 
 Why real processes: the memory checks need each rank's own live bytes and peaks, and in a
-simulation (fnmoe.dist.simulate) every rank's tensors live in one process as LocalTensors, so no
+simulation (fnmoe.parallel.dist.simulate) every rank's tensors live in one process as LocalTensors, so no
 meter can say what one rank holds. One torchrun launch of 4 processes runs this file as a script
 (`_worker`): every check runs on every rank, in the same order, and each rank writes its numbers
 to rank<r>.json; the tests read them. Tiny preset (float32, eager), 2 sequences of 64 tokens a
@@ -12,17 +12,17 @@ Meters (none is fnmoe's own accounting):
                  meets through a view as new, so tensors made before it starts (the params'
                  local shards) are registered with track_external, and only what ops make while
                  it runs adds to its live bytes.
-  _LiveStorages  fnmoe.memory_report.NewStorages excluding nothing: a dispatch mode holding a
+  _LiveStorages  fnmoe.memory.report.NewStorages excluding nothing: a dispatch mode holding a
                  weak reference to the storage of every tensor an op makes while it is active
                  (DTensor ops are counted by the local ops they run, as MemTracker does); live
                  bytes = the bytes of those storages still alive. Cheaper than MemTracker.
-  CommMeter      fnmoe.meters' dispatch mode over the _c10d_functional collectives (DTensor's
+  CommMeter      fnmoe.plan.meters' dispatch mode over the _c10d_functional collectives (DTensor's
                  redistribute and fnmoe's all-to-alls run on them): bytes a rank sends, ring
                  accounting (an all-gather sends its input to g-1 peers, a reduce-scatter (g-1)/g
                  of its input, an all-to-all every split but its own, an all-reduce 2(g-1)/g).
 
 The rehearsal (fnmoe rehearse: one rank, fake tensors, fake process group) is checked here against
-this real run: fnmoe.rehearse.measure_step on real tensors of each rank, routing pinned the same.
+this real run: fnmoe.plan.rehearse.measure_step on real tensors of each rank, routing pinned the same.
 """
 from __future__ import annotations
 
@@ -44,15 +44,18 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fnmoe import memory_report, moe, optim, rehearse, sharding
-from fnmoe import dist as fdist
-from fnmoe import gather as fgather
+from fnmoe import moe, optim
+from fnmoe.memory import report as memory_report
+from fnmoe.plan import rehearse
+from fnmoe.parallel import sharding
+from fnmoe.parallel import dist as fdist
+from fnmoe.parallel import gather as fgather
 from fnmoe.config import DistConfig, MemoryConfig, MeshConfig, load_config
-from fnmoe.memory import train_runner
-from fnmoe.memory_report import NewStorages
-from fnmoe.meters import CommMeter, plain_tensors
+from fnmoe.memory.policies import train_runner
+from fnmoe.memory.report import NewStorages
+from fnmoe.plan.meters import CommMeter, plain_tensors
 from fnmoe.params import init_params, leaf_inits
-from fnmoe.plan import block_activations, comm_bytes, tokens_per_rank
+from fnmoe.plan.summary import block_activations, comm_bytes, tokens_per_rank
 from fnmoe.train import init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict, tree_flatten, tree_map
 
@@ -70,7 +73,7 @@ def _run():
 
 
 def _tokens(rank: int, step: int) -> torch.Tensor:
-    """This rank's contiguous part of step's global batch (as fnmoe.data.Loader lays it out)."""
+    """This rank's contiguous part of step's global batch (as fnmoe.data.loader.Loader lays it out)."""
     x = torch.randint(0, 264, (B, L + 1), generator=torch.Generator().manual_seed(step))
     b = B // WORLD
     return x[rank * b:(rank + 1) * b]
@@ -209,7 +212,7 @@ def _comm_rows(rows: list[dict]) -> dict[str, int]:
 
 def _check_comm(run, mesh, rank) -> dict:
     """CommMeter over one bf16 eager step per config, routing pinned to an exactly balanced table,
-    and fnmoe.plan.comm_bytes for it. The planner assumes balanced routing; the step's measured
+    and fnmoe.plan.summary.comm_bytes for it. The planner assumes balanced routing; the step's measured
     routing imbalance is not the formula's to predict, so pinning makes the per-rank comparison exact."""
     out = {}
     moe.route = _pinned_route
@@ -241,7 +244,7 @@ def _truth_run(preset: str, memory: MemoryConfig):
 
 
 def _check_rehearsal(run, mesh, rank) -> dict:
-    """fnmoe.rehearse.measure_step on real tensors, routing pinned balanced: what the rehearsal of
+    """fnmoe.plan.rehearse.measure_step on real tensors, routing pinned balanced: what the rehearsal of
     the same config and rank must reproduce on fake ones."""
     out = {}
     moe.route = _pinned_route
@@ -327,7 +330,7 @@ def test_resharding_drops_gathered_weights_from_live_bytes_after_forward(ranks):
 
 
 def _planned_saved(n_ranks: int = WORLD) -> list[int]:
-    """Per block, fnmoe.plan's saved bytes under policy none (balanced routing) times the ranks: the
+    """Per block, fnmoe.plan.summary's saved bytes under policy none (balanced routing) times the ranks: the
     independent reference for memory_report's `saved`, summed over the ranks (each rank's experts
     receive a different number of rows, but all ranks together receive every rank's T·K)."""
     run = _run()
@@ -394,7 +397,7 @@ def test_full_recompute_with_ep_does_not_grow_live_bytes(ranks):
 
 
 def test_comm_bytes_match_the_planner_per_rank(ranks):
-    """fnmoe.plan.comm_bytes against bytes counted on one eager bf16 step: FSDP gathers in bf16 and
+    """fnmoe.plan.summary.comm_bytes against bytes counted on one eager bf16 step: FSDP gathers in bf16 and
     reduce-scatters in fp32, EP all-to-alls in bf16, within 0.1% per category on every rank. (Measured
     here: exact but for resharding, where the routers are not gathered again in backward, since
     autograd saves their fp32 copy rather than the gathered weight: fsdp 0.062% under the plan,

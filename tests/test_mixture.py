@@ -9,8 +9,8 @@ import torch
 
 from fnmoe.cli import main, parse_run
 from fnmoe.config import DataConfig, MixSource, load_config
-from fnmoe.data import read_documents
-from fnmoe.mixture import MixtureLoader, assign_rows, load_mixture, source_counts
+from fnmoe.data.loader import read_documents
+from fnmoe.data.mixture import MixtureLoader, assign_rows, load_mixture, source_counts
 
 NAMES = ("web", "code", "math")
 SMALL = ["--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
@@ -129,7 +129,7 @@ def test_flag_and_toml_forms(tmp_path, sources, capsys):
 
 def test_training_on_a_mixture_logs_each_source_and_plots_it(tmp_path, sources, capsys):
     pytest.importorskip("matplotlib")
-    from fnmoe.plot import plot_run
+    from fnmoe.run.plot import plot_run
 
     run_dir = tmp_path / "run"
     assert main(["train", "--data.mix", *sources, "--train.steps", "4", "--train.eval-every", "2",

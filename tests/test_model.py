@@ -10,7 +10,7 @@ from fnmoe.attention import gqa, rope_tables
 from fnmoe.config import ModelConfig, MoEConfig
 from fnmoe.model import forward
 from fnmoe.params import LeafInit, draw_leaf, init_params, leaf_inits
-from fnmoe import cpu_gemm
+from fnmoe.kernels import gemm as cpu_gemm
 from fnmoe.moe import PAD_ROWS, expert_gemm, expert_mlp, grouped_ok, moe_block, padded_slots
 from fnmoe.tree import flatten_dict, map_with_path
 from conftest import rel
@@ -182,7 +182,7 @@ def test_expert_gemm_choice(monkeypatch, caplog):
     odd = dataclasses.replace(cfg, dim=60)
     grouped = dataclasses.replace(odd, moe=dataclasses.replace(odd.moe, impl="grouped"))
     for dtype, dims in ((torch.bfloat16, cfg), (torch.float32, cfg), (torch.bfloat16, odd)):
-        assert expert_gemm(dims, dtype, "cpu") == "grouped"  # fnmoe.cpu_gemm: any dtype, any dims
+        assert expert_gemm(dims, dtype, "cpu") == "grouped"  # fnmoe.kernels.gemm: any dtype, any dims
     assert expert_gemm(cfg, torch.bfloat16, "cuda") == "grouped"
     assert expert_gemm(cfg, torch.float32, "cuda") == "loop"
     assert expert_gemm(dataclasses.replace(cfg, moe=MoEConfig(impl="padded")), torch.float32) == "padded"

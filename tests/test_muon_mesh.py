@@ -1,7 +1,7 @@
 """Muon on the FSDP x EP mesh: Newton-Schulz on whole matrices, what it communicates, the Muon rows
 of the mesh matrix, and non-finite steps skipped on every rank.
 
-Meshes run as simulated ranks (fnmoe.dist.simulate); one torchrun launch of 4 gloo processes runs
+Meshes run as simulated ranks (fnmoe.parallel.dist.simulate); one torchrun launch of 4 gloo processes runs
 this file as its worker script (`_worker`) for what needs real process groups: NaN on one rank
 (a simulation cannot read a NaN metric back) and `fnmoe train --optim.name muon` on 2x2.
 Legend: B batch, L sequence.
@@ -21,8 +21,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fnmoe.optim.muon_update as fmuon
-from fnmoe import dist as fdist
-from fnmoe import loop, optim, sharding
+from fnmoe.parallel import dist as fdist
+from fnmoe import loop, optim
+from fnmoe.parallel import sharding
 from fnmoe import train as ftrain
 from fnmoe.config import DataConfig, DistConfig, MeshConfig, OptimConfig, RunConfig, TrainConfig
 from fnmoe.params import init_params

@@ -7,7 +7,7 @@ import torch
 
 from fnmoe import checkpoint, optim
 from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig
-from fnmoe.data import Loader, load_data
+from fnmoe.data.loader import Loader, load_data
 from fnmoe.generate import generate
 from fnmoe.params import init_params
 from fnmoe.train import init_state, make_train_step

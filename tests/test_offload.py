@@ -7,7 +7,8 @@ import weakref
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from fnmoe import host_pool, memory
+from fnmoe.memory import host_pool
+from fnmoe.memory import policies as memory
 from fnmoe.config import MemoryConfig, ModelConfig, MoEConfig
 from fnmoe.params import init_params
 from fnmoe.train import loss_fn

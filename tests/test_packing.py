@@ -10,7 +10,7 @@ from fnmoe import load_config
 from fnmoe.attention import doc_mask, sdpa
 from fnmoe.cli import main
 from fnmoe.config import DataConfig
-from fnmoe.data import EOS_ID, IGNORE, Loader, load_data, val_batches
+from fnmoe.data.loader import EOS_ID, IGNORE, Loader, load_data, val_batches
 from fnmoe.model import forward
 from fnmoe.params import init_params
 from fnmoe.train import loss_fn

@@ -11,9 +11,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from fnmoe import optim
 from fnmoe.cli import main
 from fnmoe.config import load_config
-from fnmoe.metrics import param_counts
+from fnmoe.run.metrics import param_counts
 from fnmoe.params import init_params
-from fnmoe.plan import attention_bytes, plan
+from fnmoe.plan.summary import attention_bytes, plan
 from fnmoe.train import loss_fn
 from fnmoe.tree import flatten_dict
 

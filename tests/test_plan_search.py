@@ -1,4 +1,4 @@
-"""`fnmoe plan --search` and the two-level network model under fnmoe.plan's step time."""
+"""`fnmoe plan --search` and the two-level network model under fnmoe.plan.summary's step time."""
 import dataclasses
 import json
 import time
@@ -9,8 +9,8 @@ import pytest
 from fnmoe.cli import main
 from fnmoe.config import load_config
 from fnmoe.config.check import validate
-from fnmoe.plan import comm_bytes, ep_link_bytes, plan
-from fnmoe.plan_search import POLICIES, search, with_layout
+from fnmoe.plan.summary import comm_bytes, ep_link_bytes, plan
+from fnmoe.plan.search import POLICIES, search, with_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 KIMI = ROOT / "configs" / "kimi_k2_1t.toml"

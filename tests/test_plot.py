@@ -4,7 +4,7 @@ import json
 import pytest
 
 from fnmoe.cli import main
-from fnmoe.plot import plot_run
+from fnmoe.run.plot import plot_run
 
 pytest.importorskip("matplotlib")
 SMALL = ["--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",

@@ -7,8 +7,8 @@ import torch
 
 from fnmoe.cli import main
 from fnmoe.config import DataConfig
-from fnmoe.data import EOS_ID, load_data, open_prepared, read_documents
-from fnmoe.prepare import PART_DOCS, prepare, read_inputs, scan
+from fnmoe.data.loader import EOS_ID, load_data, open_prepared, read_documents
+from fnmoe.data.prepare import PART_DOCS, prepare, read_inputs, scan
 
 
 def write_jsonl(path, docs, field="text"):

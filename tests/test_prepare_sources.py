@@ -9,10 +9,10 @@ import textwrap
 import numpy as np
 import pytest
 
-import fnmoe.prepare
+import fnmoe.data.prepare
 from fnmoe.cli import main
-from fnmoe.data import open_prepared
-from fnmoe.prepare import PART_DOCS, prepare
+from fnmoe.data.loader import open_prepared
+from fnmoe.data.prepare import PART_DOCS, prepare
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -121,7 +121,7 @@ def test_without_pyarrow_core_imports_and_parquet_says_what_to_install(tmp_path)
     script = textwrap.dedent(f"""
         import sys
         sys.modules["pyarrow"] = None  # as if not installed: importing it raises ImportError
-        import fnmoe, fnmoe.prepare, fnmoe.data
+        import fnmoe, fnmoe.data.prepare, fnmoe.data.loader
         from fnmoe.cli import main
         assert main(["prepare", "--input", {str(tmp_path / "x.parquet")!r}, "--out", {str(tmp_path / "o")!r}]) == 2
     """)
@@ -135,7 +135,7 @@ def test_an_interrupted_parquet_run_resumes(tmp_path, monkeypatch):
     docs = documents(3 * PART_DOCS, seed=4)
     src = write_parquet(tmp_path / "in.parquet", {"text": docs}, row_group_size=300)
     prepare([str(src)], "byte", tmp_path / "ref")
-    real_add, calls = fnmoe.prepare._Progress.add, []
+    real_add, calls = fnmoe.data.prepare._Progress.add, []
 
     def interrupt_at_second_part(self, n_bytes, tokens):
         calls.append(1)
@@ -143,7 +143,7 @@ def test_an_interrupted_parquet_run_resumes(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         real_add(self, n_bytes, tokens)
 
-    monkeypatch.setattr(fnmoe.prepare._Progress, "add", interrupt_at_second_part)
+    monkeypatch.setattr(fnmoe.data.prepare._Progress, "add", interrupt_at_second_part)
     with pytest.raises(KeyboardInterrupt):
         prepare([str(src)], "byte", tmp_path / "out", workers=1)
     monkeypatch.undo()

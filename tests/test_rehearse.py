@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from fnmoe import cli
 from fnmoe.config import MemoryConfig, MeshConfig, load_config
-from fnmoe.rehearse import compare, held_bytes, rehearse, rehearsed_bytes, rehearsed_comm
+from fnmoe.plan.rehearse import compare, held_bytes, rehearse, rehearsed_bytes, rehearsed_comm
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)

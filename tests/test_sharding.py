@@ -1,6 +1,6 @@
 """The 2-D mesh: placement rules, sharded init, and training equal to one process on every mesh.
 
-Meshes run as simulated ranks in this process (fnmoe.dist.simulate: LocalTensorMode over the fake
+Meshes run as simulated ranks in this process (fnmoe.parallel.dist.simulate: LocalTensorMode over the fake
 process group); one real torchrun launch checks the same on gloo. The 10-step loss curves of every
 mesh (AdamW and Muon, by `_train` here) run on gloo in test_mesh_curves.py. Legend: B batch, L sequence.
 """
@@ -20,9 +20,12 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from fnmoe import dist as fdist
-from fnmoe import faults, memory, optim, sharding
-from fnmoe import gather as fgather
+from fnmoe.parallel import dist as fdist
+from fnmoe import optim
+from fnmoe.run import faults
+from fnmoe.memory import policies as memory
+from fnmoe.parallel import sharding
+from fnmoe.parallel import gather as fgather
 from fnmoe._torch import TorchDispatchMode
 from fnmoe.config import (DistConfig, MemoryConfig, MeshConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig,
                           TrainConfig, validate)
@@ -84,7 +87,7 @@ def test_bad_meshes_fail_naming_the_numbers():
 
 
 def test_gloo_on_a_gpu_host_trains_on_the_cpu(monkeypatch):
-    """One rule places params, batches and the host pool's copies (fnmoe.dist.compute_device): with
+    """One rule places params, batches and the host pool's copies (fnmoe.parallel.dist.compute_device): with
     --dist.backend gloo and several ranks on a GPU host the mesh is a CPU mesh, so the batches and
     the pool stay on the CPU too (the batches went to the GPU beside CPU params, and the pool made
     a CUDA stream)."""

@@ -17,11 +17,11 @@ import pytest
 
 from fnmoe.checkpoint import verify
 from fnmoe.cli import main
-from fnmoe.faults import (SAVE_DELAY_ENV, SIGNAL_AT_STEP_ENV, SIGNAL_ENV, SIGNAL_RANK_ENV, SIGNAL_TO_ENV)
-from fnmoe.metrics import JsonlWriter
-from fnmoe.plot import plot_run, read_metrics
-from fnmoe.rundir import LOCK
-from fnmoe.stop import FOLLOW_UP_S
+from fnmoe.run.faults import (SAVE_DELAY_ENV, SIGNAL_AT_STEP_ENV, SIGNAL_ENV, SIGNAL_RANK_ENV, SIGNAL_TO_ENV)
+from fnmoe.run.metrics import JsonlWriter
+from fnmoe.run.plot import plot_run, read_metrics
+from fnmoe.run.rundir import LOCK
+from fnmoe.run.stop import FOLLOW_UP_S
 
 from test_checkpoint import (args, ckpts, fnmoe_cmd, losses, one_thread, rows, spawn_env,  # noqa: F401 (a fixture)
                              train_here)
@@ -112,7 +112,7 @@ def test_a_second_signal_aborts_the_save_and_a_second_run_is_refused_meanwhile(t
 def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tmp_path, caplog):
     """A process that took the lock and died by SIGKILL (no cleanup) leaves the file; the next run
     takes it over, saying whose it was, and removes it when done."""
-    take_and_die = ("import os, sys; from pathlib import Path; from fnmoe.rundir import acquire; "
+    take_and_die = ("import os, sys; from pathlib import Path; from fnmoe.run.rundir import acquire; "
                     "acquire(Path(sys.argv[1])); os.kill(os.getpid(), 9)")
     dead = subprocess.Popen([sys.executable, "-c", take_and_die, str(tmp_path)], env=spawn_env(PYTHONPATH=str(ROOT)),
                             stderr=subprocess.PIPE, text=True)

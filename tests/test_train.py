@@ -145,7 +145,7 @@ def test_the_default_run_follows_the_goldens_and_its_loss_falls(tmp_path, monkey
     golden file (tools/make_goldens.py, whose 20-step run is still in the 50-step warmup) and, as the
     README says the loss falls from ~5.6 to ~1.5 over the whole run, the mean of steps 51..60 is
     under 2.85 (measured 2.749, from 5.580 at step 1 and 3.644 at step 20, the golden's last)."""
-    from fnmoe import faults
+    from fnmoe.run import faults
     from fnmoe.cli import parse_run
     from fnmoe.loop import train
 

@@ -12,7 +12,7 @@ cross-entropy + backward (gradients of every parameter) of:
   fnmoe compiled  bf16 compute, every region compiled (the MoE region as one graph)
 
 and prints the median ms (the three alternate, so machine noise hits all alike), tokens/s,
-achieved GFLOP/s (model: fnmoe.metrics.flops_per_token x tokens; experts: 18*T*K*D*F per MoE
+achieved GFLOP/s (model: fnmoe.run.metrics.flops_per_token x tokens; experts: 18*T*K*D*F per MoE
 layer), a split of each median into GEMM / routing+permute / elementwise / other (torch.profiler
 self times, ops classified as tools/bench_moe.py does) and the ratio transformers / fnmoe.
 --blocks also times each implementation over consecutive runs (one after another, not
@@ -43,7 +43,7 @@ if __package__ in (None, ""):  # run as a script from anywhere: the checkout's f
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fnmoe  # noqa: E402
-from fnmoe.metrics import flops_per_token  # noqa: E402
+from fnmoe.run.metrics import flops_per_token  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_moe  # noqa: E402  (its op classification and profiler split)

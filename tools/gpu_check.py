@@ -83,7 +83,7 @@ import torch  # noqa: E402
 from fnmoe import compile as fcompile  # noqa: E402
 from fnmoe import optim  # noqa: E402
 from fnmoe.config import MemoryConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig, load_config  # noqa: E402
-from fnmoe.metrics import flops_per_token, mfu  # noqa: E402
+from fnmoe.run.metrics import flops_per_token, mfu  # noqa: E402
 from fnmoe.params import init_params, leaf_inits  # noqa: E402
 from fnmoe.moe import expert_mlp, moe_block  # noqa: E402
 from fnmoe.train import init_state, make_train_step  # noqa: E402
@@ -225,7 +225,7 @@ _DATA: dict = {}
 
 
 def _data(run: RunConfig):
-    from fnmoe.data import load_data
+    from fnmoe.data.loader import load_data
 
     key = (run.data, run.model.vocab_size)
     if key not in _DATA:
@@ -235,7 +235,7 @@ def _data(run: RunConfig):
 
 def train_losses(run: RunConfig, device: str, steps: int) -> list[tuple[float, float]]:
     """(loss, grad_norm) of `steps` training steps of run on device, from init_params and the preset's data."""
-    from fnmoe.data import Loader
+    from fnmoe.data.loader import Loader
 
     torch.manual_seed(run.train.seed)
     tx, _ = optim.from_config(run.optim, run.train.steps)

@@ -37,7 +37,7 @@ def checkpoint_source(src: Path) -> tuple:
 
 def held_out(run, batches: int, batch_size: int) -> tuple[torch.Tensor, ...]:
     """The first batches x batch_size held-out windows as one batch (inputs, labels[, positions])."""
-    from fnmoe.data import load_data, val_batches
+    from fnmoe.data.loader import load_data, val_batches
 
     data = load_data(run.data, run.model.vocab_size)
     parts = val_batches(data, run.data.seq_len, batch_size, batches, run.data.doc_mask)

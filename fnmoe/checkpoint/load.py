@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from safetensors import SafetensorError, safe_open
 
-from fnmoe import dist as fdist
+from fnmoe.parallel import dist as fdist
 from fnmoe.checkpoint.format import CONFIG, INDEX, SECTIONS, ST_DTYPES, CheckpointError, _whole, parts, read_index
 from fnmoe.checkpoint.procs import _first_error, _job
 from fnmoe.config import RunConfig, load_config

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fnmoe import dist as fdist
+from fnmoe.parallel import dist as fdist
 
 
 def _job() -> tuple[int, int]:

@@ -9,13 +9,14 @@ from typing import Any, Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from fnmoe import optim, sharding
+from fnmoe import optim
+from fnmoe.parallel import sharding
 from fnmoe.checkpoint.format import CONFIG, CheckpointError, _whole, list_checkpoints
 from fnmoe.checkpoint.load import _opened, _read_region, _verify_together, saved_config
 from fnmoe.checkpoint.procs import _job
 from fnmoe.checkpoint.shards import rng_states
 from fnmoe.config import RunConfig, to_dict
-from fnmoe.data import Loader
+from fnmoe.data.loader import Loader
 from fnmoe.params import current_path, init_params
 from fnmoe.train import TrainState
 from fnmoe.tree import Tree, tree_flatten_with_paths

@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from fnmoe import faults
+from fnmoe.run import faults
 from fnmoe.checkpoint.format import (CONFIG, FORMAT, INDEX, MESH_AXES, ST_DTYPES, TMP_PREFIX, VERSION,
                                      CheckpointError, list_checkpoints, read_index)
 from fnmoe.checkpoint.procs import _from_lead, _gather_to_lead, _job
 from fnmoe.checkpoint.shards import Snapshot, index_sections, snapshot, staged
 from fnmoe.config import CheckpointConfig, RunConfig
-from fnmoe.data import Loader
+from fnmoe.data.loader import Loader
 from fnmoe.train import TrainState
 
 log = logging.getLogger("fnmoe")
@@ -101,7 +101,7 @@ def index_text(snap: Snapshot, entries: list[dict], files: dict[str, dict]) -> b
 
 def index_only(state: TrainState, run: RunConfig, ranks) -> bytes:
     """The index.json a save of state by `ranks` writes, from the leaves' shapes and placements
-    alone: no tensor is read or written (fnmoe.rehearse, over fake tensors, at a full mesh's size).
+    alone: no tensor is read or written (fnmoe.plan.rehearse, over fake tensors, at a full mesh's size).
     File digests are all-zero stand-ins of the right length."""
     snap, entries, files = None, [], {}
     for rank in ranks:

@@ -11,11 +11,11 @@ from typing import Any, Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from fnmoe import dist as fdist
-from fnmoe import sharding
+from fnmoe.parallel import dist as fdist
+from fnmoe.parallel import sharding
 from fnmoe.checkpoint.format import MESH_AXES, SECTIONS, ST_DTYPES, CheckpointError, _whole, compact
 from fnmoe.config import RunConfig, to_dict, to_toml
-from fnmoe.data import Loader
+from fnmoe.data.loader import Loader
 from fnmoe.train import TrainState
 from fnmoe.tree import Tree, flatten_dict, tree_flatten_with_paths
 

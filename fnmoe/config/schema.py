@@ -226,7 +226,7 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """Activation memory (fnmoe/memory.py, docs/design.md §6). `recompute` and `offload` act on whole
+    """Activation memory (fnmoe/memory/policies.py, docs/design.md §6). `recompute` and `offload` act on whole
     blocks; attention / moe / mlp act on one region each, inside blocks that `recompute` leaves alone."""
 
     recompute: Literal["none", "full"] = "none"

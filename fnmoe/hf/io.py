@@ -20,7 +20,7 @@ from fnmoe.hf.config import config_from_hf, config_to_hf, fp8_block, hf_architec
 from fnmoe.hf.keys import LAYER_KEY, _mtp_keys, key_map
 from fnmoe.hf.weights import _hf_tensors, _leaf, _Reader
 from fnmoe.params import leaf_inits
-from fnmoe.sharding import distribute
+from fnmoe.parallel.sharding import distribute
 from fnmoe.tree import Tree, flatten_dict, unflatten_dict
 from fnmoe.tree_io import new_dir
 
@@ -67,7 +67,7 @@ def read_json(path: Path) -> dict:
 
 def load(hf_dir: str | Path, mesh=None) -> tuple[ModelConfig, Tree]:
     """(ModelConfig, fp32 params tree) of a Hugging Face checkpoint directory; with a mesh, this
-    rank's shards (DTensor leaves laid out by fnmoe.sharding), each rank reading only the experts
+    rank's shards (DTensor leaves laid out by fnmoe.parallel.sharding), each rank reading only the experts
     it holds (dense matrices are read whole, one at a time, and sliced)."""
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from fnmoe import sharding
+from fnmoe.parallel import sharding
 from fnmoe.tree import tree_flatten_with_paths, tree_map
 
 Tree = Any

@@ -34,9 +34,9 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from fnmoe import dist as fdist
-from fnmoe import sharding
-from fnmoe.dispatch import all_to_all
+from fnmoe.parallel import dist as fdist
+from fnmoe.parallel import sharding
+from fnmoe.parallel.dispatch import all_to_all
 from fnmoe.optim.adam import adamw
 from fnmoe.optim.base import (GradientTransformation, PerLeaf, ScalarOrSchedule, Tree, _device, _leaves, _scalar,
                               add_decayed_weights, chain, decay_mask, default_labels, partition,

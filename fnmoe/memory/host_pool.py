@@ -1,7 +1,7 @@
 """The host pool offload copies into: power-of-two segments of host memory (pinned on CUDA), a bump
 allocator rewound at each forward, and the device-specific copies behind one small interface
 (Copier: CUDA side stream and events; CPU copies that finish at once), so CPU tests run the code
-the GPU runs. fnmoe.memory's offload hooks and recompute keep their saved tensors here as Handles.
+the GPU runs. fnmoe.memory.policies's offload hooks and recompute keep their saved tensors here as Handles.
 """
 from __future__ import annotations
 

@@ -235,7 +235,7 @@ def unsimulated() -> contextlib.AbstractContextManager:
 def simulate(n_ranks: int) -> Iterator[None]:
     """Run the body as n_ranks ranks in this process (fake process group + LocalTensorMode)."""
     if dist.is_initialized():
-        raise RuntimeError("fnmoe.dist.simulate: a process group is already running in this process")
+        raise RuntimeError("fnmoe.parallel.dist.simulate: a process group is already running in this process")
     dist.init_process_group("fake", world_size=n_ranks, rank=0, store=FakeStore())
     try:
         with LocalTensorMode(n_ranks):

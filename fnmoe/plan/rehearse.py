@@ -9,7 +9,7 @@ forward and backward under the configured memory policies (offload's host-pool b
 included), the FSDP gathers and reduce-scatters, the EP all-to-alls, the optimizer update and the
 router-bias rule (fnmoe.train.make_device_step), and the checkpoint index every rank's shards
 would give. Collectives return at once with outputs of the right shape: nothing is sent, the
-bytes are counted (fnmoe.meters.CommMeter). Regions run eager (compiled ones save what inductor's
+bytes are counted (fnmoe.plan.meters.CommMeter). Regions run eager (compiled ones save what inductor's
 partitioner picks, which can differ).
 
 Fake tensors hold no values, so routing cannot come from the router: every exchange sends a rank's
@@ -31,10 +31,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fnmoe import _torch, checkpoint, dispatch, optim, sharding
+from fnmoe import _torch, checkpoint, optim
+from fnmoe.parallel import dispatch
+from fnmoe.parallel import sharding
 from fnmoe._torch import FakeStore, FakeTensorMode
 from fnmoe.config import RunConfig, to_toml, validate
-from fnmoe.meters import CATEGORIES, CommMeter, StorageMeter, plain_tensors
+from fnmoe.plan.meters import CATEGORIES, CommMeter, StorageMeter, plain_tensors
 from fnmoe.params import init_params
 from fnmoe.train import TrainState, make_device_step
 from fnmoe.tree import flatten_dict
@@ -50,7 +52,7 @@ def _check(run: RunConfig, rank: int | str) -> None:
     if rank != "worst" and not (isinstance(rank, int) and 0 <= rank < world):
         raise ValueError(f"--rank {rank} is out of range: the mesh has ranks 0..{world - 1} (or 'worst')")
     if dist.is_initialized():
-        raise RuntimeError("fnmoe.rehearse: a process group is already running in this process")
+        raise RuntimeError("fnmoe.plan.rehearse: a process group is already running in this process")
 
 
 def held_bytes(run: RunConfig) -> list[int]:
@@ -104,7 +106,7 @@ def rehearse(run: RunConfig, rank: int | str = "worst", fresh_process: bool = Tr
 
 
 def _rehearse(run: RunConfig, rank: int) -> dict:
-    from fnmoe.plan import plan
+    from fnmoe.plan.summary import plan
     t0 = time.perf_counter()
     run = dataclasses.replace(run, model=dataclasses.replace(run.model, compile=False))
     _torch.clear_dtensor_caches()
@@ -136,7 +138,7 @@ def _step(run: RunConfig, mesh, rank: int) -> dict:
 
 
 def measure_step(run: RunConfig, mesh, state: TrainState, tx, micro_batches: list, n_global: int):
-    """(what one step of this rank holds and sends, the new state), measured by fnmoe.meters: on
+    """(what one step of this rank holds and sends, the new state), measured by fnmoe.plan.meters: on
     fake tensors here, on real ones in tests/test_mesh_memory.py (the same numbers, checked)."""
     T = run.micro_batch * run.data.seq_len
     storage = StorageMeter((math.ceil(T / run.train.ce_chunks), run.model.vocab_size))
@@ -164,7 +166,7 @@ MEMORY_ROWS = ("params", "grads", "optim", "gathered", "activations", "recompute
 
 
 def rehearsed_bytes(report: dict) -> dict[str, int]:
-    """The rehearsal's bytes in the planner's categories (fnmoe.plan's per_rank_bytes): state at the
+    """The rehearsal's bytes in the planner's categories (fnmoe.plan.summary's per_rank_bytes): state at the
     end of the step, gradients once whole, each transient at its own peak, activations as what the
     forward left alive when backward began (params, state, gradients and gathered weights aside)."""
     m = report["memory"]
@@ -178,7 +180,7 @@ def rehearsed_bytes(report: dict) -> dict[str, int]:
 
 
 def rehearsed_comm(report: dict) -> dict[str, int]:
-    """Bytes sent in the planner's collective kinds (fnmoe.plan.comm_bytes), and what it leaves out."""
+    """Bytes sent in the planner's collective kinds (fnmoe.plan.summary.comm_bytes), and what it leaves out."""
     out = {"fsdp": 0, "ep": 0, "not planned": 0}
     for row in report["collectives"]:
         step = row["phase"] != "update"  # the optimizer's (Muon's whole-matrix exchange) are not planned

@@ -1,5 +1,5 @@
-"""Causal GQA/MHA attention on CPU for short rows: fnmoe/csrc/attention.cpp (built with
-fnmoe.cpu_gemm's extension), as an autograd.Function.
+"""Causal GQA/MHA attention on CPU for short rows: fnmoe/kernels/csrc/attention.cpp (built with
+fnmoe.kernels.gemm's extension), as an autograd.Function.
 
 Legend: B batch, L positions, H query heads, G kv heads, A q/k head dim, U value head dim.
 With bf16 compute its forward+backward against SDPA's CPU flash kernel (2 cores with AVX512-BF16,
@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from fnmoe import cpu_gemm
+from fnmoe.kernels import gemm as cpu_gemm
 from fnmoe.config import ModelConfig
 
 AUTO_MAX_LEN = 1024

@@ -3,7 +3,7 @@
 hidden_states calls `runner(i, fn, p, x_BLD, *rest)` for block i, where fn(p, x_BLD, *rest) is the
 block (p its params, x_BLD its input), and the block runs each of its regions (attention, MoE,
 dense MLP) through `runner.region(i, name, fn, compile, *args)`. A runner decides what the block
-keeps for backward (fnmoe.memory.Runner: recompute, offload, resharding); PLAIN runs everything as
+keeps for backward (fnmoe.memory.policies.Runner: recompute, offload, resharding); PLAIN runs everything as
 it is, which is what a plain forward does.
 
 Legend: B batch, L sequence, D model.

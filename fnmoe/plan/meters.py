@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fnmoe import _torch
-from fnmoe import dist as fdist
+from fnmoe.parallel import dist as fdist
 from fnmoe._torch import TorchDispatchMode, is_traceable_wrapper_subclass
 from fnmoe.tree import tree_leaves
 
@@ -157,7 +157,7 @@ class StorageMeter(_Meter):
         if backward and self.at_backward is None:
             self.at_backward = dict(self.live)
         if func.namespace.startswith("_c10d_functional"):
-            # a collective's output met first at its wait: the call site named it (fnmoe.dist.entering)
+            # a collective's output met first at its wait: the call site named it (fnmoe.parallel.dist.entering)
             kind = _collective_kind(func._opname if func._opname != "wait_tensor" else fdist.last_entered())
             if kind == "ep_buffers" and not backward:
                 return "activations"  # the forward's exchange outputs: saved (recompute keeps them) or soon freed
@@ -210,7 +210,7 @@ class CommMeter(_Meter):
         dtype = str(x.dtype).removeprefix("torch.")
         if func is c10d.all_gather_into_tensor.default:
             key, n = ("all_gather", args[2]), x.nbytes * (args[1] - 1)
-        elif func is c10d.all_gather_into_tensor_coalesced.default:  # fnmoe.gather: a block's leaves, one call
+        elif func is c10d.all_gather_into_tensor_coalesced.default:  # fnmoe.parallel.gather: a block's leaves, one call
             key, n = ("all_gather", args[2]), sum(t.nbytes for t in args[0]) * (args[1] - 1)
         elif func is c10d.reduce_scatter_tensor.default:
             key, n = ("reduce_scatter", args[3]), x.nbytes * (args[2] - 1) // args[2]

@@ -1,6 +1,6 @@
 """Resharding after forward: a block's gathered weights are not kept for backward.
 
-With FSDP each block gathers its weights for compute (fnmoe.gather). The matmuls of the block save
+With FSDP each block gathers its weights for compute (fnmoe.parallel.gather). The matmuls of the block save
 those gathered weights for their backward; keeping them would hold every block's full weights from
 forward to backward. Instead `track` notes which tensors are gathered weights, and saved-tensor
 hooks (`hooks`) replace each saved gathered weight (or a view of one) by a handle that backward

@@ -7,7 +7,7 @@ a stream): one coalesced all-gather per process group (dense leaves over dp, exp
 fsdp), each leaf into its own output. `finish(issued, tree)` waits for each where the block needs
 it and puts it on the autograd graph. `gather` is the two back to back. fnmoe.model issues block
 i+1's gathers before block i computes, and in backward a recomputed block i issues block i-1's;
-fnmoe.reshard does the same for the weights backward gathers again.
+fnmoe.parallel.reshard does the same for the weights backward gathers again.
 
 The graph's backward reduce-scatters the gradient (fp32, summed) to the leaf's shard and does not
 wait: the gradient it returns waits for the collective at its first use (torch's
@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from fnmoe import _torch
-from fnmoe import dist as fdist
+from fnmoe.parallel import dist as fdist
 from fnmoe.tree import Tree, map_with_path, tree_flatten
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from fnmoe import plan_net
+from fnmoe.plan import network as plan_net
 from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.params import leaf_inits
 from fnmoe.tree import flatten_dict
@@ -218,7 +218,7 @@ def activation_plan(run: RunConfig) -> dict:
     head = norm_bytes(T, cfg.dim, s) + (T * cfg.vocab_size * 4 if run.train.ce_chunks == 1 else 0)
     device = sum(b["device"] for b in blocks) + head
     # block i's backward (the embedding's after block 0's) runs while block i+1's reduce-scatters
-    # read their inputs, the layer's fp32 gradients (fnmoe.gather); none on one rank
+    # read their inputs, the layer's fp32 gradients (fnmoe.parallel.gather); none on one rank
     sends = [n * GRAD_BYTES * (run.mesh.world > 1) for n in block_numels(cfg, run.mesh.ep)[1:-1]] + [0]
     transient = max(max(b["transient"] + sends[i + 1] for i, b in enumerate(blocks)),
                     unsharded_grad_bytes(run) + sends[0])
@@ -410,7 +410,7 @@ def plan(run: RunConfig) -> dict:
 @lru_cache(maxsize=16)
 def _counts(cfg: ModelConfig, seq_len: int) -> tuple[int, int, float]:
     """(total params, active params, FLOPs per token), cached for the search's many layouts."""
-    from fnmoe.metrics import flops_per_token, param_counts
+    from fnmoe.run.metrics import flops_per_token, param_counts
 
     return (*param_counts(cfg), flops_per_token(cfg, seq_len))
 

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from fnmoe import dist as fdist
+from fnmoe.parallel import dist as fdist
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 FOLLOW_UP_S = 2.0

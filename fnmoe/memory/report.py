@@ -30,9 +30,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fnmoe._torch import TorchDispatchMode
 from fnmoe.config import MemoryConfig, RunConfig
-from fnmoe.host_pool import HostPool
-from fnmoe.memory import Runner
-from fnmoe.meters import plain_tensors
+from fnmoe.memory.host_pool import HostPool
+from fnmoe.memory.policies import Runner
+from fnmoe.plan.meters import plain_tensors
 from fnmoe.model import hidden_states
 from fnmoe.tree import Tree, tree_leaves, tree_map
 
@@ -123,7 +123,7 @@ class _Measured:
 
 
 def _pool_bytes(run: RunConfig) -> int:
-    from fnmoe.plan import activation_plan
+    from fnmoe.plan.summary import activation_plan
     return int(activation_plan(run)["host"] * 1.25) + (1 << 20)
 
 

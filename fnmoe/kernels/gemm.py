@@ -1,5 +1,5 @@
-"""The experts' grouped GEMMs on CPU: fnmoe/csrc/grouped_gemm.cpp, built on first use, as torch ops.
-The same extension carries fnmoe/csrc/attention.cpp (see fnmoe.cpu_attention).
+"""The experts' grouped GEMMs on CPU: fnmoe/kernels/csrc/grouped_gemm.cpp, built on first use, as torch ops.
+The same extension carries fnmoe/kernels/csrc/attention.cpp (see fnmoe.kernels.attention).
 
 Legend: R rows (sorted by expert), D in, F out, E experts.
 One ragged grouped GEMM runs as one OpenMP parallel region: each thread takes an equal share of

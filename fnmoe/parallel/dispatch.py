@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import torch
 
 from fnmoe import _torch
-from fnmoe import dist as fdist
+from fnmoe.parallel import dist as fdist
 from fnmoe._torch import funcol
 from fnmoe.compile import size_hint
 
@@ -46,7 +46,7 @@ def exchange_counts(counts_E: torch.Tensor, group) -> torch.Tensor:
     return recv.view(S, -1)
 
 
-# fnmoe.rehearse's routing table, for fake tensors whose counts hold no values: (rows, S) -> splits
+# fnmoe.plan.rehearse's routing table, for fake tensors whose counts hold no values: (rows, S) -> splits
 _pinned: list = [None]
 
 

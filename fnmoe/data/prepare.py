@@ -3,7 +3,7 @@ index and a fingerprint, in memory bounded independently of the input's size.
 
 Legend: T tokens.
 
-Layout of a prepared directory (read by fnmoe.data when `--data.corpus DIR`):
+Layout of a prepared directory (read by fnmoe.data.loader when `--data.corpus DIR`):
 
     index.json   {"format": "fnmoe-tokens", "version": 1, "tokenizer": ..., "vocab_size", "eos_id",
                   "dtype": "uint16" | "uint32", "splits": {"train"|"val": {"file", "tokens", "docs",
@@ -14,7 +14,7 @@ Layout of a prepared directory (read by fnmoe.data when `--data.corpus DIR`):
                  prompt tokens (never labels), 1 elsewhere; in the index as splits.<s>.loss_mask
     tokenizer.json   a copy of the tokenizers tokenizer (not for 'byte'), for what decodes the tokens
 
-Inputs are read by fnmoe.sources in two streaming passes. The first counts documents (Parquet:
+Inputs are read by fnmoe.data.sources in two streaming passes. The first counts documents (Parquet:
 from its footer; Arrow: batch headers; JSONL: non-blank lines), which places the held-out split
 before anything is read. The second reads documents lazily into parts of PART_DOCS (a part never
 spans the split), tokenised by a process pool with at most IN_FLIGHT parts a worker queued or
@@ -47,8 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fnmoe.data import PREPARED_FORMAT, PREPARED_TOKENIZER, PREPARED_VERSION, encode_documents, load_tokenizer
-from fnmoe.sources import Source, count_documents, expand_inputs, iter_documents
+from fnmoe.data.loader import PREPARED_FORMAT, PREPARED_TOKENIZER, PREPARED_VERSION, encode_documents, load_tokenizer
+from fnmoe.data.sources import Source, count_documents, expand_inputs, iter_documents
 
 PART_DOCS = 512
 IN_FLIGHT = 2

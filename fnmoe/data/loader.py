@@ -30,13 +30,13 @@ import numpy as np
 import torch
 
 from fnmoe.config import DataConfig
-from fnmoe.sources import BUNDLED, read_documents
+from fnmoe.data.sources import BUNDLED, read_documents
 
 EOS_ID = 256
 IGNORE = -100
 """the label of a token that has no loss (cross_entropy's ignore_index)"""
 PREPARED_FORMAT, PREPARED_VERSION = "fnmoe-tokens", 1
-"""a `fnmoe prepare` directory's index.json (its layout: fnmoe/prepare.py)"""
+"""a `fnmoe prepare` directory's index.json (its layout: fnmoe/data/prepare.py)"""
 PREPARED_TOKENIZER = "tokenizer.json"  # the copy of a tokenizers tokenizer a prepared directory keeps
 
 
@@ -271,7 +271,7 @@ def _token_stream(tok: ByteTokenizer, docs: list) -> tuple[torch.Tensor, torch.T
 @functools.lru_cache(maxsize=4)   # consecutive steps almost always share an epoch
 def _epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
     # sha256, not hash(): Python salts str hashes per process, and every rank must agree
-    digest = hashlib.sha256(f"fnmoe.data:{seed}:{epoch}".encode()).digest()
+    digest = hashlib.sha256(f"fnmoe.data.loader:{seed}:{epoch}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     return torch.randperm(n, generator=gen)
 

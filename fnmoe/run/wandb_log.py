@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fnmoe import rundir
+from fnmoe.run import rundir
 from fnmoe.config import RunConfig, to_dict
 
 ID_FILE = "wandb_id"
@@ -34,7 +34,7 @@ def _wandb():
 
 
 class WandbWriter:
-    """A mirror of metrics.jsonl (fnmoe.metrics.MetricsWriter): the numeric values of each row, and
+    """A mirror of metrics.jsonl (fnmoe.run.metrics.MetricsWriter): the numeric values of each row, and
     for a step row a histogram of tokens per expert for each MoE layer, as TensorBoardWriter writes."""
 
     def __init__(self, run: RunConfig, run_dir: Path, resumed: bool):

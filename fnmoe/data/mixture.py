@@ -1,5 +1,5 @@
 """Data mixtures (data.mix): each global batch drawn from several prepared corpora in proportion to
-their weights, as a pure function of the step like `fnmoe.data.Loader`.
+their weights, as a pure function of the step like `fnmoe.data.loader.Loader`.
 
 Shape suffixes: B batch (sequences, or rows of the global batch), L sequence length, M sources.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from fnmoe.config import DataConfig, RunConfig
-from fnmoe.data import Loader, TokenData, load_data, load_prepared, read_prepared_index, val_batches, windows
+from fnmoe.data.loader import Loader, TokenData, load_data, load_prepared, read_prepared_index, val_batches, windows
 
 log = logging.getLogger("fnmoe")
 
@@ -127,7 +127,7 @@ def _source_permutation(seed: int, name: str, epoch: int, n: int) -> torch.Tenso
 
 @dataclass(frozen=True, eq=False)
 class MixtureLoader:
-    """`fnmoe.data.Loader` over a Mixture: the same layout of the global batch over micro-batches
+    """`fnmoe.data.loader.Loader` over a Mixture: the same layout of the global batch over micro-batches
     and ranks, each row from the source assign_rows gives it."""
 
     data: Mixture
@@ -204,7 +204,7 @@ class MixtureLoader:
 
 def mixture_val_batches(mix: Mixture, seq_len: int, batch: int, n_batches: int,
                         doc_mask: bool = False) -> dict[str, list[tuple[torch.Tensor, ...]]]:
-    """Each source's own validation batches (fnmoe.data.val_batches of its val split)."""
+    """Each source's own validation batches (fnmoe.data.loader.val_batches of its val split)."""
     return {name: val_batches(d, seq_len, batch, n_batches, doc_mask) for name, d in zip(mix.names, mix.sources)}
 
 

@@ -18,7 +18,7 @@ import torch
 
 from fnmoe.config import ModelConfig
 from fnmoe.params import leaf_inits
-from fnmoe.rundir import RunDirError, failure
+from fnmoe.run.rundir import RunDirError, failure
 from fnmoe.tree import flatten_dict
 
 
@@ -172,7 +172,7 @@ class TensorBoardWriter:
 
 
 class MetricsWriter:
-    """metrics.jsonl, plus its mirrors when asked (TensorBoardWriter, fnmoe.wandb_log.WandbWriter):
+    """metrics.jsonl, plus its mirrors when asked (TensorBoardWriter, fnmoe.run.wandb_log.WandbWriter):
     one write per row for all. A failed metrics.jsonl write is kept in `error`, not raised, and the
     rows after it are not written: the loop stops the run at the step boundary, where it can still
     save a checkpoint."""

@@ -8,7 +8,7 @@ counts a block returns are read from the forward only.
 at least memory.offload_min_bytes that is not one of the block's parameters (or a view of one) is
 copied into a HostPool and the original is dropped, so its memory is freed until backward unpacks
 the copy. With recompute='full' the block keeps its input (through the hooks) and what its recompute
-replays (the routing, the exchange's outputs: _Kept), both in the pool. The pool (fnmoe.host_pool)
+replays (the routing, the exchange's outputs: _Kept), both in the pool. The pool (fnmoe.memory.host_pool)
 is preallocated host memory filled through a Copier, on CUDA a side stream with a bound on copies
 in flight, on CPU copies that finish at once, behind the same calls. When backward first needs a
 block's tensors they come back to the device, the last saved first, with the block before's behind
@@ -33,10 +33,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from fnmoe import _torch
 from fnmoe import compile as fcompile
-from fnmoe import dist as fdist
-from fnmoe import reshard
+from fnmoe.parallel import dist as fdist
+from fnmoe.parallel import reshard
 from fnmoe.config import MemoryConfig
-from fnmoe.host_pool import Handle, HostPool
+from fnmoe.memory.host_pool import Handle, HostPool
 from fnmoe._torch import TorchDispatchMode
 from fnmoe.tree import flatten_dict, tree_map
 
@@ -219,10 +219,10 @@ REGIONS = ("attention", "moe", "mlp")
 
 
 class Runner:
-    """A fnmoe.runner.BlockRunner under a MemoryConfig: `runner(i, fn, p, x_BLD, *rest)` runs block
+    """A fnmoe.memory.runner.BlockRunner under a MemoryConfig: `runner(i, fn, p, x_BLD, *rest)` runs block
     i under the block policy, and `runner.region(i, name, fn, compile, *args)` one of its regions
     under that region's policy. With reshard (several ranks, --mesh.reshard-after-forward) gathered
-    weights are regathered in backward, not kept (fnmoe.reshard), composed with offload where both
+    weights are regathered in backward, not kept (fnmoe.parallel.reshard), composed with offload where both
     apply. stats[i] holds the kept and offloaded bytes of block i's saved tensors in the latest
     forward (offload only)."""
 
@@ -303,7 +303,7 @@ class Runner:
 
 def block_runner(mem: MemoryConfig, n_layers: int = 0, pool: HostPool | None = None,
                  reshard: bool = False) -> Runner | None:
-    """The runner for model.hidden_states under this policy (None: fnmoe.runner.PLAIN will do)."""
+    """The runner for model.hidden_states under this policy (None: fnmoe.memory.runner.PLAIN will do)."""
     plain = mem.recompute == "none" and not mem.offload and all(getattr(mem, r) == "none" for r in REGIONS)
     if plain and not reshard:
         return None
@@ -314,7 +314,7 @@ def train_runner(run) -> Runner | None:
     """block_runner for a RunConfig: the host pool sized from the planner's offload bytes (+25%);
     with several ranks and resharding, gathered weights are dropped after forward and gathered again
     in backward."""
-    from fnmoe.plan import activation_plan
+    from fnmoe.plan.summary import activation_plan
 
     mem = run.memory
     offloads = mem.offload or "offload" in (getattr(mem, r) for r in REGIONS)

@@ -13,7 +13,7 @@ Storage (docs/design.md §4): every dim of a leaf has a logical axis (`logical_a
 Splits follow torch.chunk (DTensor's convention), in rule order: the expert dim is split over ep
 first and each ep part over fsdp, which DTensor calls _StridedShard(0, ep) on fsdp (fnmoe._torch.StridedShard).
 
-Compute: fnmoe.gather all-gathers a block's leaves in the compute dtype (dense leaves over dp; an
+Compute: fnmoe.parallel.gather all-gathers a block's leaves in the compute dtype (dense leaves over dp; an
 expert stack over fsdp alone, giving the ep rank its own experts), one block early; gradients come
 back as fp32 shards (a reduce-scatter of each rank's partial sums).
 """
@@ -31,10 +31,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fnmoe import _torch
-from fnmoe import dist as fdist
+from fnmoe.parallel import dist as fdist
 from fnmoe._torch import StridedShard
 from fnmoe.config import DistConfig, MeshConfig
-from fnmoe.dispatch import all_reduce_sum
+from fnmoe.parallel.dispatch import all_reduce_sum
 from fnmoe.tree import Tree, map_with_path, tree_flatten
 
 MESH_AXES = ("fsdp", "ep")

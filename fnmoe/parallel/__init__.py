@@ -1,0 +1,7 @@
+"""Parallelism on the 2-D ("fsdp", "ep") mesh, applied beside the model, not inside it.
+
+dist.py (process groups, the mesh, where tensors live), sharding.py (logical-axis rules, param
+specs, sharding a tree), gather.py (FSDP: a block's params gathered, prefetched, gradients
+reduce-scattered), reshard.py (gathered weights dropped after forward and gathered again in
+backward), dispatch.py (the expert-parallel token exchange and the collectives it uses).
+"""
