@@ -25,8 +25,9 @@ from fnmoe.checkpoint.procs import _from_lead
 from fnmoe.compile import cache_stats, save_artifacts, warm_start
 from fnmoe.config import RunConfig, to_toml
 from fnmoe.data.loader import Loader
-from fnmoe.run.metrics import (JsonlWriter, MetricsWriter, TensorBoardWriter, drop_rows_after, flops_per_token,
-                           load_by_layer, load_max_over_mean, mfu)
+from fnmoe.plan.flops import flops_per_token, mfu
+from fnmoe.run.metrics import (JsonlWriter, MetricsWriter, TensorBoardWriter, drop_rows_after, load_by_layer,
+                              load_max_over_mean)
 from fnmoe.data.mixture import training_data
 from fnmoe.params import init_params, shape_mismatches
 from fnmoe.train import TrainState, eval_loss, init_state, make_train_step

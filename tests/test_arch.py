@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from fnmoe import optim
 from fnmoe.attention import attention, mla_softmax_scale, rope, yarn_inv_freq
 from fnmoe.config import ModelConfig, MoEConfig, OptimConfig, RunConfig, DataConfig, TrainConfig, load_config
-from fnmoe.run.metrics import flops_per_token, param_counts
+from fnmoe.plan.flops import flops_per_token, param_counts
 from fnmoe.model import forward
 from fnmoe.params import init_params, leaf_inits
 from fnmoe.moe import moe_block, route, seq_balance_loss, update_router_bias, z_loss

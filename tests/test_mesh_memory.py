@@ -55,7 +55,8 @@ from fnmoe.memory.policies import train_runner
 from fnmoe.memory.report import NewStorages
 from fnmoe.plan.meters import CommMeter, plain_tensors
 from fnmoe.params import init_params, leaf_inits
-from fnmoe.plan.summary import block_activations, comm_bytes, tokens_per_rank
+from fnmoe.plan.activations import block_activations, tokens_per_rank
+from fnmoe.plan.comm import comm_bytes
 from fnmoe.train import init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict, tree_flatten, tree_map
 
@@ -212,7 +213,7 @@ def _comm_rows(rows: list[dict]) -> dict[str, int]:
 
 def _check_comm(run, mesh, rank) -> dict:
     """CommMeter over one bf16 eager step per config, routing pinned to an exactly balanced table,
-    and fnmoe.plan.summary.comm_bytes for it. The planner assumes balanced routing; the step's measured
+    and fnmoe.plan.comm.comm_bytes for it. The planner assumes balanced routing; the step's measured
     routing imbalance is not the formula's to predict, so pinning makes the per-rank comparison exact."""
     out = {}
     moe.route = _pinned_route
@@ -397,7 +398,7 @@ def test_full_recompute_with_ep_does_not_grow_live_bytes(ranks):
 
 
 def test_comm_bytes_match_the_planner_per_rank(ranks):
-    """fnmoe.plan.summary.comm_bytes against bytes counted on one eager bf16 step: FSDP gathers in bf16 and
+    """fnmoe.plan.comm.comm_bytes against bytes counted on one eager bf16 step: FSDP gathers in bf16 and
     reduce-scatters in fp32, EP all-to-alls in bf16, within 0.1% per category on every rank. (Measured
     here: exact but for resharding, where the routers are not gathered again in backward, since
     autograd saves their fp32 copy rather than the gathered weight: fsdp 0.062% under the plan,

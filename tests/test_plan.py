@@ -11,9 +11,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from fnmoe import optim
 from fnmoe.cli import main
 from fnmoe.config import load_config
-from fnmoe.run.metrics import param_counts
+from fnmoe.plan.flops import param_counts
 from fnmoe.params import init_params
-from fnmoe.plan.summary import attention_bytes, plan
+from fnmoe.plan.activations import attention_bytes
+from fnmoe.plan.summary import plan
 from fnmoe.train import loss_fn
 from fnmoe.tree import flatten_dict
 

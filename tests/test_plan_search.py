@@ -9,7 +9,8 @@ import pytest
 from fnmoe.cli import main
 from fnmoe.config import load_config
 from fnmoe.config.check import validate
-from fnmoe.plan.summary import comm_bytes, ep_link_bytes, plan
+from fnmoe.plan.comm import comm_bytes, ep_link_bytes
+from fnmoe.plan.summary import plan
 from fnmoe.plan.search import POLICIES, search, with_layout
 
 ROOT = Path(__file__).resolve().parent.parent

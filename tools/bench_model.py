@@ -43,7 +43,7 @@ if __package__ in (None, ""):  # run as a script from anywhere: the checkout's f
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fnmoe  # noqa: E402
-from fnmoe.run.metrics import flops_per_token  # noqa: E402
+from fnmoe.plan.flops import flops_per_token  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_moe  # noqa: E402  (its op classification and profiler split)

@@ -83,7 +83,7 @@ import torch  # noqa: E402
 from fnmoe import compile as fcompile  # noqa: E402
 from fnmoe import optim  # noqa: E402
 from fnmoe.config import MemoryConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig, load_config  # noqa: E402
-from fnmoe.run.metrics import flops_per_token, mfu  # noqa: E402
+from fnmoe.plan.flops import flops_per_token, mfu  # noqa: E402
 from fnmoe.params import init_params, leaf_inits  # noqa: E402
 from fnmoe.moe import expert_mlp, moe_block  # noqa: E402
 from fnmoe.train import init_state, make_train_step  # noqa: E402

@@ -314,7 +314,7 @@ def train_runner(run) -> Runner | None:
     """block_runner for a RunConfig: the host pool sized from the planner's offload bytes (+25%);
     with several ranks and resharding, gathered weights are dropped after forward and gathered again
     in backward."""
-    from fnmoe.plan.summary import activation_plan
+    from fnmoe.plan.activations import activation_plan
 
     mem = run.memory
     offloads = mem.offload or "offload" in (getattr(mem, r) for r in REGIONS)

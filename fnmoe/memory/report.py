@@ -123,7 +123,7 @@ class _Measured:
 
 
 def _pool_bytes(run: RunConfig) -> int:
-    from fnmoe.plan.summary import activation_plan
+    from fnmoe.plan.activations import activation_plan
     return int(activation_plan(run)["host"] * 1.25) + (1 << 20)
 
 

@@ -180,7 +180,7 @@ def rehearsed_bytes(report: dict) -> dict[str, int]:
 
 
 def rehearsed_comm(report: dict) -> dict[str, int]:
-    """Bytes sent in the planner's collective kinds (fnmoe.plan.summary.comm_bytes), and what it leaves out."""
+    """Bytes sent in the planner's collective kinds (fnmoe.plan.comm.comm_bytes), and what it leaves out."""
     out = {"fsdp": 0, "ep": 0, "not planned": 0}
     for row in report["collectives"]:
         step = row["phase"] != "update"  # the optimizer's (Muon's whole-matrix exchange) are not planned

@@ -1,6 +1,6 @@
 """`fnmoe plan --search`: every layout of a world size the planner can judge — mesh, memory policy,
 micro-batch — planned, those that do not fit device or host memory dropped, the rest ranked by
-modelled tokens/s/GPU (fnmoe.plan.summary.step_time, overlapped; the serial figure breaks ties).
+modelled tokens/s/GPU (fnmoe.plan.step_time.step_time, overlapped; the serial figure breaks ties).
 
 The candidates:
   mesh          fsdp x ep = world, ep dividing the expert count (ep 1 always: no expert parallelism);
@@ -18,7 +18,8 @@ import dataclasses
 
 from fnmoe.config import RunConfig
 from fnmoe.config.check import validate
-from fnmoe.plan.summary import GB, plan
+from fnmoe.plan.state import GB
+from fnmoe.plan.summary import plan
 
 # name -> MemoryConfig fields (the others from the config; region fields not named are "none")
 POLICIES: dict[str, dict] = {

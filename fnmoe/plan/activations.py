@@ -1,0 +1,169 @@
+"""Activation bytes a rank saves for backward, region by region, under a memory policy.
+
+Formulas count what autograd saves for the kernels the target runs, op by op as fnmoe's regions
+call them: RMSNorm keeps an fp32 input, the normalised and the weighted output; flash attention
+keeps q, k, v, its output and the log-sum-exp (O(L·A) a head, never L²); a SwiGLU keeps both
+projections, the activation and the product. tests/test_plan.py checks them against bytes measured
+by MemTracker on small presets.
+
+Legend: B batch (a rank's micro-batch), L sequence, T tokens (B·L), D model, F dense hidden,
+E experts, K top-k, R routed rows a rank's experts receive (T·K·imbalance), V vocab, H heads,
+G kv heads, A head dim, N = H·A, M = G·A; MLA: I = J + P query/key head dims, U value head dim,
+C kv-lora rank, Q q-lora rank, W = C + P, X = H·(J + U); s bytes per compute-dtype element.
+"""
+from __future__ import annotations
+
+import math
+
+from fnmoe.config import ModelConfig, RunConfig
+from fnmoe.plan.state import DTYPE_BYTES, GRAD_BYTES, block_numels, largest_leaf, unsharded_grad_bytes
+
+
+def norm_bytes(T: int, n: int, s: int) -> int:
+    """RMSNorm over n features: the fp32 input, the normalised and the weighted output, rsqrt."""
+    return T * n * (4 + 2 * s) + 4 * T
+
+
+def attention_bytes(cfg: ModelConfig, T: int, s: int) -> int:
+    """Saved bytes of one attention region (its input norm included)."""
+    H, D = cfg.n_heads, cfg.dim
+    lse = 4 * T * H
+    if cfg.attention == "mla":
+        I, U, C, P, Q = cfg.qk_head_dim_, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.q_lora_rank
+        X = H * (cfg.qk_nope_head_dim + U)
+        q = norm_bytes(T, Q, s) if Q else 0
+        # q and k concatenated (SDPA inputs), v as a view of the kv projection, out and its reshape
+        core = T * s * (2 * H * I + X + 2 * H * U)
+        latent = norm_bytes(T, C, s) + (T * P * 4 if s == 4 else 0)  # fp32: the norm keeps the whole kv_a output
+        return norm_bytes(T, D, s) + q + latent + core + lse
+    N, M = H * cfg.head_dim_, cfg.n_kv_heads * cfg.head_dim_
+    # q/k norms keep their fp32 input and normalised output; the weighted one goes into RoPE, which keeps nothing
+    qk = T * (N + M) * (4 + s) + 4 * T * (H + cfg.n_kv_heads) if cfg.qk_norm else 0
+    return norm_bytes(T, D, s) + qk + T * s * (3 * N + 2 * M) + lse
+
+
+def swiglu_bytes(T: int, F: int, s: int) -> int:
+    """gate and up projections, the activation, the product."""
+    return 4 * T * F * s
+
+
+def mlp_bytes(cfg: ModelConfig, T: int, s: int) -> int:
+    return norm_bytes(T, cfg.dim, s) + swiglu_bytes(T, cfg.ffn_hidden, s)
+
+
+def moe_bytes(cfg: ModelConfig, T: int, s: int, imbalance: float = 1.0, ep: int = 1) -> int:
+    """Saved bytes of one MoE region on a rank: its tokens' routing, and the rows its experts receive
+    (T·K on average over EP ranks, times the imbalance on the busiest)."""
+    m, D = cfg.moe, cfg.dim
+    K, E = m.top_k, m.n_experts
+    R = int(T * K * (imbalance if ep > 1 else 1.0))
+    router = (T * D * 4 if s != 4 else 0) + 2 * T * E * 4 + T * K * (8 + 4 + 4 + s)
+    rows = R * 16 + 2 * R * D * s + swiglu_bytes(R, m.expert_hidden, s)
+    shared = swiglu_bytes(T, m.n_shared_experts * m.expert_hidden, s)
+    return norm_bytes(T, D, s) + router + rows + shared
+
+
+def region_bytes(cfg: ModelConfig, i: int, T: int, s: int, imbalance: float = 1.0, ep: int = 1) -> dict:
+    """{region: saved bytes with policy none} of layer i."""
+    ffn = ("moe", moe_bytes(cfg, T, s, imbalance, ep)) if cfg.is_moe_layer(i) else ("mlp", mlp_bytes(cfg, T, s))
+    return dict([("attention", attention_bytes(cfg, T, s)), ffn])
+
+
+def selective_bytes(cfg: ModelConfig, region: str, T: int, s: int, R: int) -> int:
+    """Saved bytes under selective recompute: the region input, matmul and attention outputs and the
+    routing; norms and pointwise ops are recomputed."""
+    D, x = cfg.dim, T * cfg.dim * s
+    if region == "attention":
+        return x + attention_bytes(cfg, T, s) - norm_bytes(T, D, s)
+    if region == "mlp":
+        return x + 2 * T * cfg.ffn_hidden * s
+    m = cfg.moe
+    return (x + T * m.top_k * (8 + 4) + R * (2 * m.expert_hidden + D) * s
+            + 2 * T * m.n_shared_experts * m.expert_hidden * s)
+
+
+def exchange_bytes(run: RunConfig, T: int) -> int:
+    """A MoE layer's two all-to-all outputs on the busiest EP rank: the R rows its experts receive
+    and the T·K rows that come back (none without expert parallelism)."""
+    if run.mesh.ep == 1:
+        return 0
+    K = run.model.moe.top_k
+    return int(T * K * (1 + run.plan.imbalance)) * run.model.dim * DTYPE_BYTES[run.model.compute_dtype]
+
+
+def block_activations(run: RunConfig, i: int, T: int) -> dict:
+    """Layer i's saved bytes under run.memory: {device, host, recomputed, transient} where transient
+    is what recomputing it in backward holds at once."""
+    cfg, mem = run.model, run.memory
+    s = DTYPE_BYTES[cfg.compute_dtype]
+    regions = region_bytes(cfg, i, T, s, run.plan.imbalance, run.mesh.ep)
+    full = sum(regions.values())
+    last = i == cfg.n_layers - 1
+    if mem.recompute == "full":
+        # the block input, and the exchange's outputs (memory.EXCHANGE_OPS: recompute never repeats an
+        # all-to-all), which the recomputed block holds again beside its own saved tensors
+        exchanged = exchange_bytes(run, T) if cfg.is_moe_layer(i) else 0
+        kept = T * cfg.dim * s + exchanged
+        host = kept if mem.offload and not last else 0
+        # offloaded, what it keeps comes back for its recompute, beside the previous block's (prefetched)
+        # and, as backward reaches each weight, that leaf's compute-dtype gradient before its reduce-scatter
+        return {"device": kept - host, "host": host, "recomputed": full,
+                "transient": full + exchanged + (2 * kept if host else 0) + largest_leaf(run, layers=True) * s}
+    R = int(T * cfg.moe.top_k * (run.plan.imbalance if run.mesh.ep > 1 else 1.0))
+    out = {"device": 0, "host": 0, "recomputed": 0, "transient": 0}
+    for region, none_bytes in regions.items():
+        policy = getattr(mem, region)
+        if mem.offload or policy == "offload":
+            out["host" if not last else "device"] += none_bytes
+        elif policy == "full":
+            out["device"] += T * cfg.dim * s
+            out["recomputed"] += none_bytes
+            out["transient"] = max(out["transient"], none_bytes)
+        elif policy == "selective":
+            kept = selective_bytes(cfg, region, T, s, R)
+            out["device"] += kept
+            out["recomputed"] += none_bytes - kept
+            out["transient"] = max(out["transient"], none_bytes - kept)
+        else:
+            out["device"] += none_bytes
+    return out
+
+
+def tokens_per_rank(run: RunConfig) -> int:
+    """T: tokens of one micro-batch on one rank."""
+    return run.micro_batch * run.data.seq_len
+
+
+def activation_plan(run: RunConfig) -> dict:
+    """Saved activation bytes per rank (device and host), per block and in total, plus the head."""
+    cfg, T = run.model, tokens_per_rank(run)
+    s = DTYPE_BYTES[cfg.compute_dtype]
+    blocks = [block_activations(run, i, T) for i in range(cfg.n_layers)]
+    # final norm, the head's input, and the fp32 log-softmax cross-entropy keeps when not chunked
+    head = norm_bytes(T, cfg.dim, s) + (T * cfg.vocab_size * 4 if run.train.ce_chunks == 1 else 0)
+    device = sum(b["device"] for b in blocks) + head
+    # block i's backward (the embedding's after block 0's) runs while block i+1's reduce-scatters
+    # read their inputs, the layer's fp32 gradients (fnmoe.parallel.gather); none on one rank
+    sends = [n * GRAD_BYTES * (run.mesh.world > 1) for n in block_numels(cfg, run.mesh.ep)[1:-1]] + [0]
+    transient = max(max(b["transient"] + sends[i + 1] for i, b in enumerate(blocks)),
+                    unsharded_grad_bytes(run) + sends[0])
+    return {"blocks": blocks, "device": device, "host": sum(b["host"] for b in blocks), "transient": transient,
+            "head": head}
+
+
+def logits_bytes(run: RunConfig) -> int:
+    """One CE chunk's fp32 log-softmax and, in backward, the two fp32 gradients before it (the
+    compute-dtype logits and their fp32 copy are gone by then)."""
+    T = tokens_per_rank(run)
+    return math.ceil(T / run.train.ce_chunks) * run.model.vocab_size * (4 + 4 + 4)
+
+
+def ep_buffer_bytes(run: RunConfig) -> int:
+    """Backward's all-to-all buffer of one MoE layer on the busiest EP rank: the gradients of the R
+    rows its experts received (forward's exchange outputs count as activations: saved, or freed at
+    once). Rehearsed at full scale, one such buffer is alive at a time."""
+    if run.mesh.ep == 1 or not run.model.moe.n_experts:
+        return 0
+    T, s = tokens_per_rank(run), DTYPE_BYTES[run.model.compute_dtype]
+    return int(T * run.model.moe.top_k * max(run.plan.imbalance, 1.0)) * run.model.dim * s
+
