@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fnmoe.config import DataConfig
-from fnmoe.data.loader import (EOS_ID, ByteTokenizer, Loader, TokenData, check_token_ids, load_data,
-                        read_documents, val_batches)
+from fnmoe.data.loader import (EOS_ID, ByteTokenizer, Loader, TokenData, _epoch_permutation, check_token_ids,
+                               load_data, read_documents, val_batches)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +89,16 @@ def _split_eos(ids: list[int]) -> list[bytes]:
 
 
 # ---------------------------------------------------------------- loader
+
+def test_sample_order_is_the_one_saved_runs_resume_with(bundled):
+    """A checkpoint keeps only the step and seed, so the order of samples must not change between
+    releases: these are the ids the loader gave before fnmoe/data/ existed (moving the module once
+    changed the permutation's key, and with it every run's data)."""
+    assert _epoch_permutation(0, 1, 1000)[:6].tolist() == [411, 892, 581, 756, 346, 219]
+    assert _epoch_permutation(7, 0, 1000)[:6].tolist() == [413, 277, 448, 607, 450, 458]
+    loader = Loader(bundled, seq_len=256, batch_size=8, grad_accum=1, seed=0)
+    assert loader.sample_ids(0, 0, 1, 0).tolist() == [801, 2254, 1342, 2087, 2102, 913, 775, 1774]
+
 
 def test_batch_at_is_deterministic_and_seeded():
     data = stream_data(10_000)

@@ -310,3 +310,29 @@ def test_balance_loss_from_its_definition():
     frac = torch.tensor([sum(e in probs[t].topk(2).indices.tolist() for t in range(18)) for e in range(4)]) / 36
     assert torch.equal(counts, (frac * 36).long())
     assert abs(bl - 4 * (frac * probs.mean(0)).sum()) <= 1e-6
+
+
+def test_sigmoid_balance_losses_normalise_scores_per_token():
+    """Sigmoid scores do not sum to 1 over experts; the Switch and sequence-wise losses read each
+    token's scores divided by their sum (DeepSeek-V3), else a balanced router scores ~E/2 not 1."""
+    B, L, E, K = 2, 9, 4, 2
+    cfg = dataclasses.replace(SMALL, moe=dataclasses.replace(
+        SMALL.moe, score_func="sigmoid", seq_aux_loss_coeff=0.1, router_bias=True))
+    p = init_params(cfg, seed=6)["layers"]["1"]["moe"]
+    p["w_router_DE"] = p["w_router_DE"] * 30  # scores far from 1/2, so loads and sequences differ
+    p["router_bias_E"] = torch.tensor([0.05, -0.05, 0.0, 0.02])  # chooses experts but is not a score
+    x = torch.randn(B, L, cfg.dim)
+    _, stats = moe_block(p, x, cfg, gemm="loop")
+    x_TD = x.reshape(-1, cfg.dim)
+    probs, chosen = [], []
+    for t in range(B * L):
+        s = [1 / (1 + math.exp(-float(x_TD[t] @ p["w_router_DE"][:, e]))) for e in range(E)]
+        probs.append([v / sum(s) for v in s])
+        chosen.append(sorted(range(E), key=lambda e: -(s[e] + float(p["router_bias_E"][e])))[:K])
+    switch = sum(E * sum(e in c for c in chosen) / (B * L * K) * sum(q[e] for q in probs) / (B * L)
+                 for e in range(E))
+    seq = sum(E * sum(e in c for c in chosen[b * L:(b + 1) * L]) / (L * K)
+              * sum(q[e] for q in probs[b * L:(b + 1) * L]) / L for b in range(B) for e in range(E)) / B
+    assert abs(stats["balance_loss"].item() - switch) <= 1e-5 * switch
+    assert abs(stats["seq_balance_loss"].item() - seq) <= 1e-5 * seq
+    assert rel(stats["probs_sum_E"], torch.tensor([sum(q[e] for q in probs) for e in range(E)])) <= 1e-5

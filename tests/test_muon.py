@@ -245,6 +245,26 @@ def test_max_logits_match_full_scores_and_chunking():
         assert torch.allclose(max_logits_H(p, x_BLD, cos, sin, cfg, chunk=3), want_H, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["gqa_shared_kv", "mla"])
+def test_max_logits_of_packed_documents_match_each_document_alone(name):
+    """With doc masks, attention never computes a logit across documents, so MuonClip must not
+    read one: the packed rows' max logits equal the max over each document run as its own row."""
+    cfg = CLIP_CFGS[name]
+    params = init_params(cfg, seed=0)
+    docs = [[5, 7, 4], [9, 7]]  # document lengths of each packed row of 16 tokens
+    tokens_BL = torch.randint(0, 256, (2, 16), generator=gen(5))
+    positions_BL = torch.tensor([[i for n in row for i in range(n)] for row in docs])
+    _, aux = hidden_states(params, tokens_BL, cfg, record_max_logits=True, positions_BL=positions_BL)
+    got_NH = aux["max_logits_NH"]
+    want_NH = torch.full_like(got_NH, -torch.inf)
+    for b, row in enumerate(docs):
+        start = 0
+        for n in row:
+            want_NH = torch.maximum(want_NH, recorded_max_logits(params, tokens_BL[b:b + 1, start:start + n], cfg))
+            start += n
+    assert torch.allclose(got_NH, want_NH, rtol=1e-5, atol=1e-6), (got_NH, want_NH)
+
+
 def head_columns(cfg) -> dict[int, list[tuple[str, slice, str]]]:
     """Per query head h, (leaf, columns, expected factor name) of the weights the clip may scale."""
     H = cfg.n_heads

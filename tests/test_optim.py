@@ -222,6 +222,19 @@ def test_schedules_at_key_steps():
     assert at(optim.constant(3e-4), 77) == pytest.approx(3e-4)
 
 
+@pytest.mark.parametrize("total,fraction,last_stable,n_decay", [
+    (33, 0.2, 25, 7),    # 6.6 decay steps: rounds up to 7 (floor or int() would give 6)
+    (37, 0.25, 27, 9),   # 9.25: rounds down to 9 (ceil would give 10)
+])
+def test_wsd_decay_length_rounds_a_fractional_step_count(total, fraction, last_stable, n_decay):
+    """n = round(decay_fraction x steps) decay steps where that product is not whole, written out by
+    hand: the last stable step is at peak, the next one step down, the last step at peak*min_ratio."""
+    at = lambda step: optim.wsd(1.0, 3, total, fraction, 0.1)(torch.tensor(step)).item()  # noqa: E731
+    for step, want in [(last_stable, 1.0), (last_stable + 1, 1 - 0.9 / n_decay),
+                       (last_stable + 3, 1 - 0.9 * 3 / n_decay), (total - 1, 0.1)]:
+        assert at(step) == pytest.approx(want, rel=1e-6), step
+
+
 def test_scheduled_lr_is_used_and_logged():
     sched = optim.warmup_cosine(1.0, 2, 5, 0.0)
     tx = optim.scale_by_learning_rate(sched)

@@ -151,6 +151,33 @@ def test_sft_prompt_tokens_get_no_loss_in_memory_and_prepared(tmp_path):
     assert torch.equal(x, x2) and torch.equal(y, y2)
 
 
+@pytest.mark.parametrize("doc_mask", [False, True])
+def test_sft_labels_train_the_first_answer_token_and_no_prompt_token(tmp_path, doc_mask):
+    """Every label of every window, against the token stream itself: prompts are written in capitals
+    and answers in lower case, so a target token says by its value whether it is trained on. The
+    last prompt token predicts the first answer token (a target); an off-by-one mask drops it."""
+    letters = "abcdefghij"
+    rows = [{"prompt": "".join(letters[int(c)].upper() for c in str(7 * i)) + "?",
+             "answer": "".join(letters[int(c)] for c in str(14 * i)) + "."} for i in range(40)]
+    src = tmp_path / "sft.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_data(DataConfig(corpus=str(src), text_field="answer", prompt_field="prompt", val_fraction=0.1), 257)
+    answer_ids = set((letters + ".").encode()) | {EOS_ID}
+    L = 16
+    loader = Loader(data, L, 4, 1, 0, doc_mask=doc_mask)
+    first_answers = 0
+    for step in range(-(-loader.n_samples // 4)):  # one epoch: every window
+        x_BL, y_BL, *_ = loader.batch_at(step, 0, 1, 0)
+        window_B = loader.sample_ids(step, 0, 1, 0) % loader.n_samples
+        next_BL = data.train_T[window_B[:, None] * L + torch.arange(1, L + 1)].long()  # the token each predicts
+        for b in range(x_BL.shape[0]):
+            for j in range(L):
+                token = next_BL[b, j].item()
+                assert y_BL[b, j] == (token if token in answer_ids else IGNORE), (step, b, j, token)
+                first_answers += chr(x_BL[b, j]) == "?" and token in answer_ids
+    assert first_answers > 20
+
+
 def test_sft_field_errors_name_the_line_and_field(tmp_path):
     src = tmp_path / "sft.jsonl"
     src.write_text(json.dumps({"prompt": "q"}) + "\n")

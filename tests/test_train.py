@@ -105,6 +105,31 @@ def test_step_loss_is_cross_entropy_of_forwards_logits_over_the_step():
     assert abs(mean_of_means - want) > 100e-6 * want  # the bound tells the normalisations apart
 
 
+def test_held_out_loss_is_cross_entropy_over_the_labels_not_ignored(tmp_path):
+    """A run's val_loss on document-masked data (each document's first label ignored) is
+    F.cross_entropy(ignore_index=-100) of the final params' logits over every held-out window."""
+    from fnmoe.cli import parse_run
+    from fnmoe.data.mixture import training_data
+    from fnmoe.loop import train
+
+    corpus = tmp_path / "short_docs.jsonl"  # documents under 45 bytes: several start in every window
+    corpus.write_text("".join(json.dumps({"text": f"doc {i}: " + "ab " * (i % 12)}) + "\n" for i in range(400)))
+    run = parse_run(["--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
+                     "--train.batch-size", "4", "--data.seq-len", "32", "--train.eval-batches", "3",
+                     "--train.steps", "1", "--data.doc-mask", "--data.corpus", str(corpus),
+                     "--train.run-dir", str(tmp_path / "run")], "fnmoe train")
+    summary = train(run)
+    val = training_data(run)[1][""]
+    logits, labels = zip(*((forward(summary["params"], x_BL, run.model, pos_BL)[0].flatten(0, 1), y_BL.flatten())
+                           for x_BL, y_BL, pos_BL in val))
+    labels_T = torch.cat(labels)
+    assert 0 < (labels_T == IGNORE).sum() < labels_T.numel() / 4 and len(val) == 3
+    want = F.cross_entropy(torch.cat(logits), labels_T, ignore_index=-100).item()
+    assert abs(summary["val_loss"] - want) <= 1e-6 * want, (summary["val_loss"], want)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["val_loss"] for r in rows if "val_loss" in r][-1] == summary["val_loss"]
+
+
 def test_non_finite_gradients_skip_the_step():
     params = init_params(SMALL, seed=3)
     params["embed"]["w_VD"][7] = float("nan")

@@ -270,8 +270,10 @@ def _token_stream(tok: ByteTokenizer, docs: list) -> tuple[torch.Tensor, torch.T
 
 @functools.lru_cache(maxsize=4)   # consecutive steps almost always share an epoch
 def _epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
-    # sha256, not hash(): Python salts str hashes per process, and every rank must agree
-    digest = hashlib.sha256(f"fnmoe.data.loader:{seed}:{epoch}".encode()).digest()
+    # sha256, not hash(): Python salts str hashes per process, and every rank must agree. The key
+    # names the module this lived in before fnmoe/data/ and must not follow it: a checkpoint keeps
+    # only the step and seed, so a changed key gives a resumed run other samples
+    digest = hashlib.sha256(f"fnmoe.data:{seed}:{epoch}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     return torch.randperm(n, generator=gen)
 
