@@ -22,7 +22,8 @@ from fnmoe.config import (
 )
 from fnmoe.model import forward
 from fnmoe.params import init_params
-from fnmoe.train import TrainState, init_state, loss_fn, make_train_step
+from fnmoe.train import init_state, loss_fn, make_train_step
+from fnmoe.train_state import TrainState
 from fnmoe.tree import value_and_grad
 
 __all__ = [

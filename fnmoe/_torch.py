@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import sys
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -157,6 +158,85 @@ def group_of(name: str):
 
 (wait_on_use,) = _names("torch.distributed._functional_collectives", "_maybe_wrap_tensor")
 """a collective's output that waits for it at its first non-view use (AsyncCollectiveTensor)"""
+_are_we_tracing, _is_view_op = _names("torch.distributed._functional_collectives", "_are_we_tracing", "_is_view_op")
+
+
+class _CastOnUse(funcol.AsyncCollectiveTensor):
+    """A collective's output in flight, seen in another dtype: waited for and cast at its first
+    non-view use or at `resolve()` (a cast at once would wait for the collective there). A view of
+    one (DTensor.from_local takes one) is another, resolved with it: one cast, one copy. An
+    AsyncCollectiveTensor, so that torch's code that waits for those (a simulation's LocalTensor,
+    DTensor, compiled regions' inputs) resolves it."""
+    __slots__ = ("value", "base", "views")
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor, dtype: torch.dtype, base=None):
+        r = torch.Tensor._make_wrapper_subclass(cls, elem.size(), strides=elem.stride(),
+                                                storage_offset=elem.storage_offset(), dtype=dtype,
+                                                layout=elem.layout, device=elem.device)
+        r.elem, r.completed, r.value, r.base, r.views = elem, False, None, base, []
+        return r
+
+    def resolve(self) -> torch.Tensor:
+        if self.value is None:
+            if self.base is not None:
+                self.base.resolve()  # settles this view too
+            else:
+                self._settle(funcol.wait_tensor(self.elem).to(self.dtype))
+        return self.value
+
+    wait = trigger_wait = _get_acs_underlying_tensor = resolve
+
+    def _settle(self, value: torch.Tensor) -> None:
+        self.value, self.elem, self.base, self.completed = value, None, None, True  # the low-precision copy goes
+        for ref, view in self.views:
+            if (v := ref()) is not None and v.value is None:
+                v._settle(view(value))
+        self.views = []
+
+    def __tensor_flatten__(self):
+        return ["elem" if self.value is None else "value"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
+        (t,) = inner.values()
+        return t if t.dtype == dtype else _CastOnUse(t, dtype)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"_CastOnUse({self.resolve()})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        x, rest = args[0] if args else None, (args[1:], kwargs)
+        if (isinstance(x, cls) and x.value is None and _is_view_op(func)
+                and not any(isinstance(a, cls) for a in pytree.tree_leaves(rest))):
+            out = func(x.elem, *args[1:], **kwargs)
+            if isinstance(out, torch.Tensor):
+                view = cls(out, x.dtype, x)
+                x.views.append((weakref.ref(view), lambda v: func(v, *args[1:], **kwargs)))
+                return view
+        args, kwargs = pytree.tree_map_only(cls, cls.resolve, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def cast_on_use(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A collective's output t (in flight) in dtype, waited for and cast at its first use; its
+    `resolve()` does both now. Tracing (fake tensors, dynamo) waits and casts at once, as torch's
+    own AsyncCollectiveTensor does there."""
+    if t.dtype == dtype:
+        return wait_on_use(t)
+    if _are_we_tracing():
+        return funcol.wait_tensor(t).to(dtype)
+    return _CastOnUse(t, dtype)
+
+
+def resolve(t: torch.Tensor) -> None:
+    """Wait for and cast a cast_on_use tensor now (nothing for any other)."""
+    if isinstance(t, _CastOnUse):
+        t.resolve()
+
+
 _engine = _attr(torch.autograd, "Variable._execution_engine", "torch.autograd.Variable._execution_engine")
 
 

@@ -288,29 +288,36 @@ def cmd_plan(argv: list[str]) -> int:
 
     usage = ("fnmoe plan [--config FILE] [overrides, e.g. --mesh.fsdp 48 --mesh.ep 8 --memory.recompute full] "
              "[--json]: per-rank bytes, FLOPs per token, communication and a modelled step time\n"
-             "fnmoe plan --search [--world N] [--top K] [--config FILE] [overrides] [--json]: every mesh "
-             "(fsdp x ep = N, default the config's), memory policy and micro-batch (global batch kept) that "
-             "fits, ranked by modelled tokens/s/GPU, with what bounds each")
+             "fnmoe plan --search [--world N] [--top K] [--max-global-tokens T] [--config FILE] [overrides] "
+             "[--json]: every mesh (fsdp x ep = N, default the config's), memory policy (recompute keeping or "
+             "replaying the EP exchange, offload, selective), tokens a GPU a step (global batch up to T, default "
+             "67M), micro-batch, reduce-scatter dtype and chunks that fits the --plan.hardware profile, ranked "
+             "by the modelled step as fnmoe runs it, with what bounds each")
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--json", action="store_true")
     pre.add_argument("--search", action="store_true")
     pre.add_argument("--world", type=int, default=None)
     pre.add_argument("--top", type=int, default=10)
+    pre.add_argument("--max-global-tokens", type=int, default=None)
     known, rest = pre.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         print(usage + "\n")
     run = parse_run(rest, "fnmoe plan")
     if not known.search:
-        if known.world is not None:
-            raise ValueError("--world goes with --search (for one layout set --mesh.fsdp and --mesh.ep)")
+        if known.world is not None or known.max_global_tokens is not None:
+            raise ValueError("--world and --max-global-tokens go with --search (for one layout set --mesh.fsdp, "
+                             "--mesh.ep and --train.batch-size)")
         result = plan(run)
         print(json.dumps(result, indent=1) if known.json else format_plan(result))
         return 0
-    from fnmoe.plan.search import format_search, search
+    from fnmoe.plan.search import MAX_GLOBAL_TOKENS, format_search, search
 
     if known.top < 1:
         raise ValueError(f"--top must be >= 1, got {known.top}")
-    ranking = search(run, known.world, known.top)
+    cap = MAX_GLOBAL_TOKENS if known.max_global_tokens is None else known.max_global_tokens
+    if cap < 1:
+        raise ValueError(f"--max-global-tokens must be >= 1, got {cap}")
+    ranking = search(run, known.world, known.top, cap)
     print(json.dumps(ranking, indent=1) if known.json else format_search(ranking))
     return 0
 

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from fnmoe import _torch
+from fnmoe import _torch, caches
 
 log = logging.getLogger("fnmoe")
 
@@ -24,6 +24,7 @@ _said: set[str] = set()
 _flags_set = False
 
 
+@caches.register
 def clear() -> None:
     """Forget the compiled regions (each compiles again on next use) and the warnings said once."""
     _compiled.clear()

@@ -9,6 +9,7 @@ are. A prompt is one call over all its positions; each new token is one call of 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -66,14 +67,15 @@ def step_logits(params: Tree, tokens_BL: torch.Tensor, cache: dict, cfg: ModelCo
         raise ValueError(f"generation needs {start + L} positions; the cache holds "
                          f"{cache['layers'][0]['k_BSGA'].shape[1]}")
     cos_LP, sin_LP = rope(cfg, torch.arange(start, start + L, device=tokens_BL.device))
+    unchunked = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, token_chunks=1))
     x_BLD = torch.nn.functional.embedding(tokens_BL, params["embed"]["w_VD"].to(dtype))
     for i, layer in enumerate(cache["layers"]):
         p = layer_params(params, i, dtype)
         attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
         x_BLD = x_BLD + _cached_attention(attn, rms_norm(x_BLD, attn["norm_D"], cfg.norm_eps),
                                           cos_LP, sin_LP, layer, start, cfg)
-        if "moe" in p:
-            y_BLD, _ = _moe_region(dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg,
+        if "moe" in p:  # a decode step's few tokens take no token chunks (training's memory knob)
+            y_BLD, _ = _moe_region(dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, unchunked,
                                   expert_gemm(cfg, dtype, x_BLD.device))
         else:
             y_BLD = _mlp_region(dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg)

@@ -21,7 +21,7 @@ from fnmoe.run import rundir
 from fnmoe.parallel import sharding
 from fnmoe.run import stop
 from fnmoe.parallel import dist as fdist
-from fnmoe.checkpoint.procs import _from_lead
+from fnmoe.checkpoint.procs import _first_error, _from_lead
 from fnmoe.compile import cache_stats, save_artifacts, warm_start
 from fnmoe.config import RunConfig, to_toml
 from fnmoe.data.loader import Loader
@@ -30,7 +30,8 @@ from fnmoe.run.metrics import (JsonlWriter, MetricsWriter, TensorBoardWriter, dr
                               load_max_over_mean)
 from fnmoe.data.mixture import training_data
 from fnmoe.params import init_params, shape_mismatches
-from fnmoe.train import TrainState, eval_loss, init_state, make_train_step
+from fnmoe.train import eval_loss, init_state, make_train_step
+from fnmoe.train_state import TrainState
 from fnmoe.tree import tree_map
 
 log = logging.getLogger("fnmoe")
@@ -103,7 +104,8 @@ def _save_on_interrupt(saver: checkpoint.Saver, state: TrainState, run: RunConfi
     """Ctrl-C: finish the save in flight, save the last finished step; say where the work is."""
     saver.join()
     if state.step > saver.last_step:
-        return f"saved checkpoint {saver.save(state, run, loader, blocking=True)}; continue with --resume auto"
+        saved = saver.save(state, run, loader.position(state.step), blocking=True)
+        return f"saved checkpoint {saved}; continue with --resume auto"
     if state.step:
         return f"checkpoint {saver.root / f'step_{state.step}'} holds it; continue with --resume auto"
     return "no step finished, so no checkpoint was saved"
@@ -273,7 +275,20 @@ def _open_outputs(run: RunConfig, run_dir: Path, state: TrainState, resumed: boo
     return writer
 
 
+def _check_host_memory(run: RunConfig, rank: int) -> None:
+    """Before anything is allocated: the offload pool must fit plan.host_gb and this host's free
+    memory (fnmoe.memory.host_limit). Hosts differ in what they have free, so every rank raises the
+    first rank's error alike instead of leaving the others in a collective."""
+    from fnmoe.memory.host_limit import HostMemoryError, host_memory_error
+
+    mine = host_memory_error(run)
+    error = _first_error(f"rank {rank}: {mine}" if mine and fdist.world() > 1 else mine)
+    if error:
+        raise HostMemoryError(f"{error}; stopped before step 1")
+
+
 def _train_locked(run: RunConfig, rank: int, mesh, request: stop.Request) -> dict:
+    _check_host_memory(run, rank)
     _use_deterministic(run.train.deterministic)
     torch.manual_seed(run.train.seed)
     if run.train.threads:
@@ -290,7 +305,7 @@ def _train_locked(run: RunConfig, rank: int, mesh, request: stop.Request) -> dic
     val = {name: [_to(b, device) for b in batches] for name, batches in val.items()}
     tx, _ = optim.from_config(run.optim, t.steps)
     if found:
-        state = checkpoint.load_state(*found, run, tx, loader, mesh)
+        state = checkpoint.load_state(*found, run, tx, loader.data.fingerprint, mesh)
         state = TrainState(_to(state.params, device), _to(state.opt_state, device), state.step)
     else:
         state = init_state(_initial_params(run, device, mesh), tx)
@@ -356,11 +371,11 @@ def _train_locked(run: RunConfig, rank: int, mesh, request: stop.Request) -> dic
             if t.eval_every and step % t.eval_every == 0 and step < t.steps:
                 writer.write(_evaluate(step, state.params, val, weights, run))
             if run.checkpoint.every and step % run.checkpoint.every == 0 and step < t.steps:
-                saver.save(state, run, loader)
+                saver.save(state, run, loader.position(state.step))
             faults.after_step(step, rank)
         if why:
             return _stop(why, writer, saver, state, run, loader, rank)
-        saved = saver.save(state, run, loader, blocking=True)
+        saved = saver.save(state, run, loader.position(state.step), blocking=True)
         val_row = _evaluate(t.steps, state.params, val, weights, run)
         val_loss = val_row["val_loss"]
         writer.write(val_row)

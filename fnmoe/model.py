@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from fnmoe import _torch, transforms
+from fnmoe import _torch, moe_chunks, transforms
 from fnmoe import compile as fcompile
 from fnmoe.kernels import attention as cpu_attention
 from fnmoe.parallel import reshard
@@ -53,10 +53,14 @@ def _mlp_region(p, x_BLD, cfg):
     return swiglu(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps))
 
 
-def _moe_region(p, x_BLD, cfg, gemm):
+def _moe_region(p, x_BLD, cfg, gemm, recompute=None):
+    """recompute: how backward recomputes the token chunks (BlockRunner.chunk_recompute)."""
     cpu_grouped = gemm == "grouped" and x_BLD.device.type == "cpu"
     p = in_compute_dtype(p, x_BLD.dtype, ("router_bias_E", *(EXPERT_STACKS if cpu_grouped else ())))
-    return moe_block(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cfg, gemm)
+    chunked = None  # the dense path (every expert on every token) takes no chunks
+    if cfg.moe.token_chunks > 1 and gemm != "dense":
+        chunked = functools.partial(moe_chunks.chunked, recompute=recompute)
+    return moe_block(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cfg, gemm, chunked)
 
 
 def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=None,
@@ -70,11 +74,16 @@ def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=N
     x_BLD = x_BLD + run("attention", _attention_region, cfg.compile, attn, x_BLD, cos_LP, sin_LP, attn_cfg, mask)
     if "moe" in p:
         gemm = expert_gemm(cfg, x_BLD.dtype, x_BLD.device)
+        recompute = runner.chunk_recompute(i) if cfg.moe.token_chunks > 1 and gemm != "dense" else None
         if cfg.compile and gemm == "loop":
             fcompile.say_once("compile: the MoE region runs eager (its loop over experts reads counts on "
                               "the host; bfloat16 with 16-byte-aligned dims traces); attention and MLP are compiled")
-        y_BLD, stats = run("moe", _moe_region, cfg.compile and gemm != "loop",
-                           dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm)
+        elif cfg.compile and recompute:
+            fcompile.say_once("compile: the MoE region runs eager (model.moe.token_chunks > 1 under recompute: "
+                              "backward recomputes its chunks one by one, which dynamo cannot trace); attention and "
+                              "MLP are compiled")
+        y_BLD, stats = run("moe", _moe_region, cfg.compile and gemm != "loop" and not recompute,
+                           dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm, recompute)
         return x_BLD + y_BLD, stats
     return x_BLD + run("mlp", _mlp_region, cfg.compile, dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg), None
 

@@ -17,6 +17,7 @@ than either). The loop path runs one matmul per expert and is the reference.
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -145,16 +146,22 @@ def expert_counts(idx_TK: torch.Tensor, n_experts: int) -> torch.Tensor:
     return counts_E.scatter_add(0, flat_R, torch.ones_like(flat_R))
 
 
-def over_capacity(counts_E: torch.Tensor, capacity: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def over_capacity(counts_E: torch.Tensor, capacity: int, n_rows: int,
+                  before_E: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows each expert keeps, indices of the kept rows) when each expert takes at most capacity of
-    the n_rows rows; rows are sorted by expert, and within an expert in token order, so the first ones stay."""
+    the n_rows rows; rows are sorted by expert, and within an expert in token order, so the first ones stay.
+    before_E: rows each expert took before these (earlier token chunks), counted against its capacity."""
     E = counts_E.shape[0]
     start_E = torch.cumsum(counts_E, 0) - counts_E
     expert_R = torch.repeat_interleave(torch.arange(E, device=counts_E.device), counts_E, output_size=n_rows)
     rank_R = torch.arange(expert_R.shape[0], device=counts_E.device) - start_E[expert_R]
+    if before_E is not None:
+        rank_R = rank_R + before_E[expert_R]
     kept_R = (rank_R < capacity).nonzero().squeeze(1)
     size_hint(kept_R.shape[0], capacity * E)  # every expert full
-    return counts_E.clamp(max=capacity), kept_R
+    if before_E is None:
+        return counts_E.clamp(max=capacity), kept_R
+    return (before_E + counts_E).clamp(max=capacity) - before_E.clamp(max=capacity), kept_R
 
 
 def kept_TK(idx_TK: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
@@ -304,21 +311,26 @@ def _balance_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
     return scores_TE if score_func == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
 
 
-def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str):
+def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed: Callable | None = None):
     """(out_BLD, stats): routed experts (+ shared experts) for every token. p holds w_router_DE,
     the expert stacks, optionally shared.* and router_bias_E, and with expert parallelism ep_group
     (the stacks then hold that ep rank's experts; fnmoe.parallel.sharding.gather adds it). stats: counts_E,
     balance_loss, probs_sum_E (the Switch loss's parts, for data parallelism), dropped (rows over
-    capacity), and seq_balance_loss / z_loss when their coefficients are non-zero."""
+    capacity), and seq_balance_loss / z_loss when their coefficients are non-zero.
+    routed(p, x_TD, w_TK, idx_TK, cfg, gemm) -> (out_TD, counts_E, kept_E), the shared experts included,
+    runs the experts in place of the unchunked sparse path: fnmoe.model passes fnmoe.moe_chunks.chunked
+    for model.moe.token_chunks > 1."""
     m = cfg.moe
     B, L, D = x_BLD.shape
     x_TD = x_BLD.reshape(B * L, D)
     w_TK, idx_TK, scores_TE, logits_TE = route(x_TD, p["w_router_DE"], cfg, p.get("router_bias_E"))
     if gemm == "dense":
         out_TD, counts_E, kept_E = _dense_routed(p, x_TD, w_TK, idx_TK, cfg)
+    elif routed is not None:
+        out_TD, counts_E, kept_E = routed(p, x_TD, w_TK, idx_TK, cfg, gemm)
     else:
         out_TD, counts_E, kept_E = _sparse_routed(p, x_TD, w_TK, idx_TK, cfg, gemm)
-    if "shared" in p:
+    if "shared" in p and (gemm == "dense" or routed is None):
         out_TD = out_TD + swiglu(p["shared"], x_TD)
     probs_TE = _balance_probs(scores_TE, m.score_func)
     stats = {"counts_E": counts_E, "balance_loss": balance_loss(probs_TE, counts_E, m.top_k),
@@ -334,21 +346,44 @@ def _capacity(cfg: ModelConfig, n_rows: int) -> int:
     return math.ceil(cfg.moe.capacity_factor * n_rows / cfg.moe.n_experts)
 
 
-def _sparse_routed(p: dict, x_TD, w_TK, idx_TK, cfg: ModelConfig, gemm: str):
-    """(routed experts' output_TD, counts_E, kept_E): each row through its expert only."""
+class Rows(NamedTuple):
+    """A set of tokens' routed rows sorted by expert (`sorted_rows`), those over capacity left out."""
+    x_RD: torch.Tensor            # the rows that reach their experts
+    counts_E: torch.Tensor        # rows routed to each expert
+    kept_E: torch.Tensor          # rows each expert takes (counts_E without a capacity)
+    order_R: torch.Tensor         # permute's order and inverse, over all routed rows
+    inverse_R: torch.Tensor
+    keep_R: torch.Tensor | None   # which of them reach their experts (None: all)
+
+
+def sorted_rows(x_TD, idx_TK, cfg: ModelConfig, n_rows: int | None = None, before_E=None) -> Rows:
+    """x_TD's routed rows sorted by expert; under a capacity of n_rows (default: these tokens' rows)
+    each expert takes its first rows in token order, after the before_E it took already."""
     x_RD, counts_E, order_R, inverse_R = permute(x_TD, idx_TK, cfg.moe.n_experts)
     kept_E, keep_R = counts_E, None
     if cfg.moe.capacity_factor:
-        kept_E, keep_R = over_capacity(counts_E, _capacity(cfg, x_RD.shape[0]), x_RD.shape[0])
+        capacity = _capacity(cfg, n_rows or x_RD.shape[0])
+        kept_E, keep_R = over_capacity(counts_E, capacity, x_RD.shape[0], before_E)
         x_RD = x_RD[keep_R]
+    return Rows(x_RD, counts_E, kept_E, order_R, inverse_R, keep_R)
+
+
+def combined(rows: Rows, y_RD: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    """Each token's experts' outputs (y_RD, one per row of rows.x_RD) summed with its weights."""
+    if rows.keep_R is not None:  # dropped rows add nothing to their token's output
+        y_RD = y_RD.new_zeros(rows.order_R.shape[0], y_RD.shape[1]).index_put((rows.keep_R,), y_RD)
+    return unpermute(y_RD, rows.order_R, rows.inverse_R, w_TK)
+
+
+def _sparse_routed(p: dict, x_TD, w_TK, idx_TK, cfg: ModelConfig, gemm: str):
+    """(routed experts' output_TD, counts_E, kept_E): each row through its expert only."""
+    rows = sorted_rows(x_TD, idx_TK, cfg)
     if "ep_group" in p:  # expert parallel: the stacks hold this ep rank's experts only
-        y_RD = ep_expert_mlp(expert_mlp, x_RD, kept_E, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"],
+        y_RD = ep_expert_mlp(expert_mlp, rows.x_RD, rows.kept_E, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"],
                              p["ep_group"], gemm)
     else:
-        y_RD = expert_mlp(x_RD, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"], kept_E, gemm)
-    if keep_R is not None:  # dropped rows add nothing to their token's output
-        y_RD = y_RD.new_zeros(order_R.shape[0], y_RD.shape[1]).index_put((keep_R,), y_RD)
-    return unpermute(y_RD, order_R, inverse_R, w_TK), counts_E, kept_E
+        y_RD = expert_mlp(rows.x_RD, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"], rows.kept_E, gemm)
+    return combined(rows, y_RD, w_TK), rows.counts_E, rows.kept_E
 
 
 def _dense_routed(p: dict, x_TD, w_TK, idx_TK, cfg: ModelConfig):

@@ -8,7 +8,6 @@ of its share of that sum, so k micro-batches give exactly the update of one k-ti
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -17,24 +16,19 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fnmoe.parallel import dist as fdist
+from fnmoe.parallel import gather as fgather
 from fnmoe import optim
 from fnmoe.plan import meters
 from fnmoe.attention import upcast
 from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.data.loader import IGNORE
 from fnmoe.memory.policies import train_runner
-from fnmoe.model import check_inputs, check_tokens, head_weight, hidden_states
+from fnmoe.model import DTYPE, check_inputs, check_tokens, head_weight, hidden_states
 from fnmoe.moe import balance_loss_part, update_router_bias
 from fnmoe.memory.runner import BlockRunner
 from fnmoe.parallel.sharding import all_sum
+from fnmoe.train_state import TrainState
 from fnmoe.tree import Tree, tree_flatten, tree_unflatten, value_and_grad
-
-
-@dataclass(frozen=True)
-class TrainState:
-    params: Tree
-    opt_state: Tree
-    step: int  # optimizer steps taken
 
 
 def _ce_sum(h_TD: torch.Tensor, w_DV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
@@ -114,14 +108,16 @@ def make_device_step(run: RunConfig, tx: optim.GradientTransformation) -> Callab
     grad_fn = value_and_grad(loss_fn, has_aux=True)
     runner = train_runner(run)
     qk_clip = run.optim.qk_clip
+    reduce_dtype = DTYPE[run.mesh.reduce_dtype]
 
     def device_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, ...]], n_global: int):
         loss, sums, spec, counts, max_logits_NH = torch.zeros(()), None, None, None, None
         dropped = torch.zeros((), dtype=torch.int64)
         for inputs_BL, labels_BL, *positions in micro_batches:
             meters.mark("forward")
-            (_, aux), g = grad_fn(state.params, inputs_BL, labels_BL, cfg, n_global, run.train.ce_chunks, runner,
-                                  record_max_logits=qk_clip, positions_BL=positions[0] if positions else None)
+            with fgather.reducing(reduce_dtype):  # backward too: a recompute there issues gathers again
+                (_, aux), g = grad_fn(state.params, inputs_BL, labels_BL, cfg, n_global, run.train.ce_chunks, runner,
+                                      record_max_logits=qk_clip, positions_BL=positions[0] if positions else None)
             meters.mark("grads", g)
             loss = loss + aux["ce_loss"]
             # summed leaf by leaf, each old pair let go once its sum exists: two gradient trees at the

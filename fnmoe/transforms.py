@@ -21,7 +21,7 @@ import functools
 
 from torch.distributed.tensor import DTensor
 
-from fnmoe import _torch
+from fnmoe import _torch, caches
 from fnmoe.compile import say_once
 from fnmoe.config import ModelConfig
 
@@ -48,6 +48,7 @@ def model_config(cfg: ModelConfig) -> ModelConfig:
     return run
 
 
+@caches.register
 @functools.cache
 def _under(cfg: ModelConfig, composite: bool) -> ModelConfig:  # one object per pair: stable for the caches
     if not composite:

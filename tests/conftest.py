@@ -8,6 +8,8 @@ import pytest
 # subprocesses) share 2 cores; passive waiting costs nothing when a core is free.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# fnmoe.plan.overlap's recordings of proxy steps: one directory a test run, like the inductor cache
+os.environ.setdefault("FNMOE_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"fnmoe-test-cache-{os.getuid()}"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"fnmoe-test-inductor-{os.getuid()}"))
 
@@ -24,3 +26,14 @@ def seeded():
 def rel(a, b) -> float:
     """max |a - b| relative to the largest |b|: the tests' one measure of closeness."""
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+# The tiny model and batch the tests that train through the CLI use (`fnmoe train ... *tiny_flags()`),
+# defined once here; each test adds its own --train.steps, --train.run-dir and the like.
+TINY_FLAGS = ("--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
+              "--train.batch-size", "4", "--data.seq-len", "32")
+
+
+def tiny_flags(eval_batches: int = 1, *more: str) -> list[str]:
+    """TINY_FLAGS, --train.eval-batches eval_batches, then more."""
+    return [*TINY_FLAGS, "--train.eval-batches", str(eval_batches), *more]

@@ -25,11 +25,12 @@ from fnmoe.run.faults import KILL_AT_STEP_ENV, SAVE_DELAY_ENV
 from fnmoe.loop import train
 from fnmoe.run.metrics import drop_rows_after
 from fnmoe.params import draw_leaf, init_params, leaf_inits
-from fnmoe.train import TrainState, init_state
+from fnmoe.train import init_state
+from fnmoe.train_state import TrainState
 from fnmoe.tree import flatten_dict
+from conftest import tiny_flags
 
-SMALL = ["--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
-         "--train.batch-size", "4", "--data.seq-len", "32", "--train.eval-batches", "2", "--train.eval-every", "0"]
+SMALL = tiny_flags(2, "--train.eval-every", "0")
 PARAMS, STATE = "params-rank00000.safetensors", "state-rank00000.safetensors"
 
 
@@ -93,7 +94,7 @@ def test_expert_ids_in_files_are_global(tmp_path):
     tx, _ = optim.from_config(run.optim, run.train.steps)
     data = load_data(run.data, run.model.vocab_size)
     loader = Loader(data, run.data.seq_len, run.train.batch_size, 1, run.train.seed)
-    ckpt = checkpoint.write(checkpoint.snapshot(init_state(params, tx), run, loader), tmp_path, keep_last=1)
+    ckpt = checkpoint.write(checkpoint.snapshot(init_state(params, tx), run, loader.position(0)), tmp_path, keep_last=1)
     index = verify(ckpt)
     inits = flatten_dict(leaf_inits(run.model))
     stacks = [p for p in index["tensors"] if len(suffix := p.rsplit("_", 1)[-1]) == 3 and suffix[0] == "E"]
@@ -119,7 +120,7 @@ def test_a_checkpoint_with_an_earlier_leaf_name_loads_and_resumes(tmp_path):
     tx, _ = optim.from_config(run.optim, run.train.steps)
     loader = Loader(load_data(run.data, run.model.vocab_size), run.data.seq_len, run.train.batch_size, 1,
                     run.train.seed)
-    ckpt = checkpoint.write(checkpoint.snapshot(init_state(params, tx), run, loader), tmp_path, keep_last=1)
+    ckpt = checkpoint.write(checkpoint.snapshot(init_state(params, tx), run, loader.position(0)), tmp_path, keep_last=1)
     index_file = ckpt / "index.json"
     index = json.loads(index_file.read_text())
     for section in ("tensors", "opt_state"):
@@ -131,7 +132,7 @@ def test_a_checkpoint_with_an_earlier_leaf_name_loads_and_resumes(tmp_path):
     want = flatten_dict(params)
     assert flatten_dict(loaded).keys() == want.keys()
     assert all(torch.equal(flatten_dict(loaded)[k], want[k]) for k in want)
-    state = checkpoint.load_state(ckpt, verify(ckpt), run, tx, loader)
+    state = checkpoint.load_state(ckpt, verify(ckpt), run, tx, loader.data.fingerprint)
     assert all(torch.equal(flatten_dict(state.params)[k], want[k]) for k in want)
 
 
@@ -148,7 +149,7 @@ def test_resume_restores_the_saved_rng_state(tmp_path):
     torch.rand(77)  # a state 77 draws into seed 1234's stream
     before = torch.get_rng_state()
     state = init_state(params, tx)
-    ckpt = checkpoint.write(checkpoint.snapshot(TrainState(state.params, state.opt_state, 1), run, loader),
+    ckpt = checkpoint.write(checkpoint.snapshot(TrainState(state.params, state.opt_state, 1), run, loader.position(1)),
                             tmp_path / "checkpoints", keep_last=1)
     (shard,) = checkpoint.parts(verify(ckpt)["rng"]["rank0.torch_cpu"]["shards"])
     with safe_open(ckpt / shard["file"], framework="pt") as f:
@@ -304,11 +305,12 @@ def test_resume_refuses_model_changes_and_warns_about_others(tmp_path, warnings_
     tx, _ = optim.from_config(run.optim, 6)
     loader = Loader(load_data(run.data, run.model.vocab_size), 32, 4, 1, 0)
     ckpt = tmp_path / "checkpoints" / "step_4"
-    state = checkpoint.load_state(ckpt, verify(ckpt), run, tx, loader)
+    state = checkpoint.load_state(ckpt, verify(ckpt), run, tx, loader.data.fingerprint)
     assert state.step == 4 and state.opt_state[1]["adamw"].weight_decay.item() == 0.3  # the new value applies
     assert state.opt_state[1]["adamw"].count.item() == 4
     muon_run = parse_run(args(tmp_path, 6, "--optim.name", "muon"), "fnmoe train")
-    fresh = checkpoint.load_state(ckpt, verify(ckpt), muon_run, optim.from_config(muon_run.optim, 6)[0], loader)
+    fresh = checkpoint.load_state(ckpt, verify(ckpt), muon_run, optim.from_config(muon_run.optim, 6)[0],
+                                   loader.data.fingerprint)
     assert fresh.opt_state[1]["adamw"].count.item() == 0 and "does not fit the configured optimizer" in warnings_text()
     # resumed with that fresh state, the logged lr is the one the optimizer used: its schedule restarts
     train_here(*args(tmp_path, 6, "--optim.name", "muon", "--resume", "auto"))
@@ -359,6 +361,7 @@ def test_corrupt_or_truncated_files_are_named_and_auto_falls_back(tmp_path, warn
     verify(root / "step_4")
 
 
+@pytest.mark.launch
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path):
     root = tmp_path / "checkpoints"
     proc = subprocess.Popen(fnmoe_cmd("train", *args(tmp_path, 4, "--checkpoint.every", "2")), cwd=tmp_path,
@@ -386,6 +389,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path):
     assert [r.get("step", r.get("event")) for r in rows(tmp_path)] == [1, 2, "resume", 3, 4, 4]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_full_disk_gives_a_clear_error_and_no_partial_checkpoint(tmp_path, mode):
     train_here(*args(tmp_path, 2))
@@ -405,6 +409,7 @@ def test_full_disk_gives_a_clear_error_and_no_partial_checkpoint(tmp_path, mode)
     verify(tmp_path / "checkpoints" / "step_2")
 
 
+@pytest.mark.launch
 def test_ctrl_c_saves_a_checkpoint_then_exits_saying_so(tmp_path):
     proc = subprocess.Popen(fnmoe_cmd("train", *args(tmp_path, 100000)), cwd=tmp_path, env=spawn_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -425,6 +430,7 @@ def test_ctrl_c_saves_a_checkpoint_then_exits_saying_so(tmp_path):
     assert step >= 1 and max(losses(tmp_path)) in (step, step + 1)
 
 
+@pytest.mark.launch
 def test_torchrun_restarts_a_killed_worker_and_ends_with_the_same_loss(tmp_path):
     ref, run_dir = tmp_path / "ref", tmp_path / "elastic"
     train_here(*args(ref, 6, "--checkpoint.every", "2"))

@@ -23,7 +23,8 @@ from fnmoe.checkpoint import CheckpointError, load_params, verify
 from fnmoe.cli import parse_run
 from fnmoe.data.loader import Loader, load_data
 from fnmoe.params import init_params
-from fnmoe.train import TrainState, init_state
+from fnmoe.train import init_state
+from fnmoe.train_state import TrainState
 from fnmoe.tree import tree_flatten_with_paths, tree_map
 from test_checkpoint import SMALL, losses, rows, spawn_env
 
@@ -84,8 +85,8 @@ def _load_and_save(ckpt: Path, mesh_shape: tuple[int, int], root: Path):
     """(the state of ckpt loaded on a mesh, whole; the checkpoint that mesh saves of it)."""
     run = _run(*mesh_shape)
     tx, loader, mesh = _setup(run)
-    state = checkpoint.load_state(ckpt, verify(ckpt), run, tx, loader, mesh)
-    return _state_whole(state), checkpoint.Saver(root, run.checkpoint).save(state, run, loader)
+    state = checkpoint.load_state(ckpt, verify(ckpt), run, tx, loader.data.fingerprint, mesh)
+    return _state_whole(state), checkpoint.Saver(root, run.checkpoint).save(state, run, loader.position(state.step))
 
 
 def test_resharding_chain_keeps_params_and_optimizer_state_bitwise_and_each_shard_once(tmp_path):
@@ -95,7 +96,7 @@ def test_resharding_chain_keeps_params_and_optimizer_state_bitwise_and_each_shar
         tx, loader, mesh = _setup(run)
         state = _updated(init_state(init_params(run.model, run.train.seed, mesh=mesh), tx), tx)
         want = _state_whole(state)
-        ckpt = checkpoint.Saver(tmp_path / "2x2", run.checkpoint).save(state, run, loader)
+        ckpt = checkpoint.Saver(tmp_path / "2x2", run.checkpoint).save(state, run, loader.position(state.step))
     assert want["opt_state.1.adamw.count"] == 2
 
     index = verify(ckpt)
@@ -150,10 +151,10 @@ def test_a_failed_rank_leaves_no_checkpoint(tmp_path, monkeypatch):
         tx, loader, mesh = _setup(run)
         state = init_state(init_params(run.model, run.train.seed, mesh=mesh), tx)
         saver = checkpoint.Saver(root, run.checkpoint)
-        saver.save(state, run, loader)
+        saver.save(state, run, loader.position(state.step))
         monkeypatch.setattr(checkpoint.save, "_write_chunks", full_on_rank_2)
         with pytest.raises(CheckpointError, match=r"step 1: writing .*rank00002.safetensors failed: No space"):
-            saver.save(TrainState(state.params, state.opt_state, 1), run, loader)
+            saver.save(TrainState(state.params, state.opt_state, 1), run, loader.position(1))
     assert sorted(p.name for p in root.iterdir()) == ["step_0"]
     verify(root / "step_0")
 
@@ -168,6 +169,8 @@ def _torchrun(run_dir: Path, *extra: str) -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
+@pytest.mark.launch
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_2x2_run_resumed_from_step_2_repeats_the_uninterrupted_losses_bitwise(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"

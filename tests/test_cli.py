@@ -12,6 +12,7 @@ import pytest
 
 from fnmoe.cli import main, parse_run
 from fnmoe.config import load_config
+from conftest import tiny_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT_FLAGS = [
@@ -23,8 +24,7 @@ CONTRACT_FLAGS = [
 ]
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu",
                "expert_load_max_over_mean", "time_s"}
-SMALL = ["--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
-         "--train.batch-size", "4", "--data.seq-len", "32", "--train.eval-batches", "2"]
+SMALL = tiny_flags(2)
 
 
 def fnmoe(*args, cwd, timeout=240):
@@ -52,6 +52,7 @@ def test_overrides_apply_on_top_of_a_preset():
     assert run.model.dim == load_config(ROOT / "configs/tiny.toml").model.dim
 
 
+@pytest.mark.launch
 def test_train_writes_the_run_files_in_a_fresh_process(tmp_path):
     r = fnmoe("train", "--train.steps", "3", "--train.log-every", "1", "--train.ce-chunks", "2", *SMALL,
               cwd=tmp_path)
@@ -123,6 +124,7 @@ def test_profile_steps_writes_a_trace(tmp_path):
     assert json.loads((tmp_path / "profile" / "trace_steps_4_4.json").read_text())["traceEvents"]
 
 
+@pytest.mark.launch
 def test_ctrl_c_stops_cleanly_and_says_what_was_done(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "fnmoe", "train", "--train.steps", "100000", *SMALL],

@@ -31,6 +31,7 @@ SMALL = ["--model.dim", "64", "--model.ffn-hidden", "128", "--model.moe.expert-h
          "--train.batch-size", "4", "--data.seq-len", "32", "--train.eval-batches", "1"]
 
 
+@pytest.mark.slow
 def test_no_breaks_and_no_recompiles_as_routing_and_lr_change():
     torch._dynamo.reset()
     counters.clear()
@@ -92,6 +93,7 @@ def test_inspect_of_a_capacity_factor_sees_the_graph_training_compiles(capsys):
         assert re.search(r"^  host sync: call_method nonzero: u\d+ hinted \d+$", out, re.M), out
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_inspect_exits_1_when_a_region_breaks(tmp_path):
     """README: `fnmoe inspect` exits 1 when a region breaks (the process's exit status, for CI): a
@@ -129,6 +131,8 @@ def test_inspect_flags_breaks_and_host_syncs():
     assert any("graph_break" in b or "break" in b.lower() for b in rep.breaks)
 
 
+@pytest.mark.launch
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_warm_start_from_artifacts_compiles_nothing(tmp_path):
     """A cold run saves cache artifacts; a run with an empty inductor cache plus those artifacts
@@ -153,6 +157,7 @@ def test_warm_start_from_artifacts_compiles_nothing(tmp_path):
     assert re.search(r"'autograd_cache_hit': [1-9]\d*, 'autograd_cache_bypass': 0", warm), warm
 
 
+@pytest.mark.launch
 def test_default_cache_is_compile_cache_unless_a_dir_is_chosen(tmp_path):
     """Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to inductor's temp default; that must
     not count as a choice (it hid compile_cache/), while a user's choice wins. The CPU extension
@@ -172,6 +177,7 @@ def test_default_cache_is_compile_cache_unless_a_dir_is_chosen(tmp_path):
         str(ROOT / "compile_cache")]
 
 
+@pytest.mark.slow
 def test_compiled_gradients_match_eager():
     """bf16 forward+backward with every region compiled against the same in eager, and both
     against fp32 eager (top-4, so the MoE backward's per-token sum over K is exercised)."""

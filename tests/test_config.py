@@ -2,13 +2,14 @@
 import dataclasses
 import math
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Annotated, Literal
 
 import pytest
 
-from fnmoe.config import ModelConfig, MoEConfig, RunConfig, TrainConfig, load_config, to_toml, validate
+from fnmoe.config import MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig, load_config, to_toml, validate
 from fnmoe.config.schema import Range
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +47,24 @@ def test_validation_names_fields_and_values(change, message):
         validate(dataclasses.replace(RunConfig(), **change))
 
 
+def test_an_unknown_reduce_dtype_is_refused_naming_the_field(tmp_path, capsys):
+    """mesh.reduce_dtype (the gradients' reduce-scatter) is float32 or bfloat16: any other is refused
+    before anything is created, as a flag, in a preset or in the dataclass, naming the field."""
+    from fnmoe.cli import main
+
+    with pytest.raises(ValueError, match=r"mesh.reduce_dtype must be one of \('float32', 'bfloat16'\), got 'float16'"):
+        validate(RunConfig(mesh=MeshConfig(reduce_dtype="float16")))
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--train.run-dir", str(run_dir), "--mesh.reduce-dtype", "float16"])
+    flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().err).split())  # tyro's box, unwrapped
+    assert e.value.code == 2 and "invalid choice 'float16' for argument '--mesh.reduce-dtype'" in flat, flat
+    (tmp_path / "x.toml").write_text('[mesh]\nreduce_dtype = "fp8"\n')
+    assert main(["train", "--config", str(tmp_path / "x.toml"), "--train.run-dir", str(run_dir)]) == 2
+    assert "mesh.reduce_dtype must be one of ('float32', 'bfloat16'), got 'fp8'" in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
 def test_validation_lists_every_problem():
     bad = dataclasses.replace(RunConfig(), train=TrainConfig(steps=0, ce_chunks=0))
     with pytest.raises(ValueError) as e:
@@ -81,6 +100,8 @@ def leaf_fields(cls, where=""):
 def _base(hint):
     """(type without Annotated, its Range or None, the type's name as errors say it)."""
     base, rng = hint, None
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # a plan figure: X | None (the profile's)
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if typing.get_origin(hint) is Annotated:
         base, *extras = typing.get_args(hint)
         rng = next(x for x in extras if isinstance(x, Range))

@@ -62,6 +62,8 @@ def _first(lines: list, pattern: str):
     return None, None
 
 
+@pytest.mark.launch
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_one_rank_stopped_mid_step_makes_the_others_name_it_and_the_collective(tmp_path):
     """Rank 1 stops (SIGSTOP) as step 2 starts: rank 0 times out in that step's first collective,

@@ -19,7 +19,7 @@ from fnmoe.model import forward
 from fnmoe.params import init_params
 from fnmoe.train import loss_fn
 from fnmoe.tree import flatten_dict, tree_map, unflatten_dict, value_and_grad
-from conftest import rel
+from conftest import rel, tiny_flags
 
 GQA = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16,
                   moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, n_shared_experts=1, first_k_dense=1,
@@ -243,9 +243,7 @@ def test_sharpness_tool_on_a_checkpoint(tmp_path, capsys):
 
     from fnmoe.cli import main
 
-    small = ["--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
-             "--train.batch-size", "4", "--data.seq-len", "32", "--train.eval-batches", "1"]
-    assert main(["train", "--train.steps", "2", "--train.run-dir", str(tmp_path), *small]) == 0
+    assert main(["train", "--train.steps", "2", "--train.run-dir", str(tmp_path), *tiny_flags(1)]) == 0
     spec = importlib.util.spec_from_file_location("sharpness", Path(__file__).parents[1] / "tools" / "sharpness.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

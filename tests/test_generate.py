@@ -11,6 +11,7 @@ from fnmoe.data.loader import EOS_ID, ByteTokenizer
 from fnmoe.generate import generate, init_cache, sample, step_logits
 from fnmoe.model import forward
 from fnmoe.params import init_params
+from conftest import tiny_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,9 +75,7 @@ def test_generate_command_from_a_run_directory(tmp_path, capsys, monkeypatch):
     from fnmoe import generate as generate_module
     from fnmoe.cli import main
 
-    small = ["--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
-             "--train.batch-size", "4", "--data.seq-len", "32", "--train.eval-batches", "1"]
-    assert main(["train", "--train.steps", "2", "--train.run-dir", str(tmp_path), *small]) == 0
+    assert main(["train", "--train.steps", "2", "--train.run-dir", str(tmp_path), *tiny_flags(1)]) == 0
     capsys.readouterr()
     # greedy (the default): the continuation of an independent decode loop over the run's last
     # checkpoint, each token the argmax of a full forward of the sequence so far, up to EOS; token

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import fnmoe
-from fnmoe import _torch
+from fnmoe import _torch, caches, transforms
 from fnmoe.kernels import attention as cpu_attention
 from fnmoe.data import loader as data
+from fnmoe.data import mixture
 from fnmoe.memory import policies as memory
 from fnmoe.parallel import reshard
 from fnmoe.parallel import sharding
@@ -125,6 +126,7 @@ def test_a_missing_private_attribute_names_the_installed_torch_and_the_supported
     assert "DeviceMesh._flatten" in msg and torch.__version__ in msg and _torch.SUPPORTED in msg
 
 
+@pytest.mark.launch
 def test_a_missing_private_module_fails_the_import_naming_the_range():
     code = ("import sys; sys.modules['torch.distributed._local_tensor'] = None\n"
             "try:\n    import fnmoe\nexcept ImportError as e:\n    print(e)\n")
@@ -140,7 +142,9 @@ def _sizes() -> dict[str, int]:
             "with_policy": memory.with_policy.cache_info().currsize,
             "with_impl": cpu_attention._with_impl.cache_info().currsize,
             "ranks": sharding._ranks.cache_info().currsize, "submesh": len(sharding._submeshes),
-            "epochs": data._epoch_permutation.cache_info().currsize, "tracked": len(reshard._tracked),
+            "epochs": data._epoch_permutation.cache_info().currsize,
+            "source epochs": mixture._source_permutation.cache_info().currsize,
+            "under transforms": transforms._under.cache_info().currsize, "tracked": len(reshard._tracked),
             "last block": reshard._last is not None, "in flight": len(fgather._in_flight) + len(fgather._scattering)}
 
 
@@ -155,12 +159,63 @@ def test_clear_caches_empties_them_and_a_forward_still_runs(monkeypatch):
     memory.with_policy(torch.sin, "full")
     fcompile.compiled(torch.cos)  # registered, never called: nothing compiles
     data._epoch_permutation(0, 0, 10)
-    assert all(_sizes()[k] for k in ("said", "with_policy", "compiled", "epochs"))
+    mixture._source_permutation(0, "a", 0, 10)
+    transforms._under(run.model, True)
+    assert all(_sizes()[k] for k in ("said", "with_policy", "compiled", "epochs", "source epochs", "under transforms"))
 
     fnmoe.clear_caches()
     assert not any(_sizes().values()), _sizes()
     after, _ = fnmoe.forward(params, tokens_BL, run.model)
     assert torch.equal(after, before)
+
+
+# memos of pure functions of frozen values, which hold nothing else: not caches in clear_caches'
+# sense (fnmoe/caches.py), so not registered
+NOT_CACHES = ("fnmoe/plan/", "fnmoe/config/", "fnmoe/params.py", "fnmoe/kernels/gemm.py")
+
+
+def _memoized(tree: ast.AST) -> list[tuple[ast.FunctionDef, bool]]:
+    """(function, registered) for each function decorated by functools.cache or lru_cache."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = [ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list]
+            if any(n.split(".")[-1] in ("cache", "lru_cache") for n in names):
+                out.append((node, "caches.register" in names))
+    return out
+
+
+def test_every_cache_registers_its_clear_where_it_is_defined():
+    """A functools cache in fnmoe is decorated by fnmoe.caches.register (so clear_caches empties it)
+    unless its module is one of NOT_CACHES; the registered ones are emptied by clear_caches."""
+    missing = []
+    for path in sorted((ROOT / "fnmoe").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if not rel.startswith(NOT_CACHES):
+            missing += [f"{rel}:{f.lineno}: {f.name}" for f, ok in _memoized(ast.parse(path.read_text())) if not ok]
+    assert not missing, "caches not registered with fnmoe.caches.register:\n" + "\n".join(missing)
+    assert [ok for _, ok in _memoized(ast.parse("@functools.lru_cache(maxsize=2)\ndef f(): pass\n"
+                                                "@caches.register\n@functools.cache\ndef g(): pass"))] == [False, True]
+    for cached in (data._epoch_permutation, mixture._source_permutation, memory.with_policy, transforms._under,
+                   cpu_attention._with_impl, sharding._ranks):
+        assert cached.cache_clear in caches.registered(), cached
+    assert {fcompile.clear, reshard.clear, fgather.clear, sharding._submeshes.clear} <= set(caches.registered())
+
+    with pytest.raises(TypeError, match="caches.register"):
+        caches.register({})
+    calls = []
+
+    def forget() -> None:
+        calls.append(1)
+
+    n = len(caches.registered())
+    try:
+        assert caches.register(forget) is forget and caches.register(forget) is forget  # once
+        assert len(caches.registered()) == n + 1
+        fnmoe.clear_caches()
+        assert calls == [1]
+    finally:
+        caches._clears.remove(forget)
 
 
 def test_clear_caches_between_steps_on_a_simulated_mesh():
@@ -212,6 +267,23 @@ def test_imports_run_one_way_and_modules_stay_short():
     assert ig.long_modules(450) == []
 
 
+def test_no_package_imports_one_above_it():
+    """tools/import_graph.py's package rule: each package or top-level module sits on a layer of its
+    LAYERS and imports nothing above its own; the imports against it today are its KNOWN list, each
+    with the work that removes it. A new one fails here, and so does a KNOWN one that is gone."""
+    ig = _import_graph()
+    up, unplaced = ig.against_order(ig.graph())
+    assert not unplaced, f"place these in tools/import_graph.py's LAYERS: {unplaced}"
+    new = [f"{m} -> {d}" for m, d in up if (m, d) not in ig.KNOWN]
+    assert not new, "imports of a package above the importer's (tools/import_graph.py LAYERS):\n" + "\n".join(new)
+    gone = [f"{m} -> {d}" for m, d in ig.KNOWN if (m, d) not in up]
+    assert not gone, "no longer against the order: delete from tools/import_graph.py's KNOWN:\n" + "\n".join(gone)
+    # the scan: a package's modules are one unit, fnmoe/__init__.py is ""; up is only across layers
+    toy = {"fnmoe.a.x": {"fnmoe.b"}, "fnmoe.b": {"fnmoe.a.y", "fnmoe.c"}, "fnmoe.a.y": set(), "fnmoe.c": set(),
+           "fnmoe": {"fnmoe.b"}, "fnmoe.d": set()}
+    assert ig.against_order(toy, [("a", "c"), ("b",), ("",)]) == ([("fnmoe.a.x", "fnmoe.b")], ["d"])
+
+
 def test_every_module_is_in_the_architecture_table():
     table = [line for line in (ROOT / "docs" / "architecture.md").read_text().splitlines() if line.startswith("| `")]
     named = " ".join(table)
@@ -253,6 +325,7 @@ def test_an_earlier_leaf_name_loads_as_todays(tmp_path):
     assert torch.equal(draw_leaf(init, 0, "layers.1.moe.w_router_DE"), draw_leaf(init, 0, "layers.1.moe.router_DE"))
 
 
+@pytest.mark.launch
 def test_the_tree_is_clean_under_ruff():
     """pyproject.toml's [tool.ruff] rules hold for fnmoe, tests and tools (ruff comes with the test extra)."""
     ruff = subprocess.run([sys.executable, "-m", "ruff", "check", "fnmoe", "tests", "tools"], cwd=ROOT,

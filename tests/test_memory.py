@@ -240,6 +240,7 @@ def _pin_routing(monkeypatch):
     monkeypatch.setattr(moe, "route", pinned)
 
 
+@pytest.mark.slow
 def test_compiled_bf16_policies_match_none_with_routing_pinned(monkeypatch):
     _pin_routing(monkeypatch)
     cfg = dataclasses.replace(RUN.model, compute_dtype="bfloat16", compile=True)
@@ -318,6 +319,7 @@ def test_offloaded_blocks_keep_under_a_tenth_of_their_saved_bytes(mem, saved_by_
     assert all(r["offloaded"] > 0 for r in offloaded) and rows[-1]["offloaded"] == 0
 
 
+@pytest.mark.slow
 def test_memory_report_of_a_compiled_run_measures_eager_off_cuda():
     """Its storage-counting dispatch mode cannot be traced by dynamo: compiled regions are measured
     eager there, and the table says so (the report used to fail under --model.compile on CPU)."""
@@ -343,6 +345,7 @@ def test_memory_report_prints_a_row_per_block(capsys, tmp_path):
     assert total[2] > 0 and total[3] > 0  # attention offloaded, MoE recomputed
 
 
+@pytest.mark.launch
 def test_out_of_memory_prints_the_plan_and_peak_and_leaves_no_checkpoint(tmp_path):
     """A real allocation failure: the address space is capped after imports."""
     script = tmp_path / "capped.py"

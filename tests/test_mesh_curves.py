@@ -11,9 +11,11 @@ runs (RUNS), and each rank writes its losses to rank<r>.json; rank 0 saves the w
 of every mesh to init.pt. The tests compare them with one process (1x1) run here, in the pytest
 process: initial params bitwise, first-step loss to 1e-6 and every step's loss to 1e-4 relative.
 
-AdamW runs on every mesh; Muon on 2x2 (both axes at once) and the world-2 meshes: its update on
-4x1 and 1x4 is checked bitwise against one process on gloo by test_muon_mesh.py (and its 2x2 curve
-with MuonClip there too), so the world-4 launch, the slowest part of this file, skips those two
+AdamW runs on every mesh, and on 2x2 once more with --mesh.reduce-dtype bfloat16 (its curve held to
+2x2's float32-reduce curve, not to one process); Muon on 2x2 (both axes at once) and the world-2
+meshes: its update on 4x1 and 1x4 is checked bitwise against one process on gloo by
+test_muon_mesh.py (and its 2x2 curve with MuonClip there too), so the world-4 launch, the slowest
+part of this file, skips those two
 (on 2 shared AMD EPYC cores the launches took 114 s with 10 steps of both optimizers on every mesh,
 62 s as now). (First-step gradients and Muon's first-step params on every mesh, simulated:
 test_sharding.py, test_muon_mesh.py.)
@@ -50,12 +52,14 @@ OPTIMS = {"adamw": OptimConfig(warmup_steps=2),  # test_sharding's AdamW rows
           # of that on the tiny preset reach ~1e-3 relative in the loss on every mesh
           "muon": OptimConfig(name="muon", lr=0.02, adamw_lr=3e-3, warmup_steps=2, ns_dtype="float32")}
 BOTH = tuple(OPTIMS)
-RUNS = {4: {(2, 2): BOTH, (4, 1): ("adamw",), (1, 4): ("adamw",)},  # world: {mesh: optimizers}
+BF16_REDUCE = "adamw bf16-reduce"  # AdamW with --mesh.reduce-dtype bfloat16: compared with 2x2's fp32 reduce
+RUNS = {4: {(2, 2): (*BOTH, BF16_REDUCE), (4, 1): ("adamw",), (1, 4): ("adamw",)},  # world: {mesh: runs}
         2: {(2, 1): BOTH, (1, 2): BOTH}}
 MESHES = [m for ms in RUNS.values() for m in ms]
-CURVES = [(m, opt) for ms in RUNS.values() for m, opts in ms.items() for opt in opts]
+CURVES = [(m, opt) for ms in RUNS.values() for m, opts in ms.items() for opt in opts if opt in OPTIMS]
 DIST = DistConfig(timeout_s=10)
-pytestmark = pytest.mark.timeout(240)
+BF16_REDUCE_TOL = 1e-3
+pytestmark = [pytest.mark.timeout(240), pytest.mark.launch, pytest.mark.slow]  # torchrun, ~60 s of setup
 
 
 def _name(mesh_shape) -> str:
@@ -72,7 +76,8 @@ def _worker(out: Path) -> None:
         inits[_name(shape)] = {k: _plain(v) for k, v in flatten_dict(init_params(CFG, 0, mesh=mesh)).items()}
         for opt in opts:
             start = time.perf_counter()
-            losses, _ = _train(shape, STEPS, optim_cfg=OPTIMS[opt], cfg=CFG)  # makes its own mesh (new groups)
+            losses, _ = _train(shape, STEPS, optim_cfg=OPTIMS[opt.split()[0]], cfg=CFG,  # its own mesh (new groups)
+                               reduce_dtype="bfloat16" if opt == BF16_REDUCE else "float32")
             results[f"{_name(shape)} {opt}"] = {"losses": losses, "time_s": time.perf_counter() - start}
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     if rank == 0:
@@ -139,6 +144,21 @@ def test_loss_curve_on_every_mesh_matches_one_process(shape, opt, launches, refe
     print(f"\n{_name(shape)} {opt}: first-step rel diff {rel[0]:.2e}, max over {STEPS} steps {max(rel):.2e}")
     assert rel[0] <= 1e-6, (got, want)
     assert max(rel) <= 1e-4, (got, want)
+
+
+def test_bf16_reduce_scatter_curve_stays_near_float32s(launches):
+    """--mesh.reduce-dtype bfloat16 on 2x2: each rank's gradient is rounded to bf16 (8 significant
+    bits, 2^-9 relative) and summed over ranks in bf16 by the collective, then kept and updated in
+    float32. AdamW divides each update by its second moment, so these roundings move the loss far
+    less than the gradient's own noise: within BF16_REDUCE_TOL relative of the float32 reduce-scatter's
+    curve on every step (the first step's loss is the forward of the same params: equal)."""
+    ranks, _ = launches[4]
+    fp32, bf16 = ([r[f"2x2 {name}"]["losses"] for r in ranks] for name in ("adamw", BF16_REDUCE))
+    assert all(c == bf16[0] for c in bf16), bf16
+    rel = [abs(a - b) / abs(b) for a, b in zip(bf16[0], fp32[0])]
+    print(f"\n2x2 adamw, bf16 vs fp32 reduce-scatter: max rel loss diff over {STEPS} steps {max(rel):.2e}")
+    assert len(rel) == STEPS and rel[0] == 0.0, (bf16[0], fp32[0])
+    assert max(rel) <= BF16_REDUCE_TOL, (bf16[0], fp32[0])
 
 
 if __name__ == "__main__":  # a rank of a launch in `launches`

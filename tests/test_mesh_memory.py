@@ -62,7 +62,7 @@ from fnmoe.tree import flatten_dict, tree_flatten, tree_map
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD, B, L, STEPS = 4, 8, 64, 10  # B sequences of L tokens a step, over all ranks
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.launch, pytest.mark.slow]  # torchrun, ~80 s of setup
 
 
 def _run():
@@ -187,8 +187,12 @@ def _check_leak(run, mesh, rank) -> dict:
     return {"live_after_step": live, "state_bytes": _storage_bytes((state.params, state.opt_state))}
 
 
-COMM_CONFIGS = {  # name: (reshard_after_forward, memory.recompute)
-    "reshard": (True, "none"), "no-reshard": (False, "none"), "no-reshard+full-recompute": (False, "full")}
+COMM_CONFIGS = {  # name: (reshard_after_forward, memory)
+    "reshard": (True, MemoryConfig()), "no-reshard": (False, MemoryConfig()),
+    "no-reshard+full-recompute": (False, MemoryConfig(recompute="full")),
+    # the recompute sends the exchange's rows again: 6 passes a MoE layer, every rank in the same order
+    "no-reshard+full-recompute+offload, replay exchange": (
+        False, MemoryConfig(recompute="full", offload=True, keep_exchange=False))}
 
 
 def _pinned_route(x_TD, w_router_DE, cfg, bias_E=None):
@@ -218,10 +222,9 @@ def _check_comm(run, mesh, rank) -> dict:
     out = {}
     moe.route = _pinned_route
     try:
-        for name, (reshard, recompute) in COMM_CONFIGS.items():
+        for name, (reshard, memory) in COMM_CONFIGS.items():
             rr = dataclasses.replace(run, model=dataclasses.replace(run.model, compute_dtype="bfloat16"),
-                                     mesh=dataclasses.replace(run.mesh, reshard_after_forward=reshard),
-                                     memory=MemoryConfig(recompute=recompute))
+                                     mesh=dataclasses.replace(run.mesh, reshard_after_forward=reshard), memory=memory)
             tx, _ = optim.from_config(rr.optim, STEPS)
             state = init_state(init_params(rr.model, 0, mesh=mesh), tx)
             x = _tokens(rank, 0)
@@ -419,6 +422,18 @@ def test_comm_bytes_match_the_planner_per_rank(ranks):
             assert abs(fsdp / plan["fsdp"] - 1) <= 1e-3, (name, got, plan)
             assert abs(ep / plan["ep"] - 1) <= 1e-3, (name, got, plan)
             assert other <= 0.001 * (fsdp + ep)  # counts and scalar all-reduces: what the planner leaves out
+
+
+def test_replayed_exchange_sends_six_passes_against_four(ranks):
+    """--memory.no-keep-exchange on real ranks: the EP all-to-all bytes are 6/4 of keep-exchange's
+    (the recompute's dispatch and combine again), and the step ran: no rank replayed a collective
+    the others did not (a different order would hang or fail the gloo collectives)."""
+    for r, res in enumerate(ranks):
+        comm = _ok(res["comm"])
+        kept = comm["no-reshard+full-recompute"]["measured"]["ep all_to_all bfloat16"]
+        replayed = comm["no-reshard+full-recompute+offload, replay exchange"]["measured"]["ep all_to_all bfloat16"]
+        print(f"rank {r}: ep all-to-all {kept} B kept, {replayed} B replayed")
+        assert 2 * replayed == 3 * kept > 0
 
 
 def test_rehearsal_on_fake_tensors_matches_the_real_run_per_rank(ranks):

@@ -11,10 +11,10 @@ from fnmoe.cli import main, parse_run
 from fnmoe.config import DataConfig, MixSource, load_config
 from fnmoe.data.loader import read_documents
 from fnmoe.data.mixture import MixtureLoader, assign_rows, load_mixture, source_counts
+from conftest import tiny_flags
 
 NAMES = ("web", "code", "math")
-SMALL = ["--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
-         "--train.batch-size", "4", "--data.seq-len", "32", "--train.eval-batches", "2"]
+SMALL = tiny_flags(2)
 
 
 def prepared_sources(root, names=NAMES):

@@ -21,7 +21,7 @@ from fnmoe.model import hidden_states
 from fnmoe.params import init_params
 from fnmoe.train import init_state, make_train_step
 from fnmoe.tree import flatten_dict
-from conftest import rel
+from conftest import rel, tiny_flags
 
 SHAPES = {"tall": (64, 24), "wide": (24, 64), "square": (32, 32)}
 
@@ -350,9 +350,8 @@ def test_fnmoe_train_with_muon_end_to_end(tmp_path):
     from fnmoe.cli import main
 
     rc = main(["train", "--optim.name", "muon", "--optim.qk-clip", "--optim.momentum-dtype", "bfloat16",
-               "--optim.warmup-steps", "0", "--optim.lr", "0.01", "--train.steps", "8", "--train.eval-batches", "1",
-               "--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
-               "--train.batch-size", "4", "--data.seq-len", "32", "--train.run-dir", str(tmp_path)])
+               "--optim.warmup-steps", "0", "--optim.lr", "0.01", "--train.steps", "8", *tiny_flags(1),
+               "--train.run-dir", str(tmp_path)])
     assert rc == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]

@@ -249,6 +249,8 @@ def _cli_run(f: int, e: int, run_dir: Path) -> RunConfig:
                      optim=OptimConfig(name="muon", warmup_steps=0, qk_clip=True, qk_clip_tau=0.15))
 
 
+@pytest.mark.launch
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_torchrun_4_ranks_muon_and_non_finite_skip(tmp_path):
     """Four gloo processes: the update on 2x2, 4x1 and 1x4 equals one process bitwise with its

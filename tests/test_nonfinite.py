@@ -52,7 +52,7 @@ def test_a_checkpoint_refuses_non_finite_params_and_writes_nothing(tmp_path):
     with pytest.raises(checkpoint.CheckpointError,
                        match=r"refusing to save step 0: non-finite values \(NaN or inf\) in params "
                              r"\['layers\.1\.moe\.w_up_EDF'\]"):
-        checkpoint.Saver(tmp_path, RUN.checkpoint).save(state, RUN, loader)
+        checkpoint.Saver(tmp_path, RUN.checkpoint).save(state, RUN, loader.position(state.step))
     assert list(tmp_path.iterdir()) == []
 
 def test_generate_refuses_non_finite_weights():

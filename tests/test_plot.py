@@ -5,10 +5,10 @@ import pytest
 
 from fnmoe.cli import main
 from fnmoe.run.plot import plot_run
+from conftest import tiny_flags
 
 pytest.importorskip("matplotlib")
-SMALL = ["--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
-         "--train.batch-size", "4", "--data.seq-len", "32", "--train.eval-batches", "1"]
+SMALL = tiny_flags(1)
 
 
 def test_plots_match_the_metrics_file(tmp_path):

@@ -117,6 +117,7 @@ def test_bad_tables_are_named_with_file_and_column(tmp_path, capsys):
     assert not (tmp_path / "out" / "index.json").exists()
 
 
+@pytest.mark.launch
 def test_without_pyarrow_core_imports_and_parquet_says_what_to_install(tmp_path):
     script = textwrap.dedent(f"""
         import sys
@@ -170,6 +171,8 @@ print(hwm_kb, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 """
 
 
+@pytest.mark.launch
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_peak_memory_does_not_grow_with_the_input(tmp_path, fmt):
     """Peak RSS of the prepare process and of its tokeniser workers, for inputs of 12 and 48 MB of

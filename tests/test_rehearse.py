@@ -28,6 +28,7 @@ def _tiny(fsdp: int, ep: int, **memory):
 @pytest.mark.parametrize("fsdp,ep,memory,accum,opt", [(2, 2, {}, 2, "adamw"),
                                                       (4, 2, {"recompute": "full", "offload": True}, 1, "adamw"),
                                                       (1, 8, {"recompute": "full"}, 1, "muon")])
+@pytest.mark.launch
 def test_tiny_rehearsal_agrees_with_the_plan(fsdp, ep, memory, accum, opt):
     """Three meshes, policies and optimizers; with 2 micro-batches the gradients live twice (they
     lived three times before the step summed them leaf by leaf), and Muon's update holds more."""
@@ -51,6 +52,8 @@ def test_tiny_rehearsal_agrees_with_the_plan(fsdp, ep, memory, accum, opt):
         assert abs(got["offload_host"] / planned["offload_host"] - 1) < 0.1, (got, planned)
 
 
+@pytest.mark.launch
+@pytest.mark.slow
 def test_worst_rank_holds_the_most_and_ranks_differ():
     """torch.chunk gives leading ranks the larger shards when a dim does not divide (5 ranks): rank 0
     is the worst. Two rehearsals of different ranks in one process, each in its own (DTensor caches
@@ -63,6 +66,8 @@ def test_worst_rank_holds_the_most_and_ranks_differ():
     assert worst["memory"]["end"]["params"] == held[0] and last["memory"]["end"]["params"] == held[4]
 
 
+@pytest.mark.launch
+@pytest.mark.slow
 def test_checkpoint_index_grows_with_the_world_only_by_its_files():
     """index.json of 4 and of 32 ranks: each rank adds its two files and its RNG entry (0.53 kB),
     not a part per leaf (version 1 added 16 kB a rank here, 250 kB a rank for the 1T preset)."""
@@ -92,6 +97,7 @@ def test_cli_json_and_exit_code(capsys):
     assert {r["kind"] for r in out["collectives"]} >= {"all_gather", "reduce_scatter", "all_to_all"}
 
 
+@pytest.mark.launch
 def test_a_mid_size_preset_at_64_ranks_agrees_with_the_plan():
     """deepseek_v3_16b's shapes (cut to 4 layers: 3 MoE) on fsdp 8 x ep 8 = 64 ranks, its memory
     policy, the worst rank: every category and collective within the rehearsal's tolerance."""

@@ -44,6 +44,7 @@ def _close(got: dict, want: dict, rel: float = 1e-6) -> bool:
         abs(g - w) <= rel * abs(w) for k in want for g, w in zip(got[k], want[k]))
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig, at, sender", [("SIGINT", 2, 0), ("SIGTERM", 3, 1)])
 def test_a_signal_to_torchrun_stops_both_ranks_after_one_step_and_resumes_the_curve(tmp_path, reference, sig, at,
@@ -72,6 +73,7 @@ def test_a_signal_to_torchrun_stops_both_ranks_after_one_step_and_resumes_the_cu
     assert _close(losses(run_dir), reference), (losses(run_dir), reference)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(120)
 def test_a_second_signal_aborts_the_save_and_a_second_run_is_refused_meanwhile(tmp_path, capsys):
     """SIGUSR1 (SLURM's early warning) after step 2 starts the stop's save, which the save-delay hook
@@ -108,6 +110,7 @@ def test_a_second_signal_aborts_the_save_and_a_second_run_is_refused_meanwhile(t
     assert [r["step"] for r in rows(tmp_path)] == [1, 2]
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(60)
 def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tmp_path, caplog):
     """A process that took the lock and died by SIGKILL (no cleanup) leaves the file; the next run
@@ -171,6 +174,7 @@ MICRO = ["--model.dim", "16", "--model.n-layers", "1", "--model.n-heads", "2", "
          "--train.eval-every", "0"]
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(90)
 def test_metrics_over_a_file_size_limit_stop_after_a_saved_step_with_no_torn_line(tmp_path):
     """Under RLIMIT_FSIZE, metrics.jsonl reaches the limit in the middle of step 4's row: the row is

@@ -41,6 +41,8 @@ def has_torchtitan() -> bool:
         return False
 
 
+@pytest.mark.launch
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gpu_check_dry_run(tmp_path):
     """Every step of the GPU check on CPU, in the GPU image's state: tyro does not import there (a
@@ -71,6 +73,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert "GPU CHECK SUMMARY" in written and "4 determinism" in written
 
 
+@pytest.mark.launch
 def test_gpu_check_imports_without_tyro_torchtitan_or_safetensors():
     """The GPU image has no tyro and no torchtitan (and maybe no safetensors): the check must still load."""
     code = ("import sys\n"
@@ -180,6 +183,8 @@ def test_bench_model_skips_without_fnmoe_hf(monkeypatch, capsys):
     assert "SKIP" in capsys.readouterr().out
 
 
+@pytest.mark.launch
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_compile_harness(capsys):
     """The two sides of the benchmark run the same training step (their step-1 rows have the same

@@ -163,6 +163,7 @@ def test_every_label_ignored_is_an_error():
 DEFAULT_RUN_STEPS = 60
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_default_run_follows_the_goldens_and_its_loss_falls(tmp_path, monkeypatch):
     """`fnmoe train` with no flags (the tiny preset: fp32, eager, 800 steps), stopped by a Ctrl-C

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from fnmoe.cli import main
+from conftest import tiny_flags
 
-SMALL = ["--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expert-hidden", "32",
-         "--train.batch-size", "4", "--data.seq-len", "32", "--train.eval-batches", "1"]
+SMALL = tiny_flags(1)
 BLOCK = 32768
 """the W&B transaction log (run-<id>.wandb) is a leveldb-style log of 32 KiB blocks"""
 
@@ -93,6 +93,7 @@ def test_offline_run_holds_the_metrics_histograms_and_config_and_resume_continue
     assert [h["step"] for h in runs[1][2] if "loss" in h] == [3, 4]
 
 
+@pytest.mark.launch
 def test_the_core_never_imports_wandb_and_a_missing_wandb_says_how_to_install(tmp_path, monkeypatch, capsys):
     code = "import sys, fnmoe, fnmoe.loop, fnmoe.cli; assert 'wandb' not in sys.modules, 'imported'"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0

@@ -16,9 +16,8 @@ from fnmoe.checkpoint.load import _opened, _read_region, _verify_together, saved
 from fnmoe.checkpoint.procs import _job
 from fnmoe.checkpoint.shards import rng_states
 from fnmoe.config import RunConfig, to_dict
-from fnmoe.data.loader import Loader
 from fnmoe.params import current_path, init_params
-from fnmoe.train import TrainState
+from fnmoe.train_state import TrainState
 from fnmoe.tree import Tree, tree_flatten_with_paths
 
 log = logging.getLogger("fnmoe")
@@ -121,19 +120,20 @@ def _restore_rng(entries: dict[str, dict], read: Reader) -> None:
 
 
 def load_state(ckpt: Path, index: dict, run: RunConfig, tx: optim.GradientTransformation,
-               loader: Loader, mesh=None) -> TrainState:
+               fingerprint: str, mesh=None) -> TrainState:
     """The TrainState saved in ckpt (index: from verify(ckpt)) for `run` on `mesh` (None: one
-    process), whatever mesh saved it, and this rank's RNG states restored.
+    process), whatever mesh saved it, and this rank's RNG states restored. fingerprint: the corpus
+    fingerprint of the data the run reads now (its loader's `data.fingerprint`).
 
     Raises CheckpointError if the model's shape changed; warns when other settings or the data did.
     """
     ckpt = Path(ckpt)
     check_resume_config(saved_config(ckpt), run, ckpt, index["step"])
     data = index["train"]["data"]
-    if data["corpus_fingerprint"] != loader.data.fingerprint and _job()[0] == 0:
+    if data["corpus_fingerprint"] != fingerprint and _job()[0] == 0:
         log.warning("the data differ from the checkpoint's (corpus fingerprint %s, now %s): samples after step "
                     "%d are not those the saved run would have seen", data["corpus_fingerprint"],
-                    loader.data.fingerprint, index["step"])
+                    fingerprint, index["step"])
     # an earlier release's leaf names (params.RENAMED) read as today's
     entries = {**index, **{s: {current_path(p): e for p, e in index[s].items()} for s in ("tensors", "opt_state")}}
     with _opened(ckpt) as get:

@@ -24,8 +24,7 @@ from fnmoe.checkpoint.format import (CONFIG, FORMAT, INDEX, MESH_AXES, ST_DTYPES
 from fnmoe.checkpoint.procs import _from_lead, _gather_to_lead, _job
 from fnmoe.checkpoint.shards import Snapshot, index_sections, snapshot, staged
 from fnmoe.config import CheckpointConfig, RunConfig
-from fnmoe.data.loader import Loader
-from fnmoe.train import TrainState
+from fnmoe.train_state import TrainState
 
 log = logging.getLogger("fnmoe")
 
@@ -232,13 +231,14 @@ class Saver:
             log.info("checkpoint.async_save applies to one process; on several ranks checkpoints are saved "
                      "synchronously")
 
-    def save(self, state: TrainState, run: RunConfig, loader: Loader, blocking: bool = False) -> Path:
-        """Save state as root/step_<N> (returned; with async_save and not blocking it is being written).
+    def save(self, state: TrainState, run: RunConfig, data: dict, blocking: bool = False) -> Path:
+        """Save state as root/step_<N> (returned; with async_save and not blocking it is being written),
+        data its data position (the loader's `position(state.step)`).
         A background save takes the tensors as they are (no copy here) and copies them to the CPU on
         its thread; `wait_staged` waits for those copies."""
         self.join()
         if self._background and not blocking:
-            snap = snapshot(state, run, loader, stage=lambda t: t.detach())
+            snap = snapshot(state, run, data, stage=lambda t: t.detach())
             after = torch.cuda.Event() if any(t.is_cuda for ts in snap.files.values() for t in ts.values()) else None
             if after is not None:
                 after.record()
@@ -247,7 +247,7 @@ class Saver:
             self._thread.start()
             path = self.root / f"step_{snap.step}"
         else:
-            snap = snapshot(state, run, loader)
+            snap = snapshot(state, run, data)
             path = self._write(snap)
         self.last_step = snap.step  # not before: a save that Ctrl-C cut short saved nothing
         return path

@@ -15,8 +15,7 @@ from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.checkpoint.format import MESH_AXES, SECTIONS, ST_DTYPES, CheckpointError, _whole, compact
 from fnmoe.config import RunConfig, to_dict, to_toml
-from fnmoe.data.loader import Loader
-from fnmoe.train import TrainState
+from fnmoe.train_state import TrainState
 from fnmoe.tree import Tree, flatten_dict, tree_flatten_with_paths
 
 
@@ -37,14 +36,6 @@ class Snapshot:
     model: dict[str, Any]
     """the ModelConfig as a dict, as the tree format's index.json has it"""
     mesh: dict[str, int]
-
-
-def loader_state(loader: Loader, step: int) -> dict[str, Any]:
-    """The data position after `step` optimizer steps; Loader.batch_at is a pure function of the
-    step, so this (with the seed and corpus fingerprint to check against) is all resume needs."""
-    seen = step * loader.batch_size
-    return {"step": step, "epoch": seen // loader.n_samples, "samples_seen": seen, "seed": loader.seed,
-            "corpus_fingerprint": loader.data.fingerprint}
 
 
 def rng_states(rank: int = 0) -> dict[str, torch.Tensor]:
@@ -146,13 +137,16 @@ def _refuse_non_finite(params: dict[str, dict[int, torch.Tensor]], step: int) ->
         raise CheckpointError(f"refusing to save step {step}: non-finite values (NaN or inf) in {where}")
 
 
-def snapshot(state: TrainState, run: RunConfig, loader: Loader | None, ranks=None,
+def snapshot(state: TrainState, run: RunConfig, data: dict[str, Any] | None, ranks=None,
              stage: Callable | None = None) -> Snapshot:
-    """This process's part of the checkpoint of `state`: the shards its rank writes (every simulated
-    rank's in a simulation), on the CPU (CPU tensors shared, not copied), or as `stage` gives each
-    (`staged` copies a snapshot of device tensors later, off the training thread). The RNG states are
-    taken now. With ranks (and a stage that reads nothing), the part of those ranks from the leaves'
+    """This process's part of the checkpoint of `state` at the data position `data` (index.json's
+    train.data: the loader's `position(state.step)`; None: none): the shards its rank writes (every
+    simulated rank's in a simulation), on the CPU (CPU tensors shared, not copied), or as `stage`
+    gives each (`staged` copies a snapshot of device tensors later, off the training thread). The RNG
+    states are taken now. With ranks (and a stage that reads nothing), the part of those ranks from the leaves'
     placements alone: fnmoe.checkpoint.index_only."""
+    if data is not None and data.get("step") != state.step:
+        raise ValueError(f"the data position is of step {data.get('step')}, the state of step {state.step}")
     stage = stage or (lambda t: t.detach().cpu())
     flat = {"tensors": flatten_dict(state.params), "opt_state": _flat_opt_state(state.opt_state)}
     if ranks is None:
@@ -176,9 +170,9 @@ def snapshot(state: TrainState, run: RunConfig, loader: Loader | None, ranks=Non
         parts.append(entries)
     schedule = {"name": run.optim.schedule, "position": state.step, "total_steps": run.train.steps,
                 "warmup_steps": run.optim.warmup_steps}
-    data = loader_state(loader, state.step) if loader is not None else {}
-    return Snapshot(state.step, files, writers, _merge(parts), {"step": state.step, "schedule": schedule, "data": data},
-                    to_toml(run), to_dict(run.model), {a: getattr(run.mesh, a) for a in MESH_AXES})
+    train = {"step": state.step, "schedule": schedule, "data": data or {}}
+    return Snapshot(state.step, files, writers, _merge(parts), train, to_toml(run), to_dict(run.model),
+                    {a: getattr(run.mesh, a) for a in MESH_AXES})
 
 
 def staged(snap: Snapshot, after=None) -> Snapshot:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from fnmoe.config.hardware import hardware
 from fnmoe.config.schema import MemoryConfig, ModelConfig, MoEConfig, RunConfig
 from fnmoe.config.types import field_errors
 
@@ -62,6 +63,18 @@ def _validate_moe(e: list[str], m: ModelConfig) -> None:
            f"model.moe.bias_update_coeff={moe.bias_update_coeff} needs model.moe.router_bias=true")
 
 
+def _validate_token_chunks(e: list[str], cfg: RunConfig) -> None:
+    """model.moe.token_chunks divides the tokens of a rank's micro-batch (the batch's own check names
+    a batch that does not split over ranks)."""
+    N, t = cfg.model.moe.token_chunks, cfg.train
+    if N == 1 or not cfg.model.moe.n_experts or t.batch_size % (cfg.dp_size * t.grad_accum):
+        return
+    T = cfg.micro_batch * cfg.data.seq_len
+    _check(e, T % N == 0, f"model.moe.token_chunks={N} must divide the tokens of a rank's micro-batch: "
+           f"data.seq_len={cfg.data.seq_len} x {cfg.micro_batch} sequences (train.batch_size={t.batch_size} / "
+           f"({cfg.dp_size} ranks x train.grad_accum={t.grad_accum})) = {T}")
+
+
 def _validate_groups(e: list[str], moe: MoEConfig) -> None:
     G = moe.n_group
     if moe.n_experts % G:
@@ -83,6 +96,9 @@ def _validate_memory(e: list[str], mem: MemoryConfig) -> None:
                f"memory.{name}={value!r} needs memory.recompute='none' (full recompute already covers the region)")
         _check(e, not mem.offload or value != "offload",
                f"memory.{name}='offload' is already implied by memory.offload=true")
+    # region policies always keep the exchange (fnmoe.memory.policies): the flag would do nothing there
+    _check(e, mem.keep_exchange or mem.recompute == "full",
+           "memory.keep_exchange=false (--memory.no-keep-exchange) needs memory.recompute='full'")
 
 
 MIX_NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -106,10 +122,18 @@ def _validate_mix(e: list[str], cfg: RunConfig) -> None:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Return cfg unchanged, or raise ValueError listing every problem with field names and values."""
-    e = field_errors(cfg) or _model_relations(cfg.model) + _run_relations(cfg)
+    e = field_errors(cfg) or _model_relations(cfg.model) + _run_relations(cfg) + _hardware_errors(cfg)
     if e:
         raise ValueError("invalid config: " + e[0] if len(e) == 1 else "invalid config:\n  " + "\n  ".join(e))
     return cfg
+
+
+def _hardware_errors(cfg: RunConfig) -> list[str]:
+    """The plan section's figures, the profile's with the given ones over them, each in its range."""
+    try:
+        return field_errors(hardware(cfg.plan), "plan.")
+    except ValueError as err:
+        return [str(err)]
 
 
 def _run_relations(cfg: RunConfig) -> list[str]:
@@ -133,6 +157,7 @@ def _run_relations(cfg: RunConfig) -> list[str]:
     # q/k RMSNorm undoes any rescaling of the query/key weights, so the clip could not act
     _check(e, not (o.qk_clip and cfg.model.qk_norm), "optim.qk_clip needs model.qk_norm=false")
     _validate_memory(e, cfg.memory)
+    _validate_token_chunks(e, cfg)
     if cfg.profile.steps:
         a, _, b = cfg.profile.steps.partition(":")
         ok = a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)

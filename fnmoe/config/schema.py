@@ -91,6 +91,9 @@ class MoEConfig:
     """0: dropless. c > 0: an expert takes at most ceil(c*T*K/E) of the T*K rows a rank routes in a
     micro-batch (first come, in token order); the rest are dropped (zero expert output) and
     counted in metrics as dropped_tokens"""
+    token_chunks: Annotated[int, Range(1)] = 1
+    """run a MoE layer's tokens (a rank's micro-batch) in N chunks while its gathered weights are held
+    once: EP buffers, GEMM transients and saved tensors scale with T/N; N must divide the tokens"""
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,9 @@ class MeshConfig:
     ep: PositiveInt = 1
     reshard_after_forward: bool = True
     """re-gather a block's params in backward instead of keeping them (ZeRO-3)"""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype the gradients are reduce-scattered in (half the bytes in bfloat16); the sharded gradient
+    and the master params stay float32"""
 
     @property
     def world(self) -> int:
@@ -231,11 +237,15 @@ class MemoryConfig:
 
     recompute: Literal["none", "full"] = "none"
     """activation checkpointing per block: 'full' keeps each block's input, its routing and its EP
-    exchange's outputs (never recomputed: no communication in backward) (the shorthand for
+    exchange's outputs (never recomputed: no communication in backward; see keep_exchange) (the shorthand for
     recomputing every region)"""
     offload: bool = False
     """move each block's saved tensors (with recompute='full': what it keeps) to host memory; the last
     block stays"""
+    keep_exchange: bool = True
+    """with recompute='full': keep the EP all-to-alls' outputs for backward (4 exchange passes a MoE
+    layer); --memory.no-keep-exchange replays them in the recompute instead (6 passes, less memory).
+    Region policies always keep them"""
     attention: RegionPolicy = "none"
     """attention regions: keep, recompute, recompute cheap ops only, or offload their saved tensors"""
     moe: RegionPolicy = "none"
@@ -374,25 +384,35 @@ class PlanConfig:
     """assumed max/mean expert load when planning memory"""
     state_dtype: Literal["float32", "bfloat16"] = "float32"
     """optimizer-state dtype the planner assumes (moments / momentum)"""
-    hbm_gb: NonNegativeFloat = 96.0
-    """device memory per GPU in GB (GH200: 96)"""
-    host_gb: NonNegativeFloat = 480.0
-    """host memory per GPU in GB usable for offload (GH200: 480 LPDDR5X per superchip)"""
-    matmul_tflops: PositiveFloat = 989.0 * 0.55
-    """sustained bf16 GEMM rate per GPU assumed by the step-time model (TFLOP/s)"""
-    attention_tflops: PositiveFloat = 989.0 * 0.4
-    """sustained flash-attention rate per GPU (TFLOP/s)"""
-    nvlink_gbps: PositiveFloat = 150.0
-    """per-GPU bandwidth of collectives inside a node (GB/s, one direction, achieved; GH200 NVL4: 6 of
-    18 NVLink-4 links, 150 GB/s, to each of 3 peers, a ring's bound)"""
-    network_gbps: PositiveFloat = 25.0
-    """per-GPU bandwidth of collectives across nodes (GB/s, one direction: a 200 Gb/s NIC a GPU, e.g.
-    NDR200 or Slingshot-11; configs/kimi_k2_1t.toml assumes NDR400 at 40)"""
-    gpus_per_node: Annotated[int, Range(1)] = 4
-    """GPUs sharing fast links (GH200 NVL4 nodes: 4)"""
-    host_link_gbps: PositiveFloat = 150.0
-    """device<->host bandwidth per GPU for offload (GB/s; NVLink-C2C: 450 a direction nominal, a third
-    assumed since the copies share HBM bandwidth with compute)"""
+    hardware: Literal["jupiter-gh200", "dgx-h100", "custom"] = "jupiter-gh200"
+    """the machine planned for: a profile's figures (fnmoe/config/hardware.py; sources in
+    docs/memory_plan.md), each overridden by the figure given below; custom: every figure given"""
+    gpus_per_node: Annotated[int, Range(1)] | None = None
+    """GPUs sharing fast links (profile: jupiter-gh200 4, dgx-h100 8)"""
+    hbm_gb: NonNegativeFloat | None = None
+    """device memory usable a GPU, GB (profile: jupiter-gh200 92 of 96, dgx-h100 76 of 80)"""
+    host_gb: NonNegativeFloat | None = None
+    """host memory usable for offload a GPU, GB (profile: jupiter-gh200 100 of a Grace's 120, dgx-h100 200)"""
+    matmul_tflops: PositiveFloat | None = None
+    """sustained bf16 GEMM rate a GPU, TFLOP/s (profile: 55% of 989)"""
+    attention_tflops: PositiveFloat | None = None
+    """sustained flash-attention rate a GPU, TFLOP/s (profile: 40% of 989)"""
+    nvlink_gbps: PositiveFloat | None = None
+    """collectives inside a node, GB/s a GPU one direction, achieved (profile: jupiter-gh200 150, one
+    NV6 peer link; dgx-h100 360 on NVSwitch)"""
+    nvlink_a2a_gbps: PositiveFloat | None = None
+    """an all-to-all inside a node, GB/s a GPU one direction, achieved, every peer at once (profile:
+    jupiter-gh200 360, 80% of 3 NV6 peer links; dgx-h100 360 on NVSwitch)"""
+    network_gbps: PositiveFloat | None = None
+    """collectives across nodes, GB/s a GPU one direction, achieved (profile: jupiter-gh200 22 on
+    NDR200, dgx-h100 40 on NDR400)"""
+    network_nominal_gbps: PositiveFloat | None = None
+    """cross-node line rate a GPU, GB/s (profile: jupiter-gh200 25, dgx-h100 50)"""
+    d2h_gbps: PositiveFloat | None = None
+    """device -> host copy rate a GPU with the node's GPUs all copying, GB/s: offload's copies out
+    (profile: jupiter-gh200 150, dgx-h100 50)"""
+    h2d_gbps: PositiveFloat | None = None
+    """host -> device copy rate a GPU, GB/s: offload's reloads (profile: jupiter-gh200 400, dgx-h100 50)"""
     dispatch: Literal["rows", "node_dedup"] = "rows"
     """EP exchange the step-time model assumes: 'rows' is fnmoe's (every routed row sent); 'node_dedup'
     sends a token once per destination node and fans it out there over NVLink (DeepEP), not built yet"""

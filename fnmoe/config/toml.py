@@ -79,7 +79,8 @@ def to_toml(cfg: Any) -> str:
     lines: list[str] = []
 
     def emit(d: dict, prefix: str) -> None:
-        scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
+        # TOML has no null: a field left None (a plan figure taken from the hardware profile) is left out
+        scalars = {k: v for k, v in d.items() if not isinstance(v, dict) and v is not None}
         tables = {k: v for k, v in d.items() if isinstance(v, dict)}
         if prefix and scalars:
             lines.append(f"[{prefix}]")

@@ -52,8 +52,8 @@ def describe(hint: Any) -> str:
         return "a list of tables" if dataclasses.is_dataclass(elem) else f"a list of {describe(elem)}"
     if origin is Literal:
         return " or ".join(sorted({type(a).__name__ for a in typing.get_args(base)}))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(describe(a) for a in typing.get_args(base))
+    if origin in (typing.Union, types.UnionType):  # None is a field left unset: no file writes it
+        return " or ".join(describe(a) for a in typing.get_args(base) if a is not type(None))
     return getattr(base, "__name__", str(base))
 
 

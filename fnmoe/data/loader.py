@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fnmoe import caches
 from fnmoe.config import DataConfig
 from fnmoe.data.sources import BUNDLED, read_documents
 
@@ -268,6 +269,7 @@ def _token_stream(tok: ByteTokenizer, docs: list) -> tuple[torch.Tensor, torch.T
 
 # ---------------------------------------------------------------- batches
 
+@caches.register
 @functools.lru_cache(maxsize=4)   # consecutive steps almost always share an epoch
 def _epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
     # sha256, not hash(): Python salts str hashes per process, and every rank must agree. The key
@@ -297,6 +299,14 @@ class Loader:
     @property
     def n_samples(self) -> int:
         return (len(self.data.train_T) - 1) // self.seq_len
+
+    def position(self, step: int) -> dict:
+        """The data position after `step` optimizer steps, as a checkpoint keeps it (index.json's
+        train.data): batch_at is a pure function of the step, so this, with the seed and corpus
+        fingerprint to check against, is all a resume needs."""
+        seen = step * self.batch_size
+        return {"step": step, "epoch": seen // self.n_samples, "samples_seen": seen, "seed": self.seed,
+                "corpus_fingerprint": self.data.fingerprint}
 
     def sample_ids(self, step: int, dp_rank: int, dp_size: int, micro: int) -> torch.Tensor:
         """int64 (B,) ids epoch * n_samples + window of the samples batch_at returns."""

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from fnmoe import caches
 from fnmoe.config import DataConfig, RunConfig
 from fnmoe.data.loader import Loader, TokenData, load_data, load_prepared, read_prepared_index, val_batches, windows
 
@@ -115,6 +116,7 @@ def source_counts(G: int, weights: tuple[float, ...]) -> list[int]:
     return out + [r]
 
 
+@caches.register
 @functools.lru_cache(maxsize=16)   # consecutive steps almost always share each source's epoch
 def _source_permutation(seed: int, name: str, epoch: int, n: int) -> torch.Tensor:
     # sha256, not hash(): Python salts str hashes per process, and every rank must agree
@@ -153,6 +155,8 @@ class MixtureLoader:
     def n_samples(self) -> int:
         """all sources' windows together (a checkpoint's data position counts epochs of this)"""
         return sum(self.sizes)
+
+    position = Loader.position
 
     def rows(self, step: int, dp_rank: int, dp_size: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(source_B, window_B) of one rank's micro-batch."""

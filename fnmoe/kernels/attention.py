@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from fnmoe import caches
 from fnmoe.kernels import gemm as cpu_gemm
 from fnmoe.config import ModelConfig
 
@@ -79,6 +80,7 @@ def resolved(cfg: ModelConfig, B: int, L: int, dtype: torch.dtype, device: torch
     return _with_impl(cfg, choice(cfg, B, L, dtype, device, mask))
 
 
+@caches.register
 @functools.cache
 def _with_impl(cfg: ModelConfig, impl: str) -> ModelConfig:  # one object per pair: a stable config for compile
     return dataclasses.replace(cfg, attention_impl=impl)

@@ -22,6 +22,19 @@ def pool_segments(nbytes: int) -> list[int]:
     return [PIN_UNIT << b for b in reversed(range(units.bit_length())) if units >> b & 1]
 
 
+POOL_MARGIN = 1.25
+"""the host pool holds the planned offload bytes times this (plus 1 MiB): routing above the planned
+imbalance must not fill it mid-step"""
+
+
+def pool_bytes_for(offload_bytes: int) -> int:
+    """What a pool for offload_bytes of saved tensors pins (0 for none): the margin, then whole
+    segments. The one rule the run (fnmoe.memory.policies), its host-memory check and the planner use."""
+    if not offload_bytes:
+        return 0
+    return sum(pool_segments(int(offload_bytes * POOL_MARGIN) + (1 << 20)))
+
+
 class _Done:
     """A copy that has finished (CPU copies run at once): torch.cuda.Event's API."""
 

@@ -2,7 +2,13 @@
 
 `none` keeps everything; `full` recomputes the whole block in backward (torch.utils.checkpoint,
 non-reentrant), keeping only its input, the routing and the EP exchange's outputs; the expert
-counts a block returns are read from the forward only.
+counts a block returns are read from the forward only. With memory.keep_exchange off the recompute
+sends the exchange's rows again (dispatch and combine: 6 all-to-all passes a MoE layer against 4)
+and keeps only the routing and the count exchange's output (S·X integers), so the splits, and with
+them every rank's sequence of collectives, are the forward's. The flag is the block policy's only:
+region policies (below) always keep the exchange (a replayed collective inside a compiled region's
+recompute would be ordered by the compiler's partitioner, and `selective` keeps the expert GEMM's
+input, the permuted exchange rows, anyway).
 
 `offload` (memory.offload) wraps each block but the last in saved-tensor hooks: a saved tensor of
 at least memory.offload_min_bytes that is not one of the block's parameters (or a view of one) is
@@ -17,8 +23,9 @@ them; each device copy is let go after its last unpack, so it lives only while b
 Per region (memory.attention / moe / mlp): `full` and `selective` are checkpoints with a
 selective-checkpoint policy traced into the region's compiled graph; `offload` puts the region's
 saved tensors in the pool. Every recompute saves the router's top-k outputs and the expert-parallel
-exchange (ROUTING_OPS, EXCHANGE_OPS): backward never routes or communicates again, so routing
-cannot change and the counts the router bias learns from are the forward's.
+exchange (ROUTING_OPS, EXCHANGE_OPS): backward never routes or communicates again (but the exchange's
+rows under `full` without keep_exchange), so routing cannot change and the counts the router bias
+learns from are the forward's.
 """
 from __future__ import annotations
 
@@ -31,12 +38,12 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from fnmoe import _torch
+from fnmoe import _torch, caches
 from fnmoe import compile as fcompile
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import reshard
 from fnmoe.config import MemoryConfig
-from fnmoe.memory.host_pool import Handle, HostPool
+from fnmoe.memory.host_pool import Handle, HostPool, pool_bytes_for
 from fnmoe._torch import TorchDispatchMode
 from fnmoe.tree import flatten_dict, tree_map
 
@@ -83,11 +90,21 @@ class _Kept:
     could not move them (rehearsed: the exchange's outputs, 4.2 GB a MoE layer of the 1T preset)."""
 
     def __init__(self, save_ops: frozenset, pool: HostPool | None = None, min_bytes: int = 0,
-                 handles: list | None = None, stats: dict | None = None):
+                 handles: list | None = None, stats: dict | None = None, replay_exchange: bool = False):
         self.save_ops, self.pool, self.min_bytes = save_ops, pool, min_bytes
+        self.replay_exchange = replay_exchange
         self.handles = handles if handles is not None else []
         self.stats = stats if stats is not None else {"kept": 0, "offloaded": 0}
         self.outputs: dict = collections.defaultdict(list)
+
+    def kept(self, func, args) -> bool:
+        """Whether func's output is kept (else the recompute runs it again). The same answer in the
+        forward and the recompute: it reads only the inputs' dtype, which recompute reproduces."""
+        if func not in self.save_ops:
+            return False
+        # rows of tokens (floating) are the exchange's bulk; its counts (integers) are tiny and set the
+        # splits, so they stay kept: no count exchange and no host sync on it again in backward
+        return not (self.replay_exchange and func in EXCHANGE_OPS and args[0].is_floating_point())
 
     def keep(self, func, out) -> None:
         self.outputs[func].append(tree_map(self._pack, out))
@@ -123,13 +140,14 @@ class _Keeping(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in self.kept.save_ops:
+        if self.kept.kept(func, args):
             self.kept.keep(func, out)
         return out
 
 
 class _Replaying(TorchDispatchMode):
-    """The recompute in backward: save_ops are answered from _Kept, in the forward's call order."""
+    """The recompute in backward: what _Kept kept is answered from it, in the forward's call order;
+    the rest runs again (the exchange's rows too, without memory.keep_exchange)."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -140,7 +158,7 @@ class _Replaying(TorchDispatchMode):
         self.kept, self.calls = kept, collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func not in self.kept.save_ops:
+        if not self.kept.kept(func, args):
             return func(*args, **(kwargs or {}))
         self.calls[func] += 1
         return self.kept.take(func, self.calls[func] - 1)
@@ -155,6 +173,7 @@ def _plain(fn: Callable, *args):
     return fn(*args)
 
 
+@caches.register
 @functools.lru_cache(maxsize=None)   # one function per (region, policy): compiled once each
 def with_policy(fn: Callable, policy: str) -> Callable:
     """fn under a recompute policy ('full' or 'selective'), as one function that can be compiled
@@ -245,7 +264,7 @@ class Runner:
             pool = self.pool if self.mem.offload and self._offloading(i) else None
             kept = _Kept(ROUTING_OPS | EXCHANGE_OPS, pool, self.mem.offload_min_bytes,
                          *((self.handles.setdefault(i, []), self.stats.setdefault(i, {"kept": 0, "offloaded": 0}))
-                           if pool else ()))
+                           if pool else (None, None)), replay_exchange=not self.mem.keep_exchange)
             inner = functools.partial(recompute_block, kept=kept)
         if self.pool is not None and self._offloading(i) and x_BLD.requires_grad:
             x_BLD.register_hook(functools.partial(self._release, i))
@@ -265,6 +284,15 @@ class Runner:
             return call(*args)
         with self._hooks(i, args[0], args[1:]):
             return call(*args)
+
+    def chunk_recompute(self, i: int) -> str | None:
+        """fnmoe.memory.runner.BlockRunner.chunk_recompute: the MoE region's chunks are recomputed one
+        at a time under full recompute (the block's or the region's); the region's checkpoint keeps the
+        exchange's outputs, the block's unless --memory.no-keep-exchange. Selective recompute keeps the
+        matmuls the chunks would recompute: its chunks run as they are."""
+        if self.mem.recompute == "full":
+            return "keep" if self.mem.keep_exchange else "replay"
+        return "keep" if self.mem.moe == "full" else None
 
     def _offloading(self, i: int) -> bool:
         # the last block's saved tensors are the first backward needs: a copy would only add latency
@@ -310,16 +338,23 @@ def block_runner(mem: MemoryConfig, n_layers: int = 0, pool: HostPool | None = N
     return Runner(mem, max(n_layers, 1), pool, reshard)
 
 
-def train_runner(run) -> Runner | None:
-    """block_runner for a RunConfig: the host pool sized from the planner's offload bytes (+25%);
-    with several ranks and resharding, gathered weights are dropped after forward and gathered again
-    in backward."""
+def pool_bytes(run) -> int:
+    """Host bytes train_runner's pool asks for (a GPU's; 0 when nothing is offloaded): what
+    fnmoe.memory.host_limit holds against plan.host_gb and the machine's memory."""
     from fnmoe.plan.activations import activation_plan
 
     mem = run.memory
-    offloads = mem.offload or "offload" in (getattr(mem, r) for r in REGIONS)
+    if not (mem.offload or "offload" in (getattr(mem, r) for r in REGIONS)):
+        return 0
+    return pool_bytes_for(activation_plan(run)["host"])
+
+
+def train_runner(run) -> Runner | None:
+    """block_runner for a RunConfig: the host pool sized by pool_bytes; with several ranks and
+    resharding, gathered weights are dropped after forward and gathered again in backward."""
+    mem = run.memory
     device = fdist.compute_device(run.dist, run.mesh.world)  # where training runs (fnmoe.loop's rule)
     device = device if device.type == "cuda" else None
-    pool = HostPool(int(activation_plan(run)["host"] * 1.25) + (1 << 20), device, mem.max_inflight_bytes) \
-        if offloads else None
+    nbytes = pool_bytes(run)
+    pool = HostPool(nbytes, device, mem.max_inflight_bytes) if nbytes else None
     return block_runner(mem, run.model.n_layers, pool, run.mesh.world > 1 and run.mesh.reshard_after_forward)

@@ -105,7 +105,7 @@ class _Measured:
 
     def __init__(self, runner: Runner):
         self.runner, self.rows = runner, []
-        self.offloads, self.region = runner.offloads, runner.region
+        self.offloads, self.region, self.chunk_recompute = runner.offloads, runner.region, runner.chunk_recompute
 
     def __call__(self, i: int, fn: Callable, p: dict, x_BLD: torch.Tensor, *rest):
         x_BLD = x_BLD.detach().requires_grad_().clone()  # not a leaf: offload may move it

@@ -27,6 +27,11 @@ class BlockRunner(Protocol):
     def region(self, i: int, name: str, fn: Callable, compile: bool, *args) -> Any:
         """Region `name` of block i: fn(*args), compiled when compile, under its region policy."""
 
+    def chunk_recompute(self, i: int) -> str | None:
+        """How backward recomputes block i's MoE token chunks (fnmoe.moe_chunks): None when it keeps
+        what they save; "keep" when it recomputes them, keeping the expert-parallel exchange's outputs
+        (the recompute around the region replays them); "replay" when the chunks send their rows again."""
+
 
 class Plain:
     """Every block and region as it is (regions compiled when asked)."""
@@ -37,6 +42,9 @@ class Plain:
 
     def region(self, i: int, name: str, fn: Callable, compile: bool, *args):
         return (fcompile.compiled(fn) if compile else fn)(*args)
+
+    def chunk_recompute(self, i: int) -> str | None:
+        return None
 
 
 PLAIN: BlockRunner = Plain()

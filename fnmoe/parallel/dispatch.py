@@ -1,22 +1,27 @@
 """Expert-parallel token exchange on the "ep" axis, and the functional collectives it rests on.
 
 Legend: R routed rows (sorted by global expert), E experts, X local experts (E/ep), S ep ranks,
-D model.
+D model, N token chunks of a MoE layer (fnmoe.moe_chunks).
 
 An ep rank owns experts [r*X, (r+1)*X). After `permute` a rank's rows are sorted by global
 expert, so the rows for ep rank s are one contiguous run. The exchange:
-  1. count exchange: an all-to-all of counts_E seen as [S, X] tells each rank how many rows of
-     each of its experts every peer sends (the one host sync of an MoE layer: the splits);
-  2. dispatch: an all-to-all of uneven splits (autograd: its backward is the reverse exchange);
-  3. the received rows, grouped by source rank then expert, are regrouped by local expert and
-     run by the expert GEMM path (grouped, padded or the loop), then put back in arrival order;
-  4. combine: the reverse all-to-all returns every row to the rank and position it came from.
+  1. count exchange: an all-to-all of counts_E seen as [S, X] (with token chunks, [N, S, X]: every
+     chunk's at once) tells each rank how many rows of each of its experts every peer sends (the
+     one host sync of an MoE layer: the splits);
+  2. dispatch (`send`, `received`): an all-to-all of uneven splits (autograd: its backward is the
+     reverse exchange), issued apart from its wait so that token chunks overlap it with compute;
+  3. `local_experts`: the received rows, grouped by source rank then expert, are regrouped by local
+     expert and run by the expert GEMM path (grouped, padded or the loop), then put back in arrival order;
+  4. `combine`: the reverse all-to-all returns every row to the rank and position it came from.
+`arrived` puts an exchange's output kept from the forward back on a recompute's graph: its backward
+is the exchange's, and nothing is sent forward again.
 
 The functional collectives (a private torch API) come from fnmoe._torch.
 """
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -40,10 +45,16 @@ def all_to_all(t: torch.Tensor, output_split_sizes: list, input_split_sizes: lis
 
 def exchange_counts(counts_E: torch.Tensor, group) -> torch.Tensor:
     """[S, X] rows this rank will receive: entry (s, x) is what rank s sends to local expert x."""
-    S = group.size()
+    return exchange_chunk_counts(counts_E.view(1, -1), group)[0]
+
+
+def exchange_chunk_counts(counts_NE: torch.Tensor, group) -> torch.Tensor:
+    """[N, S, X]: exchange_counts of each of N token chunks, in one all-to-all."""
+    N, S = counts_NE.shape[0], group.size()
+    by_rank_SNX = counts_NE.view(N, S, -1).transpose(0, 1).contiguous()  # all-to-all pieces go by destination
     fdist.entering("MoE count all-to-all over ep")
-    recv = funcol.wait_tensor(funcol.all_to_all_single(counts_E.contiguous(), None, None, group))
-    return recv.view(S, -1)
+    recv = funcol.wait_tensor(funcol.all_to_all_single(by_rank_SNX.view(-1), None, None, group))
+    return recv.view(S, N, -1).transpose(0, 1)
 
 
 # fnmoe.plan.rehearse's routing table, for fake tensors whose counts hold no values: (rows, S) -> splits
@@ -61,12 +72,86 @@ def pinned_splits(fn: Callable[[int, int], tuple[list[int], list[int]]]) -> Iter
         _pinned[0] = None
 
 
-def _splits(counts_E: torch.Tensor, recv_SX: torch.Tensor, S: int, X: int, n_rows: int):
+def chunk_splits(counts_NE: torch.Tensor, recv_NSX: torch.Tensor, rows_N: list[int]) -> list[tuple[list, list]]:
+    """(send, recv): the rows each token chunk sends to and receives from each ep rank, given what
+    it sends each expert (counts_NE), receives (recv_NSX, exchange_chunk_counts') and its rows_N."""
+    N, S, X = recv_NSX.shape
     if _pinned[0] is not None:
-        return _pinned[0](n_rows, S)
-    # one host sync for both: uneven splits must be known on the host
-    splits = torch.cat([counts_E.view(S, X).sum(1), recv_SX.sum(1)]).tolist()
-    return splits[:S], splits[S:]
+        return [_pinned[0](n, S) for n in rows_N]
+    # one host sync for all: uneven splits must be known on the host
+    flat = torch.cat([counts_NE.view(N, S, X).sum(2), recv_NSX.sum(2)], 1).tolist()
+    return [(row[:S], row[S:]) for row in flat]
+
+
+@dataclass(eq=False)
+class Sent:
+    """One chunk's rows on their way to the ep ranks owning their experts: the dispatch all-to-all,
+    issued and not yet waited for (`received` waits), and the splits its combine sends back by."""
+    rows: torch.Tensor     # what arrives here, by (source rank, local expert): waited for by `received`
+    recv_SX: torch.Tensor  # rows for each local expert from each source rank
+    send: list             # rows sent to each ep rank
+    recv: list             # rows received from each
+    group: object
+    n_rows: int            # rows sent
+
+
+def send(x_RD: torch.Tensor, recv_SX: torch.Tensor, splits: tuple[list, list], group) -> Sent:
+    """Issue the dispatch of x_RD (rows sorted by global expert) by splits = (send, recv); no wait."""
+    send_S, recv_S = splits
+    for n in send_S + recv_S:
+        size_hint(n, x_RD.shape[0] // group.size())  # balanced routing's splits
+    fdist.entering("MoE dispatch all-to-all over ep")
+    rows = funcol.all_to_all_single_autograd(x_RD, recv_S, send_S, group)
+    return Sent(rows, recv_SX, send_S, recv_S, group, x_RD.shape[0])
+
+
+def received(sent: Sent) -> torch.Tensor:
+    """The dispatched rows that arrived here, waited for."""
+    x_recv = funcol.wait_tensor(sent.rows)
+    size_hint(x_recv.shape[0], sent.n_rows)
+    return fdist.entering_in_backward(x_recv, "MoE dispatch all-to-all over ep (backward)")
+
+
+def local_experts(expert_mlp, x_recv: torch.Tensor, recv_SX: torch.Tensor, w_gate_XDF: torch.Tensor,
+                  w_up_XDF: torch.Tensor, w_down_XFD: torch.Tensor, gemm: str) -> torch.Tensor:
+    """expert_mlp of the received rows, in their arrival order."""
+    S, X = recv_SX.shape
+    # arrival order is (source rank, local expert); the GEMM wants rows grouped by local expert
+    expert_of_row = torch.repeat_interleave(torch.arange(X, device=x_recv.device).repeat(S), recv_SX.reshape(-1),
+                                            output_size=x_recv.shape[0])
+    order = torch.argsort(expert_of_row, stable=True)
+    inverse = torch.argsort(order)  # a permutation's inverse
+    return expert_mlp(x_recv[order], w_gate_XDF, w_up_XDF, w_down_XFD, recv_SX.sum(0), gemm)[inverse]
+
+
+def combine(y_recv: torch.Tensor, sent: Sent) -> torch.Tensor:
+    """The experts' rows sent back where sent's rows came from: in their order, on their rank."""
+    fdist.entering("MoE combine all-to-all over ep")
+    y_RD = funcol.wait_tensor(funcol.all_to_all_single_autograd(y_recv, sent.send, sent.recv, sent.group))
+    _torch.check(y_RD.shape[0] == sent.n_rows)  # every row sent comes back
+    return fdist.entering_in_backward(y_RD, "MoE combine all-to-all over ep (backward)")
+
+
+class _Arrived(torch.autograd.Function):
+    """An all-to-all of x whose output `out` is known (kept from the forward): out, on the graph
+    with the exchange's backward (the gradient sent back by the splits reversed)."""
+
+    @staticmethod
+    def forward(ctx, x, out, send_S, recv_S, group, what):
+        ctx.send_S, ctx.recv_S, ctx.group, ctx.what = send_S, recv_S, group, what
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        fdist.entering(f"{ctx.what} (backward)")
+        g_x = funcol.wait_tensor(funcol.all_to_all_single(g.contiguous(), ctx.send_S, ctx.recv_S, ctx.group))
+        return g_x, None, None, None, None, None
+
+
+def arrived(x: torch.Tensor, out: torch.Tensor, send_S: list, recv_S: list, group, what: str) -> torch.Tensor:
+    """out, the kept result of x's all-to-all by (send_S, recv_S), as if x had been sent again: a
+    recompute's exchange, which sends nothing forward and the gradient backward."""
+    return _Arrived.apply(x, out, send_S, recv_S, group, what)
 
 
 def ep_expert_mlp(expert_mlp, x_RD: torch.Tensor, counts_E: torch.Tensor, w_gate_XDF: torch.Tensor,
@@ -76,22 +161,7 @@ def ep_expert_mlp(expert_mlp, x_RD: torch.Tensor, counts_E: torch.Tensor, w_gate
     S, X = group.size(), w_gate_XDF.shape[0]
     if counts_E.numel() != S * X:
         raise ValueError(f"expert parallelism: {counts_E.numel()} experts != {S} ep ranks x {X} local experts")
-    recv_SX = exchange_counts(counts_E, group)
-    send, recv = _splits(counts_E, recv_SX, S, X, x_RD.shape[0])
-    for n in send + recv:
-        size_hint(n, x_RD.shape[0] // S)  # balanced routing's splits
-    fdist.entering("MoE dispatch all-to-all over ep")
-    x_recv = funcol.wait_tensor(funcol.all_to_all_single_autograd(x_RD, recv, send, group))
-    x_recv = fdist.entering_in_backward(x_recv, "MoE dispatch all-to-all over ep (backward)")
-    size_hint(x_recv.shape[0], x_RD.shape[0])
-    # arrival order is (source rank, local expert); the GEMM wants rows grouped by local expert
-    expert_of_row = torch.repeat_interleave(torch.arange(X, device=x_RD.device).repeat(S), recv_SX.reshape(-1),
-                                            output_size=x_recv.shape[0])
-    order = torch.argsort(expert_of_row, stable=True)
-    inverse = torch.argsort(order)  # a permutation's inverse
-    y_sorted = expert_mlp(x_recv[order], w_gate_XDF, w_up_XDF, w_down_XFD, recv_SX.sum(0), gemm)
-    y_recv = y_sorted[inverse]
-    fdist.entering("MoE combine all-to-all over ep")
-    y_RD = funcol.wait_tensor(funcol.all_to_all_single_autograd(y_recv, send, recv, group))
-    _torch.check(y_RD.shape[0] == x_RD.shape[0])  # every row sent comes back
-    return fdist.entering_in_backward(y_RD, "MoE combine all-to-all over ep (backward)")
+    recv_NSX = exchange_chunk_counts(counts_E.view(1, -1), group)
+    sent = send(x_RD, recv_NSX[0], chunk_splits(counts_E.view(1, -1), recv_NSX, [x_RD.shape[0]])[0], group)
+    y_recv = local_experts(expert_mlp, received(sent), sent.recv_SX, w_gate_XDF, w_up_XDF, w_down_XFD, gemm)
+    return combine(y_recv, sent)

@@ -9,11 +9,17 @@ it and puts it on the autograd graph. `gather` is the two back to back. fnmoe.mo
 i+1's gathers before block i computes, and in backward a recomputed block i issues block i-1's;
 fnmoe.parallel.reshard does the same for the weights backward gathers again.
 
-The graph's backward reduce-scatters the gradient (fp32, summed) to the leaf's shard and does not
+The graph's backward reduce-scatters the gradient (summed) to the leaf's shard and does not
 wait: the gradient it returns waits for the collective at its first use (torch's
 AsyncCollectiveTensor: autograd summing a leaf's two gradients, the optimizer), and every
 reduce-scatter is waited for where the backward pass ends. So block i's reduce-scatters run while
 block i-1's backward computes.
+
+The reduce-scatter sends float32, or with `--mesh.reduce-dtype bfloat16` (`reducing`) bf16: half
+the bytes, the ranks' sum taken in bf16. The shard's gradient is float32 either way (the master
+params', so a tied leaf's two gradients and the micro-batches are summed in float32): a bf16 result
+is cast where it is waited for, not where backward returns it (`_torch.cast_on_use`), or autograd
+would wait for the collective there.
 
 NCCL runs a group's collectives in issue order on its stream, and a wait holds back only the
 compute stream, so any number may be in flight. On gloo at most one is in flight per process group:
@@ -34,6 +40,7 @@ Legend: no shape-suffixed tensors here; weights are handled leaf by leaf.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from dataclasses import dataclass
@@ -43,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from fnmoe import _torch
+from fnmoe import _torch, caches
 from fnmoe.parallel import dist as fdist
 from fnmoe.tree import Tree, map_with_path, tree_flatten
 
@@ -60,6 +67,7 @@ class Issued:
     path: str                  # the leaf's path and the axis, for a failure's message
     axis: str
     block: object = None       # the issue() call it came from: a block's gathers share it
+    reduce: torch.dtype = torch.float32  # the dtype its gradient is reduce-scattered in
 
 
 def _padded(x: torch.Tensor, dim: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
@@ -92,6 +100,24 @@ def _prepare(path: str, t: torch.Tensor, dtype: torch.dtype):
     return Issued(local, None, send, dim, n, group, path, axis)
 
 
+_reduce_dtype = torch.float32
+"""the dtype gathers issued now reduce-scatter their gradients in (`reducing`)"""
+
+
+@contextlib.contextmanager
+def reducing(dtype: torch.dtype):
+    """Gathers issued inside reduce-scatter their gradients in dtype (mesh.reduce_dtype). Each
+    gather keeps the dtype it was issued under, so a backward outside still sends what its forward
+    chose; fnmoe.train enters it around a micro-batch's forward and backward (a recompute in
+    backward issues its gathers again)."""
+    global _reduce_dtype
+    before, _reduce_dtype = _reduce_dtype, dtype
+    try:
+        yield
+    finally:
+        _reduce_dtype = before
+
+
 _in_flight: dict[str, list[weakref.ref]] = {}
 """serial process group name -> the outputs of the collectives issued on it and not yet waited for"""
 
@@ -103,6 +129,7 @@ class _Scatter:
     block: object  # the gather call whose gradient it sends back
     out: torch.Tensor
     send: torch.Tensor
+    cast: torch.Tensor | None = None  # the gradient, when it is cast from the collective's dtype on use
 
 
 _scattering: list[_Scatter] = []
@@ -124,6 +151,8 @@ def _wait(group_name: str) -> None:
 def _wait_scatters() -> None:
     for s in _scattering:
         _torch.c10d_ops.wait_tensor(s.out)
+        if s.cast is not None:  # cast now, while backward runs: the gradient is fp32 where it ends
+            _torch.resolve(s.cast)
     _scattering.clear()
 
 
@@ -134,6 +163,7 @@ def wait_all() -> None:
         _wait(name)
 
 
+@caches.register
 def clear() -> None:
     """Forget the collectives noted in flight, unwaited (their process groups may be gone)."""
     _in_flight.clear()
@@ -164,11 +194,12 @@ def _start(xs: list[Issued]) -> None:
         x.out = out
 
 
-def _reduce_scatter(send: torch.Tensor, group, block: object) -> torch.Tensor:
-    """send summed over group, this rank's rows, issued now. It is waited for at its first use
-    (autograd summing a leaf's gradients, the optimizer), where the next block's reduce-scatters
-    start (so one block's run while the block before computes, and their inputs are let go then),
-    or where the backward ends, whichever comes first."""
+def _reduce_scatter(send: torch.Tensor, group, block: object, rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """send summed over group, this rank's first `rows` rows moved to dim and in dtype, issued now.
+    It is waited for (and cast, when send is in another dtype) at its first use (autograd summing a
+    leaf's gradients, the optimizer), where the next block's reduce-scatters start (so one block's
+    run while the block before computes, and their inputs are let go then), or where the backward
+    ends, whichever comes first."""
     task = _torch.graph_task()
     if task not in _backward_end_queued:
         _backward_end_queued.add(task)
@@ -177,8 +208,12 @@ def _reduce_scatter(send: torch.Tensor, group, block: object) -> torch.Tensor:
         _wait_scatters()
     w = group.size()
     (mine,) = _issue_on(group, lambda: [_torch.c10d_ops.reduce_scatter_tensor(send, "sum", w, group.group_name)])
-    _scattering.append(_Scatter(block, mine, send))
-    return _torch.wait_on_use(mine)
+    _scattering.append(scatter := _Scatter(block, mine, send))
+    if mine.dtype == dtype:
+        return _torch.wait_on_use(mine)[:rows].movedim(0, dim)
+    # not .to(dtype): autograd would run that cast here, and wait for the collective there
+    scatter.cast = _torch.cast_on_use(mine[:rows].movedim(0, dim), dtype)
+    return scatter.cast
 
 
 class _Gathered(torch.autograd.Function):
@@ -189,7 +224,7 @@ class _Gathered(torch.autograd.Function):
         # the graph keeps what backward needs, not the gathered tensor (resharding drops that)
         ctx.dim, ctx.n, ctx.group, ctx.rows, ctx.dtype = issued.dim, issued.n, issued.group, \
             local.shape[issued.dim], local.dtype
-        ctx.block = issued.block
+        ctx.block, ctx.reduce = issued.block, issued.reduce
         ctx.what = f"reduce-scatter of {issued.path}'s gradient over {issued.axis} (backward)"
         full = _torch.c10d_ops.wait_tensor(issued.out)
         issued.out = issued.send = None
@@ -200,8 +235,8 @@ class _Gathered(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         fdist.entering(ctx.what)
         w = ctx.group.size()
-        send = _padded(grad, ctx.dim, w * math.ceil(ctx.n / w), torch.float32)
-        return _reduce_scatter(send, ctx.group, ctx.block)[:ctx.rows].movedim(0, ctx.dim).to(ctx.dtype), None
+        send = _padded(grad, ctx.dim, w * math.ceil(ctx.n / w), ctx.reduce)
+        return _reduce_scatter(send, ctx.group, ctx.block, ctx.rows, ctx.dim, ctx.dtype), None
 
 
 def _finish_leaf(x):
@@ -215,7 +250,7 @@ def issue(tree: Tree, dtype: torch.dtype) -> Tree:
     block = object()
     for x in tree_flatten(prepared)[0]:
         if isinstance(x, Issued):
-            x.block = block
+            x.block, x.reduce = block, _reduce_dtype
             by_group.setdefault(x.group.group_name, []).append(x)
     for xs in by_group.values():
         _start(xs)

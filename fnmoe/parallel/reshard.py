@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from fnmoe import caches
 from fnmoe._torch import in_backward, view_base
 from fnmoe.tree import Tree, flatten_dict, tree_map
 
@@ -169,6 +170,7 @@ def strong_args(args: tuple) -> tuple:
     return tree_map(lambda x: x.get() if isinstance(x, _Ref) else x, args)
 
 
+@caches.register
 def clear() -> None:
     """Forget every tracked gathered weight (the forward of a block in flight then keeps its own)."""
     global _last

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fnmoe import _torch
+from fnmoe import _torch, caches
 from fnmoe.parallel import dist as fdist
 from fnmoe._torch import StridedShard
 from fnmoe.config import DistConfig, MeshConfig
@@ -73,6 +73,7 @@ def make_mesh(mcfg: MeshConfig, dcfg: DistConfig | None = None) -> DeviceMesh:
     return mesh
 
 
+@caches.register  # keeps the meshes alive
 @functools.cache
 def _ranks(mesh: DeviceMesh) -> tuple[int, ...]:
     """The global ranks of mesh in row-major order, computed once (DeviceMesh.mesh builds a tensor
@@ -153,6 +154,7 @@ def local_index(spec: LeafSpec, shape: tuple[int, ...], coord: dict[str, int],
 
 
 _submeshes: dict[tuple[int, str], tuple[DeviceMesh, DeviceMesh]] = {}
+caches.register(_submeshes.clear)  # keeps the meshes alive
 
 
 def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh:

@@ -14,13 +14,15 @@ C kv-lora rank, Q q-lora rank, W = C + P, X = H·(J + U); s bytes per compute-dt
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
-from fnmoe.config import ModelConfig, RunConfig
-from fnmoe.plan.state import DTYPE_BYTES, GRAD_BYTES, block_numels, largest_leaf, unsharded_grad_bytes
+from fnmoe.config import ModelConfig, PlanConfig, RunConfig, TrainConfig
+from fnmoe.plan.state import DTYPE_BYTES, block_numels, largest_leaf, reduce_bytes, unsharded_grad_bytes
 
 
 def norm_bytes(T: int, n: int, s: int) -> int:
-    """RMSNorm over n features: the fp32 input, the normalised and the weighted output, rsqrt."""
+    """RMSNorm over n features: the fp32 input (in fp32 the region's input itself, so a region counts
+    its input here), rsqrt, the normalised output and the weighted one (saved by the matmul that reads it)."""
     return T * n * (4 + 2 * s) + 4 * T
 
 
@@ -32,14 +34,17 @@ def attention_bytes(cfg: ModelConfig, T: int, s: int) -> int:
         I, U, C, P, Q = cfg.qk_head_dim_, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.q_lora_rank
         X = H * (cfg.qk_nope_head_dim + U)
         q = norm_bytes(T, Q, s) if Q else 0
-        # q and k concatenated (SDPA inputs), v as a view of the kv projection, out and its reshape
-        core = T * s * (2 * H * I + X + 2 * H * U)
+        # q and k concatenated (SDPA inputs), v as a view of the kv projection (its storage: all of it),
+        # the output (written [B, L, H, U] by the fused kernels: the reshape before w_o is a view of it)
+        core = T * s * (2 * H * I + X + H * U)
         latent = norm_bytes(T, C, s) + (T * P * 4 if s == 4 else 0)  # fp32: the norm keeps the whole kv_a output
         return norm_bytes(T, D, s) + q + latent + core + lse
     N, M = H * cfg.head_dim_, cfg.n_kv_heads * cfg.head_dim_
     # q/k norms keep their fp32 input and normalised output; the weighted one goes into RoPE, which keeps nothing
     qk = T * (N + M) * (4 + s) + 4 * T * (H + cfg.n_kv_heads) if cfg.qk_norm else 0
-    return norm_bytes(T, D, s) + qk + T * s * (3 * N + 2 * M) + lse
+    # q, k, v after RoPE and the output, which flash (and efficient, and fnmoe's CPU kernel) write
+    # [B, L, H, A]: the reshape w_o reads is a view of it, not a second copy
+    return norm_bytes(T, D, s) + qk + T * s * (2 * N + 2 * M) + lse
 
 
 def swiglu_bytes(T: int, F: int, s: int) -> int:
@@ -57,7 +62,14 @@ def moe_bytes(cfg: ModelConfig, T: int, s: int, imbalance: float = 1.0, ep: int 
     m, D = cfg.moe, cfg.dim
     K, E = m.top_k, m.n_experts
     R = int(T * K * (imbalance if ep > 1 else 1.0))
-    router = (T * D * 4 if s != 4 else 0) + 2 * T * E * 4 + T * K * (8 + 4 + 4 + s)
+    # below fp32 the router reads an fp32 copy of the normed tokens, and only a shared expert keeps the
+    # weighted norm output that norm_bytes counts; in fp32 the router reads (and keeps) that output itself
+    upcast = T * D * 4 - (0 if m.n_shared_experts else T * D * s) if s < 4 else 0
+    # fp32 scores (softmax and sigmoid keep their output; the logits, and their logsumexp, only for the
+    # z-loss), the top-k indices, the combine's weights in the compute dtype; renormalised, the gathered
+    # scores and their sum; sigmoid scores' per-token sum for the balance losses
+    router = (upcast + T * E * 4 + (T * E * 4 + 4 * T if m.z_loss_coeff else 0) + T * K * (8 + s)
+              + (T * K * 4 + 4 * T if m.norm_topk_prob else 0) + (4 * T if m.score_func == "sigmoid" else 0))
     rows = R * 16 + 2 * R * D * s + swiglu_bytes(R, m.expert_hidden, s)
     shared = swiglu_bytes(T, m.n_shared_experts * m.expert_hidden, s)
     return norm_bytes(T, D, s) + router + rows + shared
@@ -70,16 +82,26 @@ def region_bytes(cfg: ModelConfig, i: int, T: int, s: int, imbalance: float = 1.
 
 
 def selective_bytes(cfg: ModelConfig, region: str, T: int, s: int, R: int) -> int:
-    """Saved bytes under selective recompute: the region input, matmul and attention outputs and the
-    routing; norms and pointwise ops are recomputed."""
-    D, x = cfg.dim, T * cfg.dim * s
-    if region == "attention":
-        return x + attention_bytes(cfg, T, s) - norm_bytes(T, D, s)
+    """Saved bytes under selective recompute: the region input and the outputs of its matmuls, attention
+    kernel and top-k (memory.SELECTIVE_SAVE_OPS; the last matmul's is the region output, which the
+    checkpoint keeps too); norms, RoPE and pointwise ops are recomputed."""
+    D, x, H = cfg.dim, T * cfg.dim * s, cfg.n_heads
+    if region == "attention":  # the projections, the kernel's output and lse, w_o's output
+        if cfg.attention == "mla":
+            U, P = cfg.v_head_dim, cfg.qk_rope_head_dim
+            proj = cfg.q_lora_rank + H * cfg.qk_head_dim_ + cfg.kv_lora_rank + P + H * (cfg.qk_nope_head_dim + U)
+            out = H * U
+        else:
+            proj, out = (H + 2 * cfg.n_kv_heads) * cfg.head_dim_, H * cfg.head_dim_
+        return x + T * s * (proj + out + D) + 4 * T * H
     if region == "mlp":
-        return x + 2 * T * cfg.ffn_hidden * s
+        return x + T * (2 * cfg.ffn_hidden + D) * s
     m = cfg.moe
-    return (x + T * m.top_k * (8 + 4) + R * (2 * m.expert_hidden + D) * s
-            + 2 * T * m.n_shared_experts * m.expert_hidden * s)
+    # the router's fp32 logits and top-k (values, indices; group-limited: the groups' top-2 and top-k too),
+    # the experts' three GEMMs, the combine, the shared experts' three matmuls
+    topk = T * 12 * (m.top_k + (2 * m.n_group + m.topk_group if m.n_group > 1 else 0))
+    shared = T * (2 * m.n_shared_experts * m.expert_hidden + D) * s if m.n_shared_experts else 0
+    return x + T * m.n_experts * 4 + topk + R * (2 * m.expert_hidden + D) * s + T * D * s + shared
 
 
 def exchange_bytes(run: RunConfig, T: int) -> int:
@@ -100,15 +122,21 @@ def block_activations(run: RunConfig, i: int, T: int) -> dict:
     full = sum(regions.values())
     last = i == cfg.n_layers - 1
     if mem.recompute == "full":
-        # the block input, and the exchange's outputs (memory.EXCHANGE_OPS: recompute never repeats an
-        # all-to-all), which the recomputed block holds again beside its own saved tensors
-        exchanged = exchange_bytes(run, T) if cfg.is_moe_layer(i) else 0
+        # the block input, and the exchange's outputs (memory.EXCHANGE_OPS), which the recomputed block
+        # holds again beside its own saved tensors; --memory.no-keep-exchange replays them instead,
+        # and the replay makes them again in backward (a token chunk's at a time when chunked)
+        exchange = exchange_bytes(run, T) if cfg.is_moe_layer(i) else 0
+        exchanged = exchange if mem.keep_exchange else 0
         kept = T * cfg.dim * s + exchanged
         host = kept if mem.offload and not last else 0
+        # with token chunks the MoE region is recomputed and differentiated a chunk at a time
+        n = cfg.moe.token_chunks if "moe" in regions else 1
+        recomputing = full - regions.get("moe", 0) + regions.get("moe", 0) // n
+        recomputing += exchange // n if not exchanged else 0
         # offloaded, what it keeps comes back for its recompute, beside the previous block's (prefetched)
         # and, as backward reaches each weight, that leaf's compute-dtype gradient before its reduce-scatter
         return {"device": kept - host, "host": host, "recomputed": full,
-                "transient": full + exchanged + (2 * kept if host else 0) + largest_leaf(run, layers=True) * s}
+                "transient": recomputing + exchanged + (2 * kept if host else 0) + largest_leaf(run, layers=True) * s}
     R = int(T * cfg.moe.top_k * (run.plan.imbalance if run.mesh.ep > 1 else 1.0))
     out = {"device": 0, "host": 0, "recomputed": 0, "transient": 0}
     for region, none_bytes in regions.items():
@@ -135,16 +163,31 @@ def tokens_per_rank(run: RunConfig) -> int:
 
 
 def activation_plan(run: RunConfig) -> dict:
-    """Saved activation bytes per rank (device and host), per block and in total, plus the head."""
-    cfg, T = run.model, tokens_per_rank(run)
+    """Saved activation bytes per rank (device and host), per block and in total, plus the head
+    (cached by what it reads: `fnmoe plan --search` plans thousands of layouts; do not mutate)."""
+    return _activation_plan(run.model, tokens_per_rank(run), run.memory, run.mesh, run.plan.imbalance,
+                            run.train.ce_chunks)
+
+
+@lru_cache(maxsize=4096)
+def _activation_plan(cfg: ModelConfig, T: int, memory, mesh, imbalance: float, ce_chunks: int) -> dict:
+    run = RunConfig(model=cfg, memory=memory, mesh=mesh, plan=PlanConfig(imbalance=imbalance),
+                    train=TrainConfig(ce_chunks=ce_chunks))
     s = DTYPE_BYTES[cfg.compute_dtype]
-    blocks = [block_activations(run, i, T) for i in range(cfg.n_layers)]
+    # a layer's bytes depend on its kind and whether it is the last (which offload keeps), not its index
+    kinds: dict[tuple, dict] = {}
+    blocks = []
+    for i in range(cfg.n_layers):
+        kind = (cfg.is_moe_layer(i), i == cfg.n_layers - 1)
+        if kind not in kinds:
+            kinds[kind] = block_activations(run, i, T)
+        blocks.append(kinds[kind])
     # final norm, the head's input, and the fp32 log-softmax cross-entropy keeps when not chunked
     head = norm_bytes(T, cfg.dim, s) + (T * cfg.vocab_size * 4 if run.train.ce_chunks == 1 else 0)
     device = sum(b["device"] for b in blocks) + head
     # block i's backward (the embedding's after block 0's) runs while block i+1's reduce-scatters
     # read their inputs, the layer's fp32 gradients (fnmoe.parallel.gather); none on one rank
-    sends = [n * GRAD_BYTES * (run.mesh.world > 1) for n in block_numels(cfg, run.mesh.ep)[1:-1]] + [0]
+    sends = [n * reduce_bytes(run) * (run.mesh.world > 1) for n in block_numels(cfg, run.mesh.ep)[1:-1]] + [0]
     transient = max(max(b["transient"] + sends[i + 1] for i, b in enumerate(blocks)),
                     unsharded_grad_bytes(run) + sends[0])
     return {"blocks": blocks, "device": device, "host": sum(b["host"] for b in blocks), "transient": transient,
@@ -159,11 +202,13 @@ def logits_bytes(run: RunConfig) -> int:
 
 
 def ep_buffer_bytes(run: RunConfig) -> int:
-    """Backward's all-to-all buffer of one MoE layer on the busiest EP rank: the gradients of the R
-    rows its experts received (forward's exchange outputs count as activations: saved, or freed at
+    """Backward's all-to-all buffer of one MoE layer (a token chunk's) on the busiest EP rank: the
+    gradients of the R rows its experts received (forward's exchange outputs count as activations: saved, or freed at
     once). Rehearsed at full scale, one such buffer is alive at a time."""
     if run.mesh.ep == 1 or not run.model.moe.n_experts:
         return 0
-    T, s = tokens_per_rank(run), DTYPE_BYTES[run.model.compute_dtype]
-    return int(T * run.model.moe.top_k * max(run.plan.imbalance, 1.0)) * run.model.dim * s
+    T, s = tokens_per_rank(run) // run.model.moe.token_chunks, DTYPE_BYTES[run.model.compute_dtype]
+    # a replayed exchange's outputs are alive beside the gradients' exchange (rehearsed: twice)
+    replayed = run.memory.recompute == "full" and not run.memory.keep_exchange
+    return int(T * run.model.moe.top_k * max(run.plan.imbalance, 1.0)) * run.model.dim * s * (2 if replayed else 1)
 

@@ -9,11 +9,12 @@ C kv-lora rank, Q q-lora rank, W = C + P, X = H·(J + U); s bytes per compute-dt
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
-from fnmoe.config import RunConfig
+from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.plan import network as plan_net
 from fnmoe.plan.activations import tokens_per_rank
-from fnmoe.plan.state import DTYPE_BYTES, GRAD_BYTES, leaf_kind, leaf_shapes
+from fnmoe.plan.state import DTYPE_BYTES, leaf_kind, leaf_shapes, reduce_bytes
 
 
 def comm_bytes(run: RunConfig) -> dict:
@@ -21,53 +22,95 @@ def comm_bytes(run: RunConfig) -> dict:
     n·(g-1)/g a rank), as fnmoe's step runs them, per micro-batch:
 
       fsdp  compute-dtype all-gathers of every sharded leaf (dense over all ranks, expert stacks
-            over fsdp alone: the ep rank's E/ep experts) and fp32 reduce-scatters of their
-            gradients, one per gather that autograd differentiates. A block's leaves are gathered
-            again in backward when resharding or under full recompute; the embedding, final norm
-            and head are gathered outside the blocks, once (twice for a tied embedding, which the
-            head gathers again); QK-clip gathers each block once more, without gradient.
+            over fsdp alone: the ep rank's E/ep experts) and reduce-scatters of their gradients in
+            mesh.reduce_dtype, one per gather that autograd differentiates. A block's leaves are
+            gathered again in backward when resharding or under full recompute; the embedding,
+            final norm and head are gathered outside the blocks, once (twice for a tied embedding,
+            which the head gathers again); QK-clip gathers each block once more, without gradient.
       ep    the dispatch and combine all-to-alls of rows of D (the (ep-1)/ep that leave the rank),
             forward and backward: 4 passes a MoE layer, on the busiest rank T·K rows in the
             dispatch and its backward's reverse, imbalance times that in the combine and the
-            dispatch's backward; recompute never repeats them (memory.EXCHANGE_OPS are saved by
-            every recompute policy).
+            dispatch's backward; 6 under full recompute with --memory.no-keep-exchange, whose
+            recompute replays the forward's two.
 
-    Buffers are replicated and never communicated; the count exchange and the scalar all-reduces
-    (loss, label count, expert counts, gradient norm) are a few bytes and left out. Checked against
-    bytes counted on the collectives of eager steps on a 2x2 gloo mesh (tests/test_mesh_memory.py)."""
-    cfg, mesh, accum = run.model, run.mesh, run.train.grad_accum
-    world, s = mesh.world, DTYPE_BYTES[cfg.compute_dtype]
+    `parts` splits the same bytes by (phase, kind, where): phase forward, backward or update;
+    kind all_gather, reduce_scatter or all_to_all; where "blocks" (the layers' leaves, their
+    collectives issued once a layer) or "outer" (embedding, final norm, head); each with its bytes
+    inside a node and across nodes. Buffers are replicated and never communicated; the count
+    exchange and the scalar all-reduces (loss, label count, expert counts, gradient norm) are a
+    few bytes and left out. Checked against bytes counted on the collectives of eager steps on a
+    2x2 gloo mesh (tests/test_mesh_memory.py)."""
     keys = ("fsdp", "ep", "total", "fsdp_intra_node", "fsdp_inter_node", "ep_intra_node", "ep_inter_node")
-    if world == 1:
-        return dict.fromkeys(keys, 0)
-    # elements a rank sends in one gather of every block leaf / of the other leaves, dense and expert
-    blocks, outer = {"dense": 0.0, "expert": 0.0}, {"dense": 0.0, "expert": 0.0}
+    if run.mesh.world == 1:
+        return {**dict.fromkeys(keys, 0), "parts": {}}
+    parts = {**_fsdp_parts(run), **_ep_parts(run)}
+
+    def summed(ep: bool, link: tuple[str, ...]) -> int:
+        return int(sum(v[k] for (_, kind, _), v in parts.items() if (kind == "all_to_all") == ep for k in link))
+
+    fsdp, ep = summed(False, ("intra", "inter")), summed(True, ("intra", "inter"))
+    fsdp_intra, ep_intra = min(summed(False, ("intra",)), fsdp), min(summed(True, ("intra",)), ep)
+    return {**dict(zip(keys, (fsdp, ep, fsdp + ep, fsdp_intra, fsdp - fsdp_intra, ep_intra, ep - ep_intra))),
+            "parts": {"/".join(k): v for k, v in parts.items()}}
+
+
+def _fsdp_parts(run: RunConfig) -> dict:
+    cfg, mesh, accum = run.model, run.mesh, run.train.grad_accum
+    s = DTYPE_BYTES[cfg.compute_dtype]
+    sent = _sent(cfg, mesh.fsdp, mesh.ep)
+    # a ring over a group that leaves the node is all counted across (plan_net)
+    spans = {"dense": plan_net.dense_group_spans(run), "expert": plan_net.expert_group_spans(run)}
+    regathered = mesh.reshard_after_forward or run.memory.recompute == "full"
+    grad = reduce_bytes(run)
+    out: dict = {}
+
+    def add(key, elems_by_kind: dict, nbytes: float, times: float = 1.0) -> None:
+        if times:
+            link = {"intra": 0.0, "inter": 0.0}
+            for kind, e in elems_by_kind.items():
+                link["inter" if spans[kind] else "intra"] += accum * e * nbytes * times
+            out[key] = link
+
+    for where in ("blocks", "outer"):
+        elems = {kind: sent[(where, kind)] for kind in ("dense", "expert")}
+        add(("forward", "all_gather", where), elems, s)
+        add(("backward", "reduce_scatter", where), elems, grad)
+    add(("backward", "all_gather", "blocks"), {k: sent[("blocks", k)] for k in ("dense", "expert")}, s,
+        1 if regathered else 0)
+    add(("update", "all_gather", "blocks"), {k: sent[("blocks", k)] for k in ("dense", "expert")}, s,
+        1 if run.optim.qk_clip else 0)
+    return out
+
+
+@lru_cache(maxsize=256)
+def _sent(cfg: ModelConfig, fsdp: int, ep: int) -> dict:
+    """Elements a rank sends in one gather of every leaf, by (where, kind): blocks or outer, dense or
+    expert."""
+    sent = dict.fromkeys([("blocks", "dense"), ("blocks", "expert"), ("outer", "dense"), ("outer", "expert")], 0.0)
     for path, shape in leaf_shapes(cfg):
-        n = math.prod(shape)
-        kind = leaf_kind(path)
+        n, kind = math.prod(shape), leaf_kind(path)
         if kind == "buffer":
             continue
-        sent = n / mesh.ep * (mesh.fsdp - 1) / mesh.fsdp if kind == "expert" else n * (world - 1) / world
-        if path.startswith("layers."):
-            blocks[kind] += sent
-        else:
-            outer[kind] += sent * (2 if cfg.tie_embeddings and path.startswith("embed.") else 1)
-    regathered = mesh.reshard_after_forward or run.memory.recompute == "full"
-    block_gathers = (2 if regathered else 1) + (1 if run.optim.qk_clip else 0)
-    part = {k: accum * ((blocks[k] * block_gathers + outer[k]) * s + (blocks[k] + outer[k]) * GRAD_BYTES)
-            for k in blocks}
-    fsdp = int(part["dense"] + part["expert"])
+        k = n / ep * (fsdp - 1) / fsdp if kind == "expert" else n * (fsdp * ep - 1) / (fsdp * ep)
+        where = "blocks" if path.startswith("layers.") else "outer"
+        sent[(where, kind)] += k * (2 if where == "outer" and cfg.tie_embeddings and path.startswith("embed.") else 1)
+    return sent
+
+
+def _ep_parts(run: RunConfig) -> dict:
+    cfg, mesh = run.model, run.mesh
+    if mesh.ep == 1 or not cfg.moe.n_experts:
+        return {}
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    imbalance = run.plan.imbalance if mesh.ep > 1 else 1.0
-    ep = int(accum * n_moe * 2 * (1 + imbalance) * tokens_per_rank(run) * cfg.moe.top_k * cfg.dim * s
-             * (mesh.ep - 1) / mesh.ep)
-    # the split by link (plan_net): a ring over a group that leaves the node is all counted across
-    intra = sum(part[k] for k, spans in (("dense", plan_net.dense_group_spans(run)),
-                                          ("expert", plan_net.expert_group_spans(run))) if not spans)
+    # two passes' worth (a dispatch and a combine, T·K rows and imbalance times that)
+    pair = (run.train.grad_accum * n_moe * (1 + run.plan.imbalance) * tokens_per_rank(run) * cfg.moe.top_k
+            * cfg.dim * DTYPE_BYTES[cfg.compute_dtype] * (mesh.ep - 1) / mesh.ep)
     inside, _ = plan_net.ep_row_fractions(run)
-    ep_intra = int(ep * inside * mesh.ep / (mesh.ep - 1)) if mesh.ep > 1 else 0
-    return dict(zip(keys, (fsdp, ep, fsdp + ep, min(int(intra), fsdp), fsdp - min(int(intra), fsdp),
-                           ep_intra, ep - ep_intra)))
+    intra = pair * inside * mesh.ep / (mesh.ep - 1)
+    link = {"intra": intra, "inter": pair - intra}
+    replay = run.memory.recompute == "full" and not getattr(run.memory, "keep_exchange", True)
+    return {("forward", "all_to_all", "blocks"): dict(link),
+            ("backward", "all_to_all", "blocks"): {k: v * (2 if replay else 1) for k, v in link.items()}}
 
 
 def ep_link_bytes(run: RunConfig, comm: dict) -> tuple[float, float]:

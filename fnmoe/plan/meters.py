@@ -235,3 +235,69 @@ class CommMeter(_Meter):
         """One row per (kind, axis, dtype, phase): phase "step" (forward and backward) or "update"."""
         return [{"kind": k, "axis": a, "dtype": d, "phase": p, "bytes": self.bytes[(k, a, d, p)],
                  "calls": self.calls[(k, a, d, p)]} for k, a, d, p in sorted(self.bytes)]
+
+
+COMPUTE_OPS = frozenset({"mm", "bmm", "addmm", "baddbmm", "_grouped_mm", "_scaled_dot_product_flash_attention_for_cpu",
+                         "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                         "_scaled_dot_product_cudnn_attention"})
+COMPUTE_NAMESPACES = frozenset({"fnmoe", "fnmoe_cpu"})  # fnmoe.kernels' C++ ops
+COLLECTIVES = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+               "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
+               "all_reduce": "all_reduce"}
+
+
+class OrderMeter(_Meter):
+    """Which collectives of a step overlap compute as fnmoe issues them: a collective overlaps when
+    a matmul or an attention kernel (or one of fnmoe's own C++ ops) runs between its issue and the
+    first wait for its output; one waited for at issue, or never waited for before the step ends
+    with nothing run meanwhile, does not. Counted per (phase, kind): phase forward, backward (the
+    autograd engine running: recompute included) or update; kind all_gather, reduce_scatter,
+    all_to_all, all_to_all counts, all_reduce."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase, self.computed = "forward", 0
+        # id(output) -> (its weakref, [(phase, kind), compute ops at issue, waited])
+        self.pending: dict[int, tuple] = {}
+        self.issued: collections.Counter = collections.Counter()
+        self.overlapped: collections.Counter = collections.Counter()
+
+    def _phase(self) -> str:
+        return "update" if self.phase == "update" else "backward" if _torch.in_backward() else "forward"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        name = func._opname
+        if func.namespace == "_c10d_functional" and name in COLLECTIVES:
+            kind = COLLECTIVES[name]
+            if kind == "all_to_all" and not args[0].is_floating_point():
+                kind = "all_to_all counts"
+            record = [(self._phase(), kind), self.computed, False]  # a coalesced call's outputs share one
+            self.issued[record[0]] += 1
+            for t in out if isinstance(out, (list, tuple)) else [out]:
+                self.pending[id(t)] = (weakref.ref(t), record)  # an id alone may be a freed tensor's
+        elif func.namespace == "_c10d_functional" and name == "_wrap_tensor_autograd":
+            # an autograd collective's output is waited for through this wrapper of it
+            entry = self.pending.get(id(args[0]))
+            if entry is not None and entry[0]() is args[0]:
+                self.pending[id(out)] = (weakref.ref(out), entry[1])
+        elif func.namespace == "_c10d_functional" and name == "wait_tensor":
+            entry = self.pending.get(id(args[0]))
+            if entry is not None and entry[0]() is args[0]:
+                self._done(id(args[0]))
+        elif name in COMPUTE_OPS or func.namespace in COMPUTE_NAMESPACES:
+            self.computed += 1
+        return out
+
+    def _done(self, key: int) -> None:
+        record = self.pending.pop(key, (None, None))[1]
+        if record is not None and not record[2]:
+            record[2] = True
+            self.overlapped[record[0]] += self.computed > record[1]
+
+    def finish(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """{(phase, kind): (issued, overlapped)}; a collective whose wait was never seen counts as
+        not overlapped (what the model cannot show to hide, it charges)."""
+        return {k: (n, self.overlapped[k]) for k, n in sorted(self.issued.items())}

@@ -18,6 +18,7 @@ import math
 from functools import lru_cache
 
 from fnmoe.config import RunConfig
+from fnmoe.config.hardware import hardware
 
 
 def nodes_of(ranks, g: int) -> set[int]:
@@ -31,12 +32,16 @@ def spans_nodes(ranks, g: int) -> bool:
 
 def dense_group_spans(run: RunConfig) -> bool:
     """Dense leaves are sharded over every rank (the flattened dp axis)."""
-    return spans_nodes(range(run.mesh.world), run.plan.gpus_per_node)
+    return spans_nodes(range(run.mesh.world), hardware(run.plan).gpus_per_node)
 
 
 def expert_group_spans(run: RunConfig) -> bool:
     """Expert stacks are sharded over fsdp: ranks e, e+S, e+2S, ...; the slowest ep index binds."""
-    S, fsdp, g = run.mesh.ep, run.mesh.fsdp, run.plan.gpus_per_node
+    return _expert_group_spans(run.mesh.ep, run.mesh.fsdp, hardware(run.plan).gpus_per_node)
+
+
+@lru_cache(maxsize=256)
+def _expert_group_spans(S: int, fsdp: int, g: int) -> bool:
     return any(spans_nodes(range(e, e + S * fsdp, S), g) for e in range(S))
 
 
@@ -50,7 +55,7 @@ def _ep_nodes(S: int, g: int, first: int) -> list[list[int]]:
 
 def _group_starts(run: RunConfig) -> range:
     """Rank offsets of ep groups whose node layouts differ (the pattern repeats every g/gcd(S, g))."""
-    S, g = run.mesh.ep, run.plan.gpus_per_node
+    S, g = run.mesh.ep, hardware(run.plan).gpus_per_node
     return range(0, S * min(run.mesh.fsdp, g // math.gcd(S, g)), S)
 
 
@@ -58,7 +63,7 @@ def ep_row_fractions(run: RunConfig) -> tuple[float, float]:
     """(to own-node peers, to other nodes): the fractions of a rank's routed rows that leave it for
     each, with uniform routing (a row lands on each ep rank with probability 1/S; routing groups do
     not change that average) on the rank that sends most across nodes. They sum to (S-1)/S."""
-    S, g = run.mesh.ep, run.plan.gpus_per_node
+    S, g = run.mesh.ep, hardware(run.plan).gpus_per_node
     if S == 1:
         return 0.0, 0.0
     fewest = min(len(node) for start in _group_starts(run) for node in _ep_nodes(S, g, start))
@@ -93,7 +98,7 @@ def ep_dedup_rows(run: RunConfig) -> tuple[float, float]:
     is the expected number of other nodes the token reaches: with group-limited routing and groups
     laid out on nodes, at most topk_group. Inside: every copy for an own-node peer, and each copy on
     another node forwarded once (an upper bound: the copy the receiving GPU keeps is counted too)."""
-    m, S, g = run.model.moe, run.mesh.ep, run.plan.gpus_per_node
+    m, S, g = run.model.moe, run.mesh.ep, hardware(run.plan).gpus_per_node
     if S == 1:
         return 0.0, 0.0
     E, K, G, k = m.n_experts, m.top_k, m.n_group, m.topk_group

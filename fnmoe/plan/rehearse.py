@@ -38,7 +38,8 @@ from fnmoe._torch import FakeStore, FakeTensorMode
 from fnmoe.config import RunConfig, to_toml, validate
 from fnmoe.plan.meters import CATEGORIES, CommMeter, StorageMeter, plain_tensors
 from fnmoe.params import init_params
-from fnmoe.train import TrainState, make_device_step
+from fnmoe.train import make_device_step
+from fnmoe.train_state import TrainState
 from fnmoe.tree import flatten_dict
 
 MAX_WORLD = 1 << 16  # ranks a rehearsal plays (its host structures are per leaf, not per rank)

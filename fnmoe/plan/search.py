@@ -1,16 +1,25 @@
-"""`fnmoe plan --search`: every layout of a world size the planner can judge — mesh, memory policy,
-micro-batch — planned, those that do not fit device or host memory dropped, the rest ranked by
-modelled tokens/s/GPU (fnmoe.plan.step_time.step_time, overlapped; the serial figure breaks ties).
+"""`fnmoe plan --search`: every layout of a world size the planner can judge, those that do not fit
+the hardware profile's device or host memory dropped, the rest ranked by the step time as fnmoe
+runs it (step_time's as-built projection; the overlapped bound and the serial figure beside it).
 
 The candidates:
-  mesh          fsdp x ep = world, ep dividing the expert count (ep 1 always: no expert parallelism);
-                reshard_after_forward as the config says.
-  memory        the named policies of POLICIES (whole-block recompute and offload, and selective
-                recompute per region with the MoE region, the largest, recomputed or offloaded).
-  micro-batch   the global batch (train.batch_size sequences) is kept: a rank reads b = batch/world
-                sequences a step, as m sequences a micro-batch for every m dividing b, with
-                grad_accum = b/m.
+  mesh           fsdp x ep = world, ep dividing the expert count (ep 1: no expert parallelism). An
+                 ep group is ep consecutive ranks, so ep <= gpus_per_node keeps the exchange inside
+                 a node; the expert stacks are FSDP-sharded over the other fsdp ranks.
+  memory         the named policies of POLICIES (whole-block recompute, keeping or replaying the
+                 exchange, and offload; selective recompute per region with the MoE region, the
+                 largest, recomputed or offloaded).
+  tokens a GPU   b sequences a GPU a step: the config's, and every b = k·2^e (k 1, 3, 5 or 7)
+                 whose global batch (b x world sequences) stays within max_global_tokens.
+  micro-batch    m sequences a micro-batch for every m dividing b, with grad_accum = b/m up to
+                 MAX_ACCUM.
+  reduce dtype   the gradients' reduce-scatter in float32 or bfloat16 (mesh.reduce_dtype).
+  chunks         the fewest cross-entropy chunks (--train.ce-chunks) and then MoE token chunks (1,
+                 2, 4, ... dividing a micro-batch's tokens) that fit the device; more only shrink memory.
 Each candidate is a RunConfig that passes fnmoe.config.check.validate, as `fnmoe train` checks it.
+The as-built projection records the collectives' order on simulated ranks once per code path
+(overlap.py); the search computes it best upper bound first and stops where no candidate left can
+enter the top rows, so the ranking is exact and a search takes seconds.
 """
 from __future__ import annotations
 
@@ -18,14 +27,24 @@ import dataclasses
 
 from fnmoe.config import RunConfig
 from fnmoe.config.check import validate
+from fnmoe.config.hardware import hardware
+from fnmoe.plan.activations import logits_bytes
 from fnmoe.plan.state import GB
-from fnmoe.plan.summary import plan
+from fnmoe.plan.summary import fits, per_rank_bytes, plan
 
+MAX_GLOBAL_TOKENS = 67_000_000  # Kimi K2's published global batch (~67M tokens)
+CHUNKS = (1, 2, 4, 8, 16, 32, 64)
+MAX_ACCUM = 8  # micro-batches a step: more regathers every block's weights again for each
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+CE_CHUNKS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+LOGITS_BYTES = 2 * 10**9
 # name -> MemoryConfig fields (the others from the config; region fields not named are "none")
 POLICIES: dict[str, dict] = {
     "none": {"recompute": "none"},
     "full": {"recompute": "full"},
+    "full, replay exchange": {"recompute": "full", "keep_exchange": False},
     "full+offload": {"recompute": "full", "offload": True},
+    "full+offload, replay exchange": {"recompute": "full", "offload": True, "keep_exchange": False},
     "offload": {"recompute": "none", "offload": True},
     "selective": {"attention": "selective", "moe": "selective", "mlp": "selective"},
     "selective, moe full": {"attention": "selective", "moe": "full", "mlp": "selective"},
@@ -43,86 +62,158 @@ def meshes(run: RunConfig, world: int) -> list[tuple[int, int]]:
     return [(world // ep, ep) for ep in divisors(world) if ep == 1 or (E and E % ep == 0)]
 
 
-def with_layout(run: RunConfig, fsdp: int, ep: int, policy: str, micro_batch: int) -> RunConfig:
-    """run on that mesh, memory policy and micro-batch, the global batch kept; checked as train checks."""
-    fields = {"recompute": "none", "offload": False, "attention": "none", "moe": "none", "mlp": "none"}
+def per_gpu_sequences(run: RunConfig, world: int, max_global_tokens: int) -> list[int]:
+    """Sequences a GPU a step to try: the config's, and 1, 2, 3, 4, 6, 8, ... within the token cap."""
+    cap = max_global_tokens // (world * run.data.seq_len)
+    steps = sorted({k * 2 ** e for k in (1, 3, 5, 7) for e in range(40) if k * 2 ** e <= cap})
+    own = [b for b in [run.train.batch_size // world] if run.train.batch_size % world == 0 and 0 < b <= cap]
+    return sorted(set(steps + own))
+
+
+def with_layout(run: RunConfig, fsdp: int, ep: int, policy: str, micro_batch: int, per_gpu: int | None = None,
+                reduce_dtype: str | None = None, token_chunks: int | None = None, check: bool = True) -> RunConfig:
+    """run on that mesh, memory policy and micro-batch (and, when given, sequences a GPU a step, the
+    reduce-scatter dtype and MoE token chunks); the global batch kept unless per_gpu is given;
+    checked as train checks (the search checks the rows it shows: its candidates are valid by
+    construction)."""
+    fields = {"recompute": "none", "offload": False, "attention": "none", "moe": "none", "mlp": "none",
+              "keep_exchange": True}
     memory = dataclasses.replace(run.memory, **{**fields, **POLICIES[policy]})
-    accum = run.train.batch_size // (fsdp * ep * micro_batch)
-    return validate(dataclasses.replace(run, mesh=dataclasses.replace(run.mesh, fsdp=fsdp, ep=ep), memory=memory,
-                                        train=dataclasses.replace(run.train, grad_accum=accum)))
+    batch = run.train.batch_size if per_gpu is None else per_gpu * fsdp * ep
+    mesh = dataclasses.replace(run.mesh, fsdp=fsdp, ep=ep, **({"reduce_dtype": reduce_dtype} if reduce_dtype else {}))
+    model = run.model if token_chunks is None else dataclasses.replace(
+        run.model, moe=dataclasses.replace(run.model.moe, token_chunks=token_chunks))
+    train = dataclasses.replace(run.train, batch_size=batch, grad_accum=batch // (fsdp * ep * micro_batch))
+    out = dataclasses.replace(run, model=model, mesh=mesh, memory=memory, train=train)
+    return validate(out) if check else out
 
 
-def candidates(run: RunConfig, world: int) -> list[tuple[str, RunConfig]]:
-    """(policy name, run) of every layout of `world` ranks the search plans; ValueError when none."""
-    batch = run.train.batch_size
+def candidates(run: RunConfig, world: int, max_global_tokens: int = MAX_GLOBAL_TOKENS) -> list[tuple[str, RunConfig]]:
+    """(policy name, run) of every layout of `world` ranks the search plans, token chunks 1 (the
+    search raises them to fit); ValueError when none."""
     if world < 1:
         raise ValueError(f"--world must be >= 1, got {world}")
-    if batch % world:
-        near = sorted(divisors(batch), key=lambda w: abs(w - world))[:2]
-        raise ValueError(f"no layout of {world} ranks keeps train.batch_size={batch}: every rank reads whole "
-                         f"sequences, so the world must divide the batch (the nearest that do: "
-                         f"{', '.join(map(str, sorted(near)))}); or set --train.batch-size to a multiple of {world}")
-    return [(policy, with_layout(run, fsdp, ep, policy, m)) for fsdp, ep in meshes(run, world)
-            for policy in POLICIES for m in divisors(batch // world)]
+    sequences = per_gpu_sequences(run, world, max_global_tokens)
+    if not sequences:
+        raise ValueError(f"no layout of {world} ranks: a sequence a GPU ({world * run.data.seq_len:,} tokens a step) "
+                         f"is over --max-global-tokens {max_global_tokens:,}")
+    dtypes = ("float32", "bfloat16") if world > 1 else ("float32",)
+    return [(policy, with_layout(run, fsdp, ep, policy, m, b, dt, 1, check=False)) for fsdp, ep in meshes(run, world)
+            for policy in POLICIES if not (ep == 1 and "replay" in policy) for b in sequences for m in divisors(b)
+            if b // m <= MAX_ACCUM for dt in dtypes]
 
 
-def row(policy: str, run: RunConfig) -> dict:
+def fitted(run: RunConfig) -> tuple[RunConfig, dict, tuple[bool, bool]]:
+    """run with enough cross-entropy chunks that one chunk's logits take at most LOGITS_BYTES, then
+    the fewest MoE token chunks that fit the device (the most that help where none fits), its bytes
+    a rank, and whether they fit (device, host)."""
+    T = run.micro_batch * run.data.seq_len
+    ce = next((n for n in CE_CHUNKS if n >= run.train.ce_chunks and T % n == 0
+               and logits_bytes(_with_chunks(run, "ce_chunks", n)) <= LOGITS_BYTES), run.train.ce_chunks)
+    run = _with_chunks(run, "ce_chunks", ce)
+    b = per_rank_bytes(run)
+    ok = fits(run, b)
+    for n in CHUNKS[1:] if run.model.moe.n_experts else ():
+        if ok[0] or T % n:
+            break
+        changed = _with_chunks(run, "token_chunks", n)
+        c = per_rank_bytes(changed)
+        if c["total_device"] >= b["total_device"]:
+            break
+        run, b, ok = changed, c, fits(changed, c)
+    return run, b, ok
+
+
+def _with_chunks(run: RunConfig, field: str, n: int) -> RunConfig:
+    if field == "ce_chunks":
+        return dataclasses.replace(run, train=dataclasses.replace(run.train, ce_chunks=n))
+    return dataclasses.replace(run, model=dataclasses.replace(run.model, moe=dataclasses.replace(run.model.moe,
+                                                                                               token_chunks=n)))
+
+
+def row(policy: str, run: RunConfig, p: dict) -> dict:
     """One candidate's line of the ranking."""
-    p = plan(run)
-    t, r = p["step_time"], p["per_rank_bytes"]
+    t, r, hw = p["step_time"], p["per_rank_bytes"], hardware(run.plan)
     return {"fsdp": run.mesh.fsdp, "ep": run.mesh.ep, "policy": policy, "micro_batch": run.micro_batch,
-            "grad_accum": run.train.grad_accum, "device_bytes": r["total_device"], "host_bytes": r["offload_host"],
+            "grad_accum": run.train.grad_accum, "sequences_per_gpu": run.micro_batch * run.train.grad_accum,
+            "tokens_per_gpu": run.micro_batch * run.train.grad_accum * run.data.seq_len,
+            "reduce_dtype": run.mesh.reduce_dtype, "token_chunks": run.model.moe.token_chunks,
+            "ce_chunks": run.train.ce_chunks,
+            "device_bytes": r["total_device"], "host_bytes": r["host_pool"],
+            "device_left_gb": hw.hbm_gb - r["total_device"] / GB, "host_left_gb": hw.host_gb - r["host_pool"] / GB,
             "fits_device": p["fits"]["device"], "fits_host": p["fits"]["host"],
-            "tokens_per_s_per_gpu": t["tokens_per_s_per_gpu_overlapped"],
+            # without a recorded proxy step (overlap.py), the serial figure: a lower bound of the as-built one
+            "tokens_per_s_per_gpu": t.get("tokens_per_s_per_gpu_as_built", t["tokens_per_s_per_gpu_serial"]),
+            "as_built": "tokens_per_s_per_gpu_as_built" in t,
+            "tokens_per_s_per_gpu_overlapped": t["tokens_per_s_per_gpu_overlapped"],
             "tokens_per_s_per_gpu_serial": t["tokens_per_s_per_gpu_serial"], "bound": t["bound"],
-            "terms_s": t["terms_s"]}
+            "terms_s": t["terms_s"], "as_built_s": t.get("as_built_s")}
 
 
-def search(run: RunConfig, world: int | None = None, top: int = 10) -> dict:
-    """The ranking of layouts that fit, best first, and what the search considered."""
+def search(run: RunConfig, world: int | None = None, top: int = 10,
+           max_global_tokens: int = MAX_GLOBAL_TOKENS) -> dict:
+    """The ranking of layouts that fit, best as built first, and what the search considered."""
     world = run.mesh.world if world is None else world
-    rows = [row(policy, c) for policy, c in candidates(run, world)]
-    fitting = [r for r in rows if r["fits_device"] and r["fits_host"]]
+    runs = [(policy, *fitted(c)) for policy, c in candidates(run, world, max_global_tokens)]
+    fitting = [(policy, c, plan(c, as_built=False)) for policy, c, _, ok in runs if all(ok)]
     if not fitting:
-        raise ValueError(_nothing_fits(run, world, rows))
-    fitting.sort(key=lambda r: (-r["tokens_per_s_per_gpu"], -r["tokens_per_s_per_gpu_serial"], r["device_bytes"]))
-    return {"config": run.name, "world": world, "hbm_gb": run.plan.hbm_gb, "host_gb": run.plan.host_gb,
-            "batch_size": run.train.batch_size, "seq_len": run.data.seq_len, "dispatch": run.plan.dispatch,
-            "candidates": len(rows), "fitting": len(fitting), "policies": list(POLICIES),
-            "rule": "fsdp*ep = world, ep | n_experts; micro_batch | batch/world, "
-                    "grad_accum = batch/(world*micro_batch)",
-            "ranking": fitting[:top]}
+        raise ValueError(_nothing_fits(run, world, runs))
+    fitting.sort(key=lambda x: -x[2]["step_time"]["tokens_per_s_per_gpu_overlapped"])
+    ranked: list[dict] = []
+    for policy, c, p in fitting:
+        bound = p["step_time"]["tokens_per_s_per_gpu_overlapped"]
+        if len(ranked) >= top and bound <= ranked[top - 1]["tokens_per_s_per_gpu"]:
+            break  # no layout left can enter the top rows: the overlapped figure bounds the as-built one
+        ranked.append(row(policy, validate(c), plan(c)))
+        ranked.sort(key=lambda r: (-r["tokens_per_s_per_gpu"], -r["tokens_per_s_per_gpu_serial"], r["device_bytes"]))
+    hw = hardware(run.plan)
+    return {"config": run.name, "world": world, "hardware": run.plan.hardware, "hbm_gb": hw.hbm_gb,
+            "host_gb": hw.host_gb, "network_gbps": hw.network_gbps, "seq_len": run.data.seq_len,
+            "max_global_tokens": max_global_tokens, "dispatch": run.plan.dispatch, "candidates": len(runs),
+            "fitting": len(fitting), "as_built_planned": len(ranked), "policies": list(POLICIES),
+            "rule": "fsdp*ep = world, ep | n_experts; b sequences a GPU a step within max_global_tokens; "
+                    "micro_batch | b, grad_accum = b/micro_batch; reduce dtype fp32 or bf16; fewest token "
+                    "chunks that fit", "ranking": ranked[:top]}
 
 
-def _nothing_fits(run: RunConfig, world: int, rows: list[dict]) -> str:
-    def over(r):
-        return max(r["device_bytes"] - run.plan.hbm_gb * GB, 0) + max(r["host_bytes"] - run.plan.host_gb * GB, 0)
+def _nothing_fits(run: RunConfig, world: int, runs: list) -> str:
+    hw = hardware(run.plan)
 
-    best = min(rows, key=over)
-    misses = [f"device by {(best['device_bytes'] - run.plan.hbm_gb * GB) / GB:.1f} GB "
-              f"({best['device_bytes'] / GB:.1f} of {run.plan.hbm_gb:g})" if not best["fits_device"] else "",
-              f"host by {(best['host_bytes'] - run.plan.host_gb * GB) / GB:.1f} GB "
-              f"({best['host_bytes'] / GB:.1f} of {run.plan.host_gb:g})" if not best["fits_host"] else ""]
-    return (f"no layout of {world} ranks fits ({len(rows)} planned); the closest, fsdp {best['fsdp']} x "
-            f"ep {best['ep']}, {best['policy']}, micro-batch {best['micro_batch']}, misses "
-            + " and ".join(m for m in misses if m))
+    def over(x):
+        b = x[2]
+        return max(b["total_device"] - hw.hbm_gb * GB, 0) + max(b["host_pool"] - hw.host_gb * GB, 0)
+
+    policy, c, b, (dev, host) = min(runs, key=over)
+    misses = [f"device by {(b['total_device'] - hw.hbm_gb * GB) / GB:.1f} GB "
+              f"({b['total_device'] / GB:.1f} of {hw.hbm_gb:g})" if not dev else "",
+              f"host by {(b['host_pool'] - hw.host_gb * GB) / GB:.1f} GB "
+              f"({b['host_pool'] / GB:.1f} of {hw.host_gb:g})" if not host else ""]
+    return (f"no layout of {world} ranks fits {run.plan.hardware} ({len(runs)} planned); the closest, fsdp "
+            f"{c.mesh.fsdp} x ep {c.mesh.ep}, {policy}, micro-batch {c.micro_batch} x {c.train.grad_accum}, "
+            f"misses " + " and ".join(m for m in misses if m))
 
 
 def format_search(s: dict) -> str:
     """The table of `fnmoe plan --search`."""
-    lines = [f"layout search for {s['config']} on {s['world']} ranks: {s['candidates']} layouts planned, "
-             f"{s['fitting']} fit {s['hbm_gb']:g} GB device / {s['host_gb']:g} GB host a GPU; global batch "
-             f"{s['batch_size']} x {s['seq_len']} kept (grad_accum = batch / (world x micro-batch)); "
-             f"EP dispatch modelled: {s['dispatch']}; modelled, not measured",
-             f"{'#':>3} {'fsdp x ep':>10} {'memory':<24}{'mb x acc':>9} {'dev GB':>7} {'host GB':>8} "
-             f"{'tok/s/GPU':>10} {'serial':>7}  {'compute':>8} {'fsdp':>7} {'ep in':>7} {'ep out':>7} "
-             f"{'host':>6}  bound"]
+    lines = [f"layout search for {s['config']} on {s['world']} x {s['hardware']} ({s['hbm_gb']:g} GB device, "
+             f"{s['host_gb']:g} GB host usable a GPU, {s['network_gbps']:g} GB/s across nodes): {s['candidates']} "
+             f"layouts planned, {s['fitting']} fit, {s['as_built_planned']} projected as built; global batch up to "
+             f"{s['max_global_tokens']:,} tokens of {s['seq_len']}; modelled, not measured",
+             f"{'#':>3} {'fsdp x ep':>10} {'memory':<30}{'seq/GPU':>8} {'mb x acc':>9} {'rs':>4} {'chk':>4} {'ce':>4} "
+             f"{'dev GB':>7} {'host GB':>8} {'as built':>9} {'overlap':>8} {'serial':>7}  {'compute':>8} {'fsdp':>7} "
+             f"{'ep in':>7} {'ep out':>7} {'host':>6}  bound"]
     for i, r in enumerate(s["ranking"], 1):
         t = r["terms_s"]
-        lines.append(f"{i:>3} {r['fsdp']:>4} x {r['ep']:<3} {r['policy']:<24}{r['micro_batch']:>4} x "
-                     f"{r['grad_accum']:<3} {r['device_bytes'] / GB:>7.1f} {r['host_bytes'] / GB:>8.1f} "
-                     f"{r['tokens_per_s_per_gpu']:>10,.0f} "
+        lines.append(f"{i:>3} {r['fsdp']:>4} x {r['ep']:<3} {r['policy']:<30}{r['sequences_per_gpu']:>8} "
+                     f"{r['micro_batch']:>4} x {r['grad_accum']:<3} {DTYPE_SHORT[r['reduce_dtype']]:>4} "
+                     f"{r['token_chunks']:>4} {r['ce_chunks']:>4} {r['device_bytes'] / GB:>7.1f} "
+                     f"{r['host_bytes'] / GB:>8.1f} "
+                     f"{r['tokens_per_s_per_gpu']:>8,.0f}{' ' if r['as_built'] else '*'} "
+                     f"{r['tokens_per_s_per_gpu_overlapped']:>8,.0f} "
                      f"{r['tokens_per_s_per_gpu_serial']:>7,.0f}  {t['compute']:>7.2f}s "
                      f"{t['fsdp inside node'] + t['fsdp across nodes']:>6.2f}s {t['ep inside node']:>6.2f}s "
                      f"{t['ep across nodes']:>6.2f}s {t['host link']:>5.2f}s  {r['bound']}")
+    lines.append("     rs: the gradients' reduce-scatter dtype; chk: MoE token chunks; ce: cross-entropy chunks; "
+                 "as built: fnmoe's waits charged (the headline; * not recorded, the serial figure); "
+                 "overlap / serial: every collective hidden / none; bound: the largest term")
     return "\n".join(lines)

@@ -39,21 +39,33 @@ def on_muon(path: str, shape: tuple[int, ...]) -> bool:
 def state_bytes(run: RunConfig) -> dict:
     """Per-rank bytes of fp32 master params, fp32 grads (twice with gradient accumulation: the sum
     and a micro-batch's) and optimizer state (every leaf sharded over all fsdp·ep ranks)."""
-    world = run.mesh.world
+    params, grads, optim = _state_elems(run.model, run.mesh.world, run.optim.name == "muon")
     sb = DTYPE_BYTES[run.plan.state_dtype]
+    # with micro-batches, each later backward's gradients live beside their running sum
+    return {"params": params * MASTER_BYTES, "grads": grads * GRAD_BYTES * (2 if run.train.grad_accum > 1 else 1),
+            "optim": optim * sb}
+
+
+@lru_cache(maxsize=256)
+def _state_elems(cfg: ModelConfig, world: int, muon: bool) -> tuple[int, int, int]:
+    """Elements a rank holds of (params, grads, optimizer moments)."""
     params = grads = optim = 0
-    for path, shape in leaf_shapes(run.model):
+    for path, shape in leaf_shapes(cfg):
         n = math.ceil(math.prod(shape) / world)
-        params += n * MASTER_BYTES
+        params += n
         if leaf_kind(path) == "buffer":
             continue
-        grads += n * GRAD_BYTES
-        moments = 1 if run.optim.name == "muon" and on_muon(path, shape) else 2
-        optim += n * moments * sb
-    # with micro-batches, each later backward's gradients live beside their running sum
-    return {"params": params, "grads": grads * (2 if run.train.grad_accum > 1 else 1), "optim": optim}
+        grads += n
+        optim += n * (1 if muon and on_muon(path, shape) else 2)
+    return params, grads, optim
 
 
+def reduce_bytes(run: RunConfig) -> int:
+    """Bytes an element of a gradient's reduce-scatter sends (mesh.reduce_dtype; fp32 without it)."""
+    return DTYPE_BYTES[getattr(run.mesh, "reduce_dtype", "float32")]
+
+
+@lru_cache(maxsize=256)
 def block_numels(cfg: ModelConfig, ep: int) -> list[int]:
     """Elements a rank holds of each gathered block (embedding, layers, head): dense leaves whole,
     expert stacks E/ep experts."""
@@ -80,15 +92,18 @@ def gathered_bytes(run: RunConfig) -> int:
 
 
 def unsharded_grad_bytes(run: RunConfig) -> int:
-    """The largest gathered leaf's gradient before its reduce-scatter, compute dtype and fp32."""
-    return largest_leaf(run) * (DTYPE_BYTES[run.model.compute_dtype] + GRAD_BYTES)
+    """The largest gathered leaf's gradient before its reduce-scatter: compute dtype, and the copy
+    the reduce-scatter sends (mesh.reduce_dtype)."""
+    return largest_leaf(run) * (DTYPE_BYTES[run.model.compute_dtype] + reduce_bytes(run))
 
 
 def largest_leaf(run: RunConfig, layers: bool = False) -> int:
     """Elements of the largest leaf a rank gathers (expert stacks: its E/ep experts; of the layers'
     only with layers); 0 on one rank."""
-    kinds = [(path, shape, leaf_kind(path)) for path, shape in leaf_shapes(run.model)]
-    return 0 if run.mesh.world == 1 else max(math.prod(shape) // (run.mesh.ep if kind == "expert" else 1)
-                                             for path, shape, kind in kinds
-                                             if kind != "buffer" and (path.startswith("layers.") or not layers))
+    return 0 if run.mesh.world == 1 else _largest(run.model, run.mesh.ep, layers)
 
+
+@lru_cache(maxsize=256)
+def _largest(cfg: ModelConfig, ep: int, layers: bool) -> int:
+    return max(math.prod(shape) // (ep if leaf_kind(path) == "expert" else 1) for path, shape in leaf_shapes(cfg)
+               if leaf_kind(path) != "buffer" and (path.startswith("layers.") or not layers))

@@ -1,0 +1,76 @@
+"""Hardware profiles for the planner: `[plan] hardware = "NAME"` (`--plan.hardware`) picks one, and
+any figure given in the `plan` section overrides the profile's.
+
+Every figure is a GPU's: memory usable by one training process, and sustained (achieved) rates, one
+direction. Sources and the reasoning behind each "usable" and "achieved" figure: docs/memory_plan.md,
+"Hardware profiles". `custom` has no figures of its own: every one must be given.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Annotated
+
+from fnmoe.config.schema import NonNegativeFloat, PlanConfig, PositiveFloat, Range
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus_per_node: Annotated[int, Range(1)]
+    """GPUs that share the fast in-node links"""
+    hbm_gb: NonNegativeFloat
+    """device memory a training process can use, GB"""
+    host_gb: NonNegativeFloat
+    """host memory a GPU's process can use for offload, GB"""
+    matmul_tflops: PositiveFloat
+    """sustained bf16 GEMM rate, TFLOP/s"""
+    attention_tflops: PositiveFloat
+    """sustained flash-attention rate (forward and backward), TFLOP/s"""
+    nvlink_gbps: PositiveFloat
+    """ring collectives inside a node, GB/s a GPU, achieved"""
+    nvlink_a2a_gbps: PositiveFloat
+    """an all-to-all inside a node, GB/s a GPU, achieved (every peer at once)"""
+    network_gbps: PositiveFloat
+    """collectives across nodes, GB/s a GPU, achieved"""
+    network_nominal_gbps: PositiveFloat
+    """the cross-node line rate a GPU, GB/s: no layout's cross-node traffic moves faster"""
+    d2h_gbps: PositiveFloat
+    """device -> host copies (offload's copies out), GB/s a GPU with every GPU of the node copying"""
+    h2d_gbps: PositiveFloat
+    """host -> device copies (offload's reloads), GB/s a GPU with every GPU of the node copying"""
+
+
+FIGURES = tuple(f.name for f in dataclasses.fields(Hardware))
+
+PROFILES: dict[str, Hardware] = {
+    # JUPITER Booster: 4 GH200 a node (96 GB HBM3, 120 GB LPDDR5X each), NVLink 4 NV6 between every
+    # pair, 4x InfiniBand NDR200 a node
+    "jupiter-gh200": Hardware(gpus_per_node=4, hbm_gb=92.0, host_gb=100.0, matmul_tflops=989.0 * 0.55,
+                              attention_tflops=989.0 * 0.4, nvlink_gbps=150.0, nvlink_a2a_gbps=360.0,
+                              network_gbps=22.0,
+                              network_nominal_gbps=25.0, d2h_gbps=150.0, h2d_gbps=400.0),
+    # DGX H100: 8 H100 SXM (80 GB HBM3) on NVSwitch, 2 TB DDR5 a node, 8x ConnectX-7 NDR400 (one a GPU),
+    # PCIe Gen5 x16 to the host
+    "dgx-h100": Hardware(gpus_per_node=8, hbm_gb=76.0, host_gb=200.0, matmul_tflops=989.0 * 0.55,
+                         attention_tflops=989.0 * 0.4, nvlink_gbps=360.0, nvlink_a2a_gbps=360.0,
+                         network_gbps=40.0,
+                         network_nominal_gbps=50.0, d2h_gbps=50.0, h2d_gbps=50.0),
+}
+
+
+@functools.lru_cache(maxsize=64)
+def hardware(plan: PlanConfig) -> Hardware:
+    """The figures a plan section stands for: its profile's, each overridden by a figure it gives.
+    ValueError naming the missing figures for `custom`, and an unknown profile."""
+    if plan.hardware == "custom":
+        missing = [name for name in FIGURES if getattr(plan, name) is None]
+        if missing:
+            raise ValueError(f"plan.hardware = 'custom' needs every figure; missing: "
+                             f"{', '.join('plan.' + m for m in missing)} (or name a profile: {', '.join(PROFILES)})")
+        return Hardware(**{name: getattr(plan, name) for name in FIGURES})
+    if plan.hardware not in PROFILES:
+        raise ValueError(f"plan.hardware = {plan.hardware!r} is not a profile; known: "
+                         f"{', '.join([*PROFILES, 'custom'])}")
+    given = {name: getattr(plan, name) for name in FIGURES if getattr(plan, name) is not None}
+    return dataclasses.replace(PROFILES[plan.hardware], **given)

@@ -1,0 +1,152 @@
+"""The planner on named hardware (fnmoe/config/hardware.py), the step time as fnmoe runs it
+(fnmoe/plan/overlap.py: which collectives hide, read from a recorded proxy step) and the layout
+search over tokens a GPU, exchange replay, reduce dtype and chunks (fnmoe/plan/search.py)."""
+import dataclasses
+
+import pytest
+
+from fnmoe import _torch
+from fnmoe.config import from_dict, load_config, to_dict, to_toml, validate
+from fnmoe.config.hardware import PROFILES, hardware
+from fnmoe.config.schema import RunConfig
+from fnmoe.parallel import gather as fgather
+from fnmoe.plan import overlap
+from fnmoe.plan.comm import comm_bytes
+from fnmoe.plan.search import fitted, search, with_layout
+from fnmoe.plan.summary import plan
+
+GB = 1e9
+
+
+def _kimi(**mesh):
+    run = load_config("configs/kimi_k2_1t.toml")
+    return dataclasses.replace(run, mesh=dataclasses.replace(run.mesh, **mesh)) if mesh else run
+
+
+def _replace(run, section: str, **fields):
+    return dataclasses.replace(run, **{section: dataclasses.replace(getattr(run, section), **fields)})
+
+
+def test_profiles_give_the_figures_and_a_given_figure_overrides_its_profile():
+    run = _kimi()
+    assert run.plan.hardware == "jupiter-gh200" and hardware(run.plan) == PROFILES["jupiter-gh200"]
+    hw = hardware(run.plan)
+    assert (hw.gpus_per_node, hw.host_gb, hw.network_gbps, hw.network_nominal_gbps, hw.d2h_gbps, hw.h2d_gbps) == \
+        (4, 100.0, 22.0, 25.0, 150.0, 400.0)
+    faster = _replace(run, "plan", network_gbps=25.0)
+    assert hardware(faster.plan) == dataclasses.replace(hw, network_gbps=25.0)
+    dgx = _replace(run, "plan", hardware="dgx-h100")
+    assert hardware(dgx.plan).gpus_per_node == 8 and plan(dgx, as_built=False)["fits"]["hbm_gb"] == 76.0
+    # the resolved config keeps what was given: a figure left to the profile is not written out
+    again = from_dict(RunConfig, __import__("tomllib").loads(to_toml(faster)))
+    assert again.plan == faster.plan and "host_gb" not in to_toml(faster).split("[plan]")[1]
+    assert to_dict(again)["plan"]["network_gbps"] == 25.0
+
+
+def test_custom_needs_every_figure_and_bad_figures_are_named():
+    run = _kimi()
+    with pytest.raises(ValueError, match=r"custom.*missing: plan\.gpus_per_node.*plan\.h2d_gbps"):
+        validate(_replace(run, "plan", hardware="custom", hbm_gb=80.0))
+    full = {name: getattr(PROFILES["dgx-h100"], name) for name in dataclasses.asdict(PROFILES["dgx-h100"])}
+    assert hardware(validate(_replace(run, "plan", hardware="custom", **full)).plan) == PROFILES["dgx-h100"]
+    with pytest.raises(ValueError, match=r"plan\.network_gbps must be > 0, got -1"):
+        validate(_replace(run, "plan", network_gbps=-1.0))
+    with pytest.raises(ValueError, match="plan.hardware must be one of .*'jupiter-gh200'.*got 'dgx-b200'"):
+        validate(from_dict(RunConfig, {"plan": {"hardware": "dgx-b200"}}))
+
+
+def test_offload_copies_out_and_back_at_their_own_rates():
+    """The host link is two rates: copies out at d2h_gbps, reloads at h2d_gbps."""
+    run = _kimi()
+    p = plan(run, as_built=False)
+    host = p["per_rank_bytes"]["offload_host"] * run.train.grad_accum
+    assert p["step_time"]["offload_s"] == pytest.approx(host / 150e9 + host / 400e9)
+    slow_out = plan(_replace(run, "plan", d2h_gbps=50.0), as_built=False)
+    assert slow_out["step_time"]["offload_s"] == pytest.approx(host / 50e9 + host / 400e9)
+
+
+def test_bf16_reduce_scatter_halves_its_bytes_and_replaying_the_exchange_adds_two_passes():
+    run = _kimi(fsdp=96, ep=4)
+    fp32, bf16 = comm_bytes(run), comm_bytes(_replace(run, "mesh", reduce_dtype="bfloat16"))
+    for where in ("blocks", "outer"):
+        key = f"backward/reduce_scatter/{where}"
+        assert sum(bf16["parts"][key].values()) == pytest.approx(sum(fp32["parts"][key].values()) / 2)
+    assert bf16["parts"]["forward/all_gather/blocks"] == fp32["parts"]["forward/all_gather/blocks"]
+    replay = comm_bytes(_replace(run, "memory", keep_exchange=False))
+    assert replay["ep"] == pytest.approx(fp32["ep"] * 6 / 4, rel=1e-9)
+    kept = plan(run, as_built=False)["per_rank_bytes"]["offload_host"]
+    # the exchange outputs are no longer kept (on the host, offloaded): T·K·(1 + imbalance)·D·2 a MoE layer
+    T, m = run.micro_batch * run.data.seq_len, run.model.moe
+    n_offloaded_moe = sum(run.model.is_moe_layer(i) for i in range(run.model.n_layers - 1))
+    saved = n_offloaded_moe * int(T * m.top_k * (1 + run.plan.imbalance)) * run.model.dim * 2
+    assert kept - plan(_replace(run, "memory", keep_exchange=False), as_built=False)["per_rank_bytes"][
+        "offload_host"] == saved
+
+
+def test_token_chunks_shrink_the_exchange_buffer_and_the_moe_recompute():
+    run = _kimi(fsdp=96, ep=4)
+    one = plan(run, as_built=False)["per_rank_bytes"]
+    eight = plan(_replace(run, "model", moe=dataclasses.replace(run.model.moe, token_chunks=8)), as_built=False)
+    assert eight["per_rank_bytes"]["ep_buffers"] == pytest.approx(one["ep_buffers"] / 8, rel=1e-6)
+    assert eight["per_rank_bytes"]["recompute_transient"] < one["recompute_transient"]
+
+
+def test_the_recorded_overlap_follows_the_code(monkeypatch, tmp_path):
+    """Forward's FSDP gathers are issued a block ahead and hide; the EP exchange is waited for at
+    issue. Make every collective wait where it is issued and the recording says so."""
+    monkeypatch.setenv("FNMOE_CACHE_DIR", str(tmp_path))
+    run = _kimi(fsdp=96, ep=4)
+    overlap._record.cache_clear()
+    f = overlap.exposed_fractions(run)
+    assert f[("forward", "all_gather")] == 0.0 and f[("backward", "all_gather")] == 0.0
+    assert f[("forward", "all_to_all")] == 1.0 and f[("backward", "reduce_scatter")] == 0.0
+    issue = fgather._issue_on
+
+    def at_once(group, start):
+        outs = issue(group, start)
+        for t in outs:
+            _torch.c10d_ops.wait_tensor(t)
+        return outs
+
+    monkeypatch.setattr(fgather, "_issue_on", at_once)
+    monkeypatch.setenv("FNMOE_CACHE_DIR", str(tmp_path / "waiting"))
+    overlap._record.cache_clear()
+    g = overlap.exposed_fractions(run)
+    overlap._record.cache_clear()
+    assert g[("forward", "all_gather")] == 1.0 and g[("backward", "reduce_scatter")] == 1.0
+
+
+def test_as_built_lies_between_the_overlapped_and_serial_bounds():
+    t = plan(_kimi(fsdp=96, ep=4))["step_time"]
+    assert t["tokens_per_s_per_gpu_serial"] <= t["tokens_per_s_per_gpu_as_built"] <= \
+        t["tokens_per_s_per_gpu_overlapped"]
+    a = t["as_built_s"]
+    assert t["step_s_as_built"] == pytest.approx(
+        sum(max(a[ph]["compute"], a[ph]["hidden"]) + a[ph]["exposed"] for ph in a))
+
+
+def test_search_ranks_by_the_as_built_step_and_stops_only_where_nothing_left_can_enter():
+    """On 16 x dgx-h100 with a small token cap (a few hundred layouts): every ranked row fits and the
+    ranking equals the as-built figures of every fitting layout, sorted."""
+    run = load_config("configs/deepseek_v3_16b.toml")
+    s = search(run, 16, top=5, max_global_tokens=16 * 4 * run.data.seq_len)
+    rows = s["ranking"]
+    assert len(rows) == 5 and all(r["fits_device"] and r["fits_host"] for r in rows)
+    assert [r["tokens_per_s_per_gpu"] for r in rows] == sorted((r["tokens_per_s_per_gpu"] for r in rows), reverse=True)
+    assert s["as_built_planned"] < s["fitting"]  # the bound pruned the rest
+    # exhaustive: every fitting layout's as-built figure; the top five are the search's
+    from fnmoe.plan.search import candidates
+    every = []
+    for policy, c in candidates(run, 16, 16 * 4 * run.data.seq_len):
+        c, _, ok = fitted(c)
+        if all(ok):
+            t = plan(c)["step_time"]
+            every.append(t.get("tokens_per_s_per_gpu_as_built", t["tokens_per_s_per_gpu_serial"]))
+    assert sorted(every, reverse=True)[:5] == pytest.approx([r["tokens_per_s_per_gpu"] for r in rows])
+
+
+def test_with_layout_sets_what_the_search_varies():
+    run = with_layout(_kimi(), 96, 4, "full+offload, replay exchange", 24, 24, "bfloat16", 8)
+    assert (run.mesh.fsdp, run.mesh.ep, run.train.batch_size, run.train.grad_accum) == (96, 4, 24 * 384, 1)
+    assert (run.memory.keep_exchange, run.memory.offload, run.mesh.reduce_dtype, run.model.moe.token_chunks) == \
+        (False, True, "bfloat16", 8)
