@@ -66,13 +66,14 @@ def test_offload_copies_out_and_back_at_their_own_rates():
 
 
 def test_bf16_reduce_scatter_halves_its_bytes_and_replaying_the_exchange_adds_two_passes():
-    run = _kimi(fsdp=96, ep=4)
+    run = _replace(_replace(_kimi(fsdp=96, ep=4), "mesh", reduce_dtype="float32"), "memory", keep_exchange=True)
     fp32, bf16 = comm_bytes(run), comm_bytes(_replace(run, "mesh", reduce_dtype="bfloat16"))
     for where in ("blocks", "outer"):
         key = f"backward/reduce_scatter/{where}"
         assert sum(bf16["parts"][key].values()) == pytest.approx(sum(fp32["parts"][key].values()) / 2)
     assert bf16["parts"]["forward/all_gather/blocks"] == fp32["parts"]["forward/all_gather/blocks"]
     replay = comm_bytes(_replace(run, "memory", keep_exchange=False))
+    assert run.memory.recompute == "full"
     assert replay["ep"] == pytest.approx(fp32["ep"] * 6 / 4, rel=1e-9)
     kept = plan(run, as_built=False)["per_rank_bytes"]["offload_host"]
     # the exchange outputs are no longer kept (on the host, offloaded): T·K·(1 + imbalance)·D·2 a MoE layer
@@ -85,6 +86,7 @@ def test_bf16_reduce_scatter_halves_its_bytes_and_replaying_the_exchange_adds_tw
 
 def test_token_chunks_shrink_the_exchange_buffer_and_the_moe_recompute():
     run = _kimi(fsdp=96, ep=4)
+    run = _replace(run, "model", moe=dataclasses.replace(run.model.moe, token_chunks=1))
     one = plan(run, as_built=False)["per_rank_bytes"]
     eight = plan(_replace(run, "model", moe=dataclasses.replace(run.model.moe, token_chunks=8)), as_built=False)
     assert eight["per_rank_bytes"]["ep_buffers"] == pytest.approx(one["ep_buffers"] / 8, rel=1e-6)
@@ -93,13 +95,17 @@ def test_token_chunks_shrink_the_exchange_buffer_and_the_moe_recompute():
 
 def test_the_recorded_overlap_follows_the_code(monkeypatch, tmp_path):
     """Forward's FSDP gathers are issued a block ahead and hide; the EP exchange is waited for at
-    issue. Make every collective wait where it is issued and the recording says so."""
+    issue unless the MoE layer runs in token chunks (chunk c+1's dispatch hides behind chunk c's
+    experts). Make every collective wait where it is issued and the recording says so."""
     monkeypatch.setenv("FNMOE_CACHE_DIR", str(tmp_path))
     run = _kimi(fsdp=96, ep=4)
     overlap._record.cache_clear()
-    f = overlap.exposed_fractions(run)
+    f = overlap.exposed_fractions(_replace(run, "model", moe=dataclasses.replace(run.model.moe, token_chunks=1)))
     assert f[("forward", "all_gather")] == 0.0 and f[("backward", "all_gather")] == 0.0
     assert f[("forward", "all_to_all")] == 1.0 and f[("backward", "reduce_scatter")] == 0.0
+    # 4 chunks: 8 row all-to-alls a layer forward, the 3 later dispatches hidden
+    chunked = overlap.exposed_fractions(_replace(run, "model", moe=dataclasses.replace(run.model.moe, token_chunks=4)))
+    assert chunked[("forward", "all_to_all")] == 5 / 8
     issue = fgather._issue_on
 
     def at_once(group, start):
@@ -111,7 +117,7 @@ def test_the_recorded_overlap_follows_the_code(monkeypatch, tmp_path):
     monkeypatch.setattr(fgather, "_issue_on", at_once)
     monkeypatch.setenv("FNMOE_CACHE_DIR", str(tmp_path / "waiting"))
     overlap._record.cache_clear()
-    g = overlap.exposed_fractions(run)
+    g = overlap.exposed_fractions(_replace(run, "model", moe=dataclasses.replace(run.model.moe, token_chunks=1)))
     overlap._record.cache_clear()
     assert g[("forward", "all_gather")] == 1.0 and g[("backward", "reduce_scatter")] == 1.0
 

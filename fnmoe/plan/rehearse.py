@@ -230,6 +230,11 @@ def format_report(report: dict, cmp: dict) -> str:
     lines += ["", f"  {'collective':<20}{'axis':<10}{'dtype':<10}{'phase':<8}{'calls':>7}{'MB sent':>13}"]
     for c in report["collectives"]:
         lines.append(f"  {c['kind']:<20}{c['axis']:<10}{c['dtype']:<10}{c['phase']:<8}{c['calls']:>7}{gb(c['bytes'])}")
+    host, fits = report["host_offloaded_bytes"], report["plan"]["fits"]
+    lines += ["", f"  host: the pool held {host / GB:.2f} GB of offloaded tensors; the plan pins "
+                  f"{report['plan']['per_rank_bytes']['host_pool'] / GB:.2f} GB for it, against "
+                  f"{fits['host_gb']:g} GB usable a GPU on {report['plan']['hardware']['profile']}: "
+                  f"{'fits' if fits['host'] else 'DOES NOT FIT'}"]
     lines += ["", f"  checkpoint index.json  {report['index_json_bytes'] / 2**20:.2f} MB",
               f"  {'agrees with the plan' if cmp['ok'] else 'DIFFERS from the plan'} "
               f"(a category fails beyond {TOLERANCE:.0%} or {FLOOR >> 20} MB)"]
