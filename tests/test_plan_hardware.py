@@ -131,24 +131,27 @@ def test_as_built_lies_between_the_overlapped_and_serial_bounds():
         sum(max(a[ph]["compute"], a[ph]["hidden"]) + a[ph]["exposed"] for ph in a))
 
 
-def test_search_ranks_by_the_as_built_step_and_stops_only_where_nothing_left_can_enter():
-    """On 16 x dgx-h100 with a small token cap (a few hundred layouts): every ranked row fits and the
-    ranking equals the as-built figures of every fitting layout, sorted."""
+def test_search_ranks_by_the_as_built_step_and_stops_only_where_nothing_left_can_enter(monkeypatch):
+    """On 8 x dgx-h100 (one node) with a small token cap and two policies (dozens of layouts, a few proxy
+    recordings): every ranked row fits and the ranking equals the as-built figures of every
+    fitting layout, sorted."""
+    from fnmoe.plan import search as fsearch
+    monkeypatch.setattr(fsearch, "POLICIES", {k: fsearch.POLICIES[k] for k in ("full", "full, replay exchange")})
     run = load_config("configs/deepseek_v3_16b.toml")
-    s = search(run, 16, top=5, max_global_tokens=16 * 4 * run.data.seq_len)
+    cap = 8 * 4 * run.data.seq_len
+    s = search(run, 8, top=3, max_global_tokens=cap)
     rows = s["ranking"]
-    assert len(rows) == 5 and all(r["fits_device"] and r["fits_host"] for r in rows)
+    assert len(rows) == 3 and all(r["fits_device"] and r["fits_host"] for r in rows)
     assert [r["tokens_per_s_per_gpu"] for r in rows] == sorted((r["tokens_per_s_per_gpu"] for r in rows), reverse=True)
     assert s["as_built_planned"] < s["fitting"]  # the bound pruned the rest
-    # exhaustive: every fitting layout's as-built figure; the top five are the search's
-    from fnmoe.plan.search import candidates
+    # exhaustive: every fitting layout's as-built figure; the top three are the search's
     every = []
-    for policy, c in candidates(run, 16, 16 * 4 * run.data.seq_len):
+    for policy, c in fsearch.candidates(run, 8, cap):
         c, _, ok = fitted(c)
         if all(ok):
             t = plan(c)["step_time"]
             every.append(t.get("tokens_per_s_per_gpu_as_built", t["tokens_per_s_per_gpu_serial"]))
-    assert sorted(every, reverse=True)[:5] == pytest.approx([r["tokens_per_s_per_gpu"] for r in rows])
+    assert sorted(every, reverse=True)[:3] == pytest.approx([r["tokens_per_s_per_gpu"] for r in rows])
 
 
 def test_with_layout_sets_what_the_search_varies():
