@@ -37,3 +37,21 @@ TINY_FLAGS = ("--model.dim", "32", "--model.ffn-hidden", "64", "--model.moe.expe
 def tiny_flags(eval_batches: int = 1, *more: str) -> list[str]:
     """TINY_FLAGS, --train.eval-batches eval_batches, then more."""
     return [*TINY_FLAGS, "--train.eval-batches", str(eval_batches), *more]
+
+
+def pin_routing(monkeypatch) -> None:
+    """Routing from a fixed per-token table (gaps of 10 over scores in [0, 1], passed where the
+    score-correction bias goes): token t picks the largest (5t + 3e) mod E, so no rounding (a chunk's
+    GEMM, bf16, a recompute) can flip an expert choice, while the weights stay the router's
+    differentiable scores. A rank's token t of 16 is global token 16r + t, and 5 x 16 is a multiple of
+    the tests' expert counts: every rank routes as one process does."""
+    import torch
+    from fnmoe import moe
+
+    route = moe.route
+
+    def pinned(x_TD, w_router_DE, cfg, bias_E=None):
+        T, E = x_TD.shape[0], w_router_DE.shape[1]
+        pin_TE = (torch.arange(T, device=x_TD.device)[:, None] * 5 + torch.arange(E, device=x_TD.device) * 3) % E
+        return route(x_TD, w_router_DE, cfg, pin_TE.float() * 10)
+    monkeypatch.setattr(moe, "route", pinned)

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from fnmoe import moe
 from fnmoe.config import (DataConfig, MemoryConfig, MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig,
                           load_config, validate)
 from fnmoe.memory import policies as memory
@@ -26,6 +25,8 @@ from fnmoe.plan.meters import CommMeter
 from fnmoe.train import loss_fn
 from fnmoe.tree import flatten_dict, tree_map
 
+from conftest import pin_routing
+
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_hidden=48, max_seq_len=16,
                   moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, first_k_dense=1), compute_dtype="float32",
@@ -33,16 +34,6 @@ CFG = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ff
 B, L, WORLD = 8, 16, 4
 N_MOE = CFG.n_layers - CFG.moe.first_k_dense
 TOKENS_BL = torch.randint(0, CFG.vocab_size, (B, L + 1), generator=torch.Generator().manual_seed(0))
-
-
-def _pinned_route(route):
-    """Token t picks experts by a fixed table (gaps of 10 over scores in [0, 1]): exactly balanced,
-    and no rounding can flip a choice between the forward and the recompute."""
-    def pinned(x_TD, w_router_DE, cfg, bias_E=None):
-        T, E = x_TD.shape[0], w_router_DE.shape[1]
-        pin_TE = (torch.arange(T)[:, None] * 5 + torch.arange(E) * 3) % E
-        return route(x_TD, w_router_DE, cfg, pin_TE.float() * 10)
-    return pinned
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -85,7 +76,7 @@ def _planned_activations(keep: bool) -> int:
 
 
 def test_replayed_exchange_matches_kept_with_six_passes_and_less_memory(monkeypatch):
-    monkeypatch.setattr(moe, "route", _pinned_route(moe.route))
+    pin_routing(monkeypatch)
     kept, replayed = _step(True), _step(False)
     assert torch.equal(kept["loss"], replayed["loss"])
     assert kept["grads"].keys() == replayed["grads"].keys() and len(kept["grads"]) > 0

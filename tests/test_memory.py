@@ -12,7 +12,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fnmoe import moe, optim
+from fnmoe import optim
 from fnmoe.memory import host_pool
 from fnmoe.memory import policies as memory
 from fnmoe.memory import report as memory_report
@@ -22,7 +22,7 @@ from fnmoe.params import init_params
 from fnmoe.memory.runner import Plain
 from fnmoe.train import loss_fn
 from fnmoe.tree import flatten_dict
-from conftest import rel
+from conftest import pin_routing, rel
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = load_config(ROOT / "configs" / "tiny.toml")
@@ -227,22 +227,9 @@ def test_train_runner_builds_a_runner_per_policy():
     assert isinstance(runner, memory.Runner) and runner.pool is not None
 
 
-def _pin_routing(monkeypatch):
-    """Routing decided by a fixed per-token table (gaps of 10 over scores in [0, 1]), passed where
-    the score-correction bias goes: bf16 rounding differences can no longer flip an expert choice,
-    while the weights stay the router's differentiable scores."""
-    route = moe.route
-
-    def pinned(x_TD, w_router_DE, cfg, bias_E=None):
-        T, E = x_TD.shape[0], w_router_DE.shape[1]
-        pin_TE = (torch.arange(T, device=x_TD.device)[:, None] * 5 + torch.arange(E, device=x_TD.device) * 3) % E
-        return route(x_TD, w_router_DE, cfg, pin_TE.float() * 10)
-    monkeypatch.setattr(moe, "route", pinned)
-
-
 @pytest.mark.slow
 def test_compiled_bf16_policies_match_none_with_routing_pinned(monkeypatch):
-    _pin_routing(monkeypatch)
+    pin_routing(monkeypatch)
     cfg = dataclasses.replace(RUN.model, compute_dtype="bfloat16", compile=True)
     run = dataclasses.replace(RUN, model=cfg)
     tokens = _tokens(4, 64)

@@ -24,7 +24,7 @@ from fnmoe.plan.meters import StorageMeter
 from fnmoe.train import loss_fn
 from fnmoe.tree import flatten_dict, tree_map, value_and_grad
 from fnmoe._torch import TorchDispatchMode, all_to_all_ops, c10d_ops
-from conftest import rel
+from conftest import pin_routing, rel
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_hidden=48, max_seq_len=16,
                   moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, first_k_dense=1))
@@ -38,18 +38,9 @@ def _cfg(chunks: int, **moe_fields) -> ModelConfig:
 
 @pytest.fixture(autouse=True)
 def pinned_routing(monkeypatch):
-    """Routing from a fixed per-token table (gaps of 10 over scores in [0, 1], where the score-correction
-    bias goes), so a last-bit difference in a chunk's GEMM cannot flip a near-tie in the next layer; the
-    weights stay the router's differentiable scores. Token t picks the two largest (5t + 3e) mod E; a
-    rank's token t is global token 16r + t and 5 * 16 is a multiple of E: every rank routes as one
-    process does."""
-    route = moe.route
-
-    def pinned(x_TD, w_router_DE, cfg, bias_E=None):
-        T, E = x_TD.shape[0], w_router_DE.shape[1]
-        pin_TE = (torch.arange(T, device=x_TD.device)[:, None] * 5 + torch.arange(E, device=x_TD.device) * 3) % E
-        return route(x_TD, w_router_DE, cfg, pin_TE.float() * 10)
-    monkeypatch.setattr(moe, "route", pinned)
+    """Routing pinned (conftest.pin_routing), so a last-bit difference in a chunk's GEMM cannot flip a
+    near-tie in the next layer."""
+    pin_routing(monkeypatch)
 
 
 def _one_process(cfg: ModelConfig, mem: MemoryConfig = MemoryConfig()):
