@@ -119,7 +119,7 @@ def view_base(t: torch.Tensor) -> torch.Tensor | None:
     return t._base
 
 
-# -- dispatch modes: see every op, unwrap tensor subclasses (fnmoe.memory.report)
+# -- dispatch modes: see every op, unwrap tensor subclasses (fnmoe.plan.memory_report)
 TorchDispatchMode, is_traceable_wrapper_subclass = _names(
     "torch.utils._python_dispatch", "TorchDispatchMode", "is_traceable_wrapper_subclass")
 

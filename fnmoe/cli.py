@@ -8,11 +8,9 @@ values, checked by a test).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Callable
@@ -20,9 +18,11 @@ from typing import Annotated, Callable
 import tyro
 
 from fnmoe.parallel import dist as fdist
-from fnmoe.cli_checks import check_range, out_dir
+from fnmoe.cli_checks import out_dir
+from fnmoe.cli_models import checkpoint_of, cmd_convert, cmd_generate, is_checkpoint, load_model, write_stdout
 from fnmoe.cli_prepare import cmd_prepare
-from fnmoe.config import RunConfig, load_config, to_toml, validate
+from fnmoe.cli_tokenizer import cmd_tokenizer
+from fnmoe.config import RunConfig, load_config, validate, with_token_steps
 
 TOP_HELP = """usage: fnmoe SUBCOMMAND [--config FILE] [OVERRIDES]
 
@@ -30,11 +30,13 @@ subcommands:
   train     train a model (default: the tiny MoE on the bundled corpus, CPU, a few minutes)
   prepare   tokenise text / JSONL / Parquet / datasets corpora into memory-mapped shards (--data.corpus DIR)
   generate  sample text from a run, checkpoint or converted model (KV cache; greedy, temperature, top-p)
+  eval      held-out loss and bits per byte of a run or checkpoint, per data source (--from RUN|CKPT)
+  tokenizer train --input FILE... --vocab-size N --out tokenizer.json: a byte-level BPE for prepare --tokenizer
   plot      PNG charts of a run: loss, tokens/s, MFU, expert load per layer
   plan      per-rank memory, FLOPs, communication and a modelled step time of a config (nothing allocated)
   rehearse  one rank of the config's full mesh runs a real step on fake tensors, checked against the plan
   inspect   what torch.compile makes of each region: graphs, breaks, recompiles, kernels, host syncs
-  checkpoint verify DIR   check a checkpoint's files (sizes, sha256, tensor shapes) against its index.json
+  checkpoint verify DIR   check what a resume checks: files (sizes, sha256, shapes), config, params finite
   convert   --from-hf SRC --out DST: a Hugging Face checkpoint to the native tree format;
             --to-hf SRC --out DST: a native tree to a Hugging Face checkpoint
 
@@ -81,7 +83,19 @@ def parse_run(argv: list[str], prog: str) -> RunConfig:
     """The RunConfig of a preset plus flag overrides, validated."""
     base = _config_defaults(argv)
     args = tyro.cli(TrainArgs, args=argv, prog=prog, default=TrainArgs(config="", run=base), registry=_flag_types())
-    return validate(args.run)
+    return validate(_steps_or_tokens(args.run, argv))
+
+
+def _steps_or_tokens(run: RunConfig, argv: list[str]) -> RunConfig:
+    """The run's length: a token budget (--train.tokens, or a preset's) sets train.steps for the
+    batch the flags leave, unless --train.steps is given: alone it replaces a preset's budget, with
+    --train.tokens the two must agree (validate says so when they do not)."""
+    given = lambda flag: any(a == flag or a.startswith(flag + "=") for a in argv)  # noqa: E731
+    if not given("--train.steps"):
+        return with_token_steps(run)
+    if not given("--train.tokens"):
+        return dataclasses.replace(run, train=dataclasses.replace(run.train, tokens=0))
+    return run
 
 
 def _parse_run_and(argv: list[str], prog: str, flag: str, spec: dict, usage: str):
@@ -100,7 +114,12 @@ def cmd_train(argv: list[str]) -> int:
     from fnmoe.loop import train
 
     summary = train(run)
-    return 130 if summary["interrupted"] else 0
+    if not summary["interrupted"]:
+        return 0
+    from fnmoe.run.stop import under_torchrun
+
+    # a stop a signal asked for and the run completed is no failure: torchrun must not restart it
+    return 0 if under_torchrun() and not summary.get("aborted") else 130
 
 
 def cmd_inspect(argv: list[str]) -> int:
@@ -113,7 +132,8 @@ def cmd_inspect(argv: list[str]) -> int:
                                 "recompiles, FX nodes, kernels and host syncs per compiled region")
     out_dir(known.dump, "--dump")
     setup_cache(run.compile_cache)
-    reports, note = inspect_model(run.model, Path(known.dump) if known.dump else None)
+    reports, note = inspect_model(run.model, Path(known.dump) if known.dump else None,
+                                  say=lambda line: print(line, file=sys.stderr, flush=True))
     if note:
         print(note)
     print(format_reports(reports))
@@ -124,146 +144,61 @@ def cmd_inspect(argv: list[str]) -> int:
 
 def cmd_checkpoint(argv: list[str]) -> int:
 
-    from fnmoe.checkpoint import SECTIONS, verify
+    from fnmoe.checkpoint import SECTIONS, check_finite, verify
 
     parser = argparse.ArgumentParser(prog="fnmoe checkpoint", description="check training checkpoints")
     actions = parser.add_subparsers(dest="action", required=True)
-    p = actions.add_parser("verify", help="check every file's size, sha256 and tensor shapes against index.json; "
-                                          "exit 2 naming the first bad file")
+    p = actions.add_parser("verify", help="check what a resume checks: every file's size, sha256 and tensor shapes "
+                                          "against index.json, its config.toml and that model's params, and that "
+                                          "the params are finite; exit 2 naming the first problem")
     p.add_argument("dir", help="a checkpoint directory, <run-dir>/checkpoints/step_<N>")
     args = parser.parse_args(argv)
     index = verify(Path(args.dir))
+    check_finite(Path(args.dir), index)
     n = sum(len(index[section]) for section in SECTIONS)
-    print(f"ok: {args.dir} (step {index['step']}): {len(index['files'])} files and {n} tensors match index.json")
+    print(f"ok: {args.dir} (step {index['step']}): {len(index['files'])} files and {n} tensors match index.json, "
+          "their model and finite params")
     return 0
 
 
-def checkpoint_of(src: Path) -> Path:
-    """src, or for a run directory its newest complete checkpoint, named on stderr (a corrupt newer
-    one is passed over with a warning, once)."""
-    from fnmoe import checkpoint
-
-    if not src.exists():
-        raise FileNotFoundError(f"{src} does not exist")
-    if not (src / "checkpoints").is_dir():
-        return src
-    found = checkpoint.find_latest(src / "checkpoints")
-    if found is None:
-        raise FileNotFoundError(f"no complete checkpoint under {src / 'checkpoints'}")
-    print(f"fnmoe: using {found[0]} (step {found[1]['step']}), the newest complete checkpoint of {src}",
-          file=sys.stderr)
-    return found[0]
-
-
-def _format_of(index: Path) -> str | None:
-    """The "format" an index.json declares (None: not an object or none declared)."""
-    try:
-        d = json.loads(index.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{index}: not valid JSON ({e})") from None
-    return d.get("format") if isinstance(d, dict) else None
-
-
-def load_model(src: Path):
-    """(ModelConfig, params) of a run directory (its newest complete checkpoint), a checkpoint,
-    a native tree directory or a Hugging Face checkpoint directory."""
-    from fnmoe import checkpoint, hf
-    from fnmoe.tree_io import load_tree
-
-    src = checkpoint_of(Path(src))
-    index = src / "index.json"
-    if index.is_file() and _format_of(index) == checkpoint.FORMAT:
-        run, params = checkpoint.load_params(src)
-        return run.model, params
-    if (src / "config.json").is_file():
-        return hf.load(src)
-    return load_tree(src)
-
-
-def _prepared_corpus(ckpt: Path) -> Path | None:
-    """The prepared corpus directory the checkpoint at ckpt trained on; None when it trained on
-    text (byte tokens) or ckpt holds no run config (a tree or HF directory)."""
-    if not (ckpt / "config.toml").is_file():
-        return None
-    data = load_config(ckpt / "config.toml").data
-    corpus = Path(data.mix[0].corpus if data.mix else data.corpus)  # a mixture's sources share a tokenizer
-    return corpus if (corpus / "index.json").is_file() else None
-
-
-def cmd_generate(argv: list[str]) -> int:
+def cmd_eval(argv: list[str]) -> int:
+    """Held-out loss and bits per byte of a checkpoint per source (fnmoe.evaluate), on the data
+    its run trained on or on --data.corpus / --data.mix."""
     import torch
 
-    from fnmoe.config.schema import Range
-    from fnmoe.data.loader import EOS_ID, ByteTokenizer, corpus_codec
-    from fnmoe.generate import generate
+    from fnmoe.config import MeshConfig
+    from fnmoe.evaluate import evaluate, format_eval
+    from fnmoe.params import shape_mismatches
 
-    parser = argparse.ArgumentParser(prog="fnmoe generate", description="sample text from a trained model "
-                                     "with a KV cache (bytes, or the tokenizer of the prepared corpus it trained on)")
-    parser.add_argument("--from", dest="src", required=True, metavar="DIR",
-                        help="a run directory (newest checkpoint), a checkpoint, a native tree or a HF directory")
-    parser.add_argument("--prompt", default="", help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] "
-                        "(with temperature > 0)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    check_range(args.max_new_tokens, "--max-new-tokens", Range(0))
-    check_range(args.temperature, "--temperature", Range(0))
-    check_range(args.top_p, "--top-p", Range(0, 1, lo_open=True))
-    # the text is stdout's alone: notes (which checkpoint, one passed over) go to stderr
+    usage = ("fnmoe eval --from RUN|CKPT|DIR [--json] [--data.corpus DIR | --data.mix NAME=DIR:WEIGHT ...] "
+             "[--train.eval-batches N] [overrides]: held-out loss, perplexity and bits per byte of a run's newest "
+             "complete checkpoint, a checkpoint, a native tree or a Hugging Face directory, per data source; the "
+             "data, batch and sequence length default to the checkpoint's run (else the bundled corpus)")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--from", dest="src", default="")
+    pre.add_argument("--json", action="store_true")
+    known, rest = pre.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        print(usage + "\n")
+    elif not known.src:
+        raise ValueError(f"--from is required: {usage}")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
-    src = checkpoint_of(Path(args.src))
+    src = checkpoint_of(Path(known.src)) if known.src else Path()
+    ckpt = bool(known.src) and is_checkpoint(src)
+    run = parse_run((["--config", str(src / "config.toml")] if ckpt else []) + rest, "fnmoe eval")
     cfg, params = load_model(src)
-    corpus = _prepared_corpus(src)
-    tok = ByteTokenizer()
-    encode, decode, eos = corpus_codec(corpus) if corpus else (tok.encode, tok.decode, EOS_ID)
-    try:
-        ids = encode(args.prompt) or [eos]  # an empty prompt starts a new document
-    except UnicodeEncodeError as e:  # bytes the shell could not decode arrive as surrogates
-        raise ValueError(f"--prompt is not valid text in UTF-8 ({e.reason} at characters {e.start}..{e.end})") from None
-    out = generate(params, torch.tensor([ids]), cfg, args.max_new_tokens, args.temperature, args.top_p,
-                   args.seed, stop_id=eos)
-    _write_stdout(args.prompt + decode(out[0, len(ids):].tolist()) + "\n")
-    return 0
-
-
-def _write_stdout(text: str) -> None:
-    """text on stdout, or one error with the OS reason (a full disk, a closed pipe)."""
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    except OSError as e:
-        with contextlib.suppress(OSError, ValueError, AttributeError):  # no second failure at exit's flush
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise ValueError(f"cannot write the output to stdout: {e.strerror or e}") from None
-
-
-def cmd_convert(argv: list[str]) -> int:
-    from fnmoe import hf
-    from fnmoe.tree_io import save_tree
-
-    parser = argparse.ArgumentParser(prog="fnmoe convert", description="convert between Hugging Face "
-                                     "checkpoints and fnmoe's native tree format (safetensors + index.json)")
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--from-hf", metavar="SRC", help="a Hugging Face checkpoint directory (config.json + safetensors)")
-    src.add_argument("--to-hf", metavar="SRC", help="a native tree directory (index.json + params.safetensors) "
-                     "or a training checkpoint (<run-dir>/checkpoints/step_N)")
-    parser.add_argument("--out", metavar="DST", required=True, help="the output directory (new or empty)")
-    args = parser.parse_args(argv)
-    out_dir(args.out, "--out")
-    if args.from_hf:
-        cfg, params = hf.load(args.from_hf)
-        save_tree(args.out, params, cfg)
-        # a run config with this model, for `fnmoe train --config DST/config.toml --train.init-from-hf SRC`
-        run = RunConfig(model=cfg)
-        run = dataclasses.replace(run, data=dataclasses.replace(run.data,
-                                                                seq_len=min(run.data.seq_len, cfg.max_seq_len)))
-        (Path(args.out) / "config.toml").write_text(to_toml(run))
-    else:
-        cfg, params = load_model(Path(args.to_hf))
-        hf.save(args.out, params, cfg)
-    print(f"wrote {args.out} ({'native tree' if args.from_hf else hf.hf_architecture(cfg)})")
+    if not ckpt:  # a tree or HF directory: its model, on the flags' data
+        run = dataclasses.replace(run, model=cfg, data=dataclasses.replace(
+            run.data, seq_len=min(run.data.seq_len, cfg.max_seq_len)))
+    diff = shape_mismatches(params, run.model)
+    if diff:
+        raise ValueError(f"the model flags change the shape of {src}'s model: {'; '.join(diff)}")
+    run = validate(dataclasses.replace(run, mesh=MeshConfig(), resume="none"))  # one process reads it whole
+    result = evaluate(params, run, "cuda" if torch.cuda.is_available() else "cpu")
+    step = json.loads((src / "index.json").read_text())["step"] if ckpt else None
+    result = {"from": str(src), "step": step, **result}
+    write_stdout((json.dumps(result, indent=1) if known.json else
+                   format_eval(result, f"{src}" + (f" (step {step})" if step is not None else ""), run)) + "\n")
     return 0
 
 
@@ -343,7 +278,8 @@ def cmd_rehearse(argv: list[str]) -> int:
             rank = int(rank)
         except ValueError:
             raise ValueError(f"--rank takes a rank number or 'worst', got {known.rank!r}") from None
-    report = rehearse(run, rank, fresh_process=False)  # this process has run nothing else
+    # this process has run nothing else; each phase said on stderr as it begins (stdout: the report)
+    report = rehearse(run, rank, fresh_process=False, say=lambda line: print(line, file=sys.stderr, flush=True))
     cmp = compare(report)
     print(json.dumps({**report, "compare": cmp}, indent=1) if known.json else format_report(report, cmp))
     return 0 if cmp["ok"] else 1
@@ -352,7 +288,8 @@ def cmd_rehearse(argv: list[str]) -> int:
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "prepare": cmd_prepare, "inspect": cmd_inspect,
                                                    "plan": cmd_plan, "rehearse": cmd_rehearse,
                                                    "checkpoint": cmd_checkpoint,
-                                                   "convert": cmd_convert, "plot": cmd_plot, "generate": cmd_generate}
+                                                   "convert": cmd_convert, "plot": cmd_plot, "generate": cmd_generate,
+                                                   "eval": cmd_eval, "tokenizer": cmd_tokenizer}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,9 +40,9 @@ def cmd_prepare(argv: list[str]) -> int:
     try:
         index = prepare(args.input, args.tokenizer, args.out, args.text_field, args.val_fraction, args.workers,
                         args.prompt_field)
-    except KeyboardInterrupt:
-        print(f"\nfnmoe prepare: interrupted; finished parts stay in {Path(args.out) / 'parts'}: "
-              "the same command resumes from them", file=sys.stderr)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (fnmoe.data.prepare.Stopped)
+        print(f"\nfnmoe prepare: {e.args[0] if e.args else 'SIGINT'}: stopped; finished parts stay in "
+              f"{Path(args.out) / 'parts'}: the same command resumes from them", file=sys.stderr)
         return 130
     sp = index["splits"]
     print(f"wrote {args.out}: {sp['train']['tokens']:,} train tokens ({sp['train']['docs']} documents), "

@@ -64,12 +64,14 @@ def _dot(a: Tree, b: Tree) -> torch.Tensor:
 
 
 def hessian_eigenvalue(loss: Callable[[Tree], torch.Tensor], params: Tree, shift: float = 0.0, iters: int = 100,
-                       tol: float = 1e-3, seed: int = 0) -> tuple[float, int]:
+                       tol: float = 1e-3, seed: int = 0,
+                       on_iter: Callable[[int, float, float], None] | None = None) -> tuple[float, int]:
     """(lambda, HVPs taken): power iteration on H - shift*I (H loss's Hessian at params, applied by
     hvp) from a seeded random direction; lambda is then the eigenvalue of H farthest from shift.
     It stops once the residual |H v - lambda v| is under tol*|lambda - shift| (v then is an
     eigenvector, not a mix of two eigenvalues of one magnitude, which fools a test of lambda's
-    change alone), or after iters HVPs. Converges as (second / first magnitude)^k."""
+    change alone), or after iters HVPs. Converges as (second / first magnitude)^k. on_iter(k, lambda,
+    residual) hears each iteration (progress)."""
     gen = torch.Generator().manual_seed(seed)
     v = tree_map(lambda p: torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype), params)
     for k in range(1, iters + 1):
@@ -78,6 +80,8 @@ def hessian_eigenvalue(loss: Callable[[Tree], torch.Tensor], params: Tree, shift
         hv = tree_map(lambda h, x: h - shift * x, hvp(loss, params, v), v)
         lam = _dot(v, hv).item()
         residual = _dot(*[tree_map(lambda h, x: h - lam * x, hv, v)] * 2).sqrt().item()
+        if on_iter:
+            on_iter(k, lam + shift, residual)
         if residual <= tol * abs(lam):
             break
         v = hv
@@ -85,14 +89,17 @@ def hessian_eigenvalue(loss: Callable[[Tree], torch.Tensor], params: Tree, shift
 
 
 def top_hessian_eigenvalue(loss: Callable[[Tree], torch.Tensor], params: Tree, iters: int = 100,
-                           tol: float = 1e-3, seed: int = 0) -> tuple[float, int]:
+                           tol: float = 1e-3, seed: int = 0,
+                           on_iter: Callable[[int, float, float], None] | None = None) -> tuple[float, int]:
     """(the largest eigenvalue of loss's Hessian at params, HVPs taken): power iteration finds the
     eigenvalue of largest magnitude; when that one is negative, a second run on H - lambda*I finds
-    the top one (the farthest from lambda). iters bounds each run."""
-    lam, n = hessian_eigenvalue(loss, params, 0.0, iters, tol, seed)
+    the top one (the farthest from lambda). iters bounds each run; on_iter(k, lambda, residual) hears
+    each iteration, k counting on through the second run."""
+    lam, n = hessian_eigenvalue(loss, params, 0.0, iters, tol, seed, on_iter)
     if lam >= 0:
         return lam, n
-    top, m = hessian_eigenvalue(loss, params, lam, iters, tol, seed + 1)
+    later = (lambda k, got, r: on_iter(n + k, got, r)) if on_iter else None
+    top, m = hessian_eigenvalue(loss, params, lam, iters, tol, seed + 1, later)
     return top, n + m
 
 

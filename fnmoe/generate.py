@@ -16,7 +16,8 @@ import torch
 
 from fnmoe.attention import gqa_qk, mla_qkv, mla_softmax_scale, rms_norm, rope
 from fnmoe.config import ModelConfig
-from fnmoe.model import DTYPE, _mlp_region, _moe_region, check_inputs, head_weight, layer_params
+from fnmoe.dtypes import DTYPE
+from fnmoe.model import mlp_region, moe_region, check_inputs, head_weight, layer_params, token_ids
 from fnmoe.moe import expert_gemm
 from fnmoe.tree import Tree, flatten_dict
 
@@ -68,17 +69,17 @@ def step_logits(params: Tree, tokens_BL: torch.Tensor, cache: dict, cfg: ModelCo
                          f"{cache['layers'][0]['k_BSGA'].shape[1]}")
     cos_LP, sin_LP = rope(cfg, torch.arange(start, start + L, device=tokens_BL.device))
     unchunked = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, token_chunks=1))
-    x_BLD = torch.nn.functional.embedding(tokens_BL, params["embed"]["w_VD"].to(dtype))
+    x_BLD = torch.nn.functional.embedding(token_ids(tokens_BL), params["embed"]["w_VD"].to(dtype))
     for i, layer in enumerate(cache["layers"]):
         p = layer_params(params, i, dtype)
         attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
         x_BLD = x_BLD + _cached_attention(attn, rms_norm(x_BLD, attn["norm_D"], cfg.norm_eps),
                                           cos_LP, sin_LP, layer, start, cfg)
         if "moe" in p:  # a decode step's few tokens take no token chunks (training's memory knob)
-            y_BLD, _ = _moe_region(dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, unchunked,
+            y_BLD, _ = moe_region(dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, unchunked,
                                   expert_gemm(cfg, dtype, x_BLD.device))
         else:
-            y_BLD = _mlp_region(dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg)
+            y_BLD = mlp_region(dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg)
         x_BLD = x_BLD + y_BLD
     cache["len"] = start + L
     h_BLD = rms_norm(x_BLD, params["final_norm"]["w_D"].to(dtype), cfg.norm_eps)
@@ -120,6 +121,7 @@ def generate(params: Tree, prompt_BL: torch.Tensor, cfg: ModelConfig, max_new_to
     if L + max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"prompt ({L}) + max_new_tokens ({max_new_tokens}) exceeds "
                          f"model.max_seq_len={cfg.max_seq_len}")
+    prompt_BL = token_ids(prompt_BL)  # any integer dtype in, int32 or int64 ids out
     gen = torch.Generator(device=prompt_BL.device).manual_seed(seed)
     cache = init_cache(cfg, B, L + max_new_tokens, prompt_BL.device)
     logits_BLV = step_logits(params, prompt_BL, cache, cfg)

@@ -14,6 +14,7 @@ op, which reads nothing on the host; the padded path reads its slab size once, n
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,7 +26,8 @@ from fnmoe import compile as fcompile
 from fnmoe.kernels import attention as cpu_attention
 from fnmoe.config import ModelConfig
 from fnmoe.attention import rope
-from fnmoe.model import DTYPE, _attention_region, _mlp_region, _moe_region, layer_params
+from fnmoe.dtypes import DTYPE
+from fnmoe.model import attention_region, mlp_region, moe_region, layer_params
 from fnmoe.params import init_params
 from fnmoe.moe import expert_gemm
 
@@ -70,15 +72,15 @@ def region_cases(cfg: ModelConfig, B: int = 2, L: int = 64, seed: int = 0) -> li
         attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
         if "attention" not in seen:
             attn_cfg = cpu_attention.resolved(cfg, B, L, dtype, xs[0].device)
-            cases.append(("attention", _attention_region, [(attn, x, cos, sin, attn_cfg) for x in xs]))
+            cases.append(("attention", attention_region, [(attn, x, cos, sin, attn_cfg) for x in xs]))
         kind = "moe" if "moe" in p else "mlp"
         if kind not in seen:
             mp = dict(p[kind], norm_D=p["mlp_norm"]["w_D"])
             if kind == "moe":
                 gemm = expert_gemm(cfg, dtype)
-                cases.append(("moe", _moe_region, [(mp, x, cfg, gemm) for x in xs]))
+                cases.append(("moe", moe_region, [(mp, x, cfg, gemm) for x in xs]))
             else:
-                cases.append(("mlp", _mlp_region, [(mp, x, cfg) for x in xs]))
+                cases.append(("mlp", mlp_region, [(mp, x, cfg) for x in xs]))
         seen |= {"attention", kind}
     return cases
 
@@ -152,10 +154,21 @@ def attention_note(cfg: ModelConfig, B: int = 2, L: int = 64) -> str:
     return f"note: attention {impl!r} (model.attention_impl={cfg.attention_impl!r}, [{B}, {L}] rows on CPU): {what}"
 
 
-def inspect_model(cfg: ModelConfig, dump: Path | None = None) -> tuple[list[RegionReport], str]:
+def inspect_model(cfg: ModelConfig, dump: Path | None = None,
+                  say: Callable[[str], None] | None = None) -> tuple[list[RegionReport], str]:
+    """(a report per region kind, notes on the config's paths); say(line) hears each region as its
+    compile begins, and the time it took."""
     cfg, note = traceable_config(cfg)
     note = "\n".join(n for n in (note, attention_note(cfg), gemm_note(cfg)) if n)
-    return [inspect_region(name, fn, args, dump) for name, fn, args in region_cases(cfg)], note
+    cases, reports = region_cases(cfg), []
+    for k, (name, fn, args) in enumerate(cases, 1):
+        if say:
+            say(f"inspect: region {k} of {len(cases)}, {name}: compiling for {len(args)} inputs...")
+        t0 = time.perf_counter()
+        reports.append(inspect_region(name, fn, args, dump))
+        if say:
+            say(f"inspect: {name} done in {time.perf_counter() - t0:.1f} s")
+    return reports, note
 
 
 def format_reports(reports: list[RegionReport]) -> str:

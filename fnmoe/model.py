@@ -4,30 +4,26 @@ Legend: B batch, L sequence, D model, F ffn hidden, E experts, V vocab, N = H·A
 M = G·A key/value features (H heads, G kv heads, A head dim); MLA letters (Q, C, W, X, Y) as in
 attention.py.
 
-The params tree and its init live in fnmoe.params.
+The params tree and its init live in fnmoe.params. How blocks run (memory policies) and how params
+reach compute (cast, or FSDP's gathers) are the caller's choices, passed in (fnmoe.seams).
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from fnmoe import _torch, moe_chunks, transforms
 from fnmoe import compile as fcompile
 from fnmoe.kernels import attention as cpu_attention
-from fnmoe.parallel import reshard
 from fnmoe.attention import attention, doc_mask, max_logits_H, rms_norm, rope, upcast
 from fnmoe.config import ModelConfig
+from fnmoe.dtypes import DTYPE
 from fnmoe.moe import EXPERT_STACKS, expert_gemm, moe_block, swiglu
 from fnmoe.params import check_config, check_params
-from fnmoe.parallel import gather as fgather
-from fnmoe.memory.runner import PLAIN, BlockRunner
-from fnmoe.tree import Tree, tree_map
-
-DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+from fnmoe.seams import CAST, PLAIN, BlockRunner, LayerFeed, ParamsSource
+from fnmoe.tree import Tree
 
 
 def in_compute_dtype(p: dict, dtype: torch.dtype, keep: tuple[str, ...] = ("router_bias_E",)) -> dict:
@@ -43,17 +39,17 @@ def in_compute_dtype(p: dict, dtype: torch.dtype, keep: tuple[str, ...] = ("rout
             for k, v in p.items()}
 
 
-def _attention_region(p, x_BLD, cos_LP, sin_LP, cfg, mask=None):
+def attention_region(p, x_BLD, cos_LP, sin_LP, cfg, mask=None):
     p = in_compute_dtype(p, x_BLD.dtype)
     return attention(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cos_LP, sin_LP, cfg, mask)
 
 
-def _mlp_region(p, x_BLD, cfg):
+def mlp_region(p, x_BLD, cfg):
     p = in_compute_dtype(p, x_BLD.dtype)
     return swiglu(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps))
 
 
-def _moe_region(p, x_BLD, cfg, gemm, recompute=None):
+def moe_region(p, x_BLD, cfg, gemm, recompute=None):
     """recompute: how backward recomputes the token chunks (BlockRunner.chunk_recompute)."""
     cpu_grouped = gemm == "grouped" and x_BLD.device.type == "cpu"
     p = in_compute_dtype(p, x_BLD.dtype, ("router_bias_E", *(EXPERT_STACKS if cpu_grouped else ())))
@@ -71,7 +67,7 @@ def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=N
     run = functools.partial(runner.region, i)
     attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
     attn_cfg = cpu_attention.resolved(cfg, *x_BLD.shape[:2], x_BLD.dtype, x_BLD.device, mask)
-    x_BLD = x_BLD + run("attention", _attention_region, cfg.compile, attn, x_BLD, cos_LP, sin_LP, attn_cfg, mask)
+    x_BLD = x_BLD + run("attention", attention_region, cfg.compile, attn, x_BLD, cos_LP, sin_LP, attn_cfg, mask)
     if "moe" in p:
         gemm = expert_gemm(cfg, x_BLD.dtype, x_BLD.device)
         recompute = runner.chunk_recompute(i) if cfg.moe.token_chunks > 1 and gemm != "dense" else None
@@ -82,10 +78,10 @@ def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=N
             fcompile.say_once("compile: the MoE region runs eager (model.moe.token_chunks > 1 under recompute: "
                               "backward recomputes its chunks one by one, which dynamo cannot trace); attention and "
                               "MLP are compiled")
-        y_BLD, stats = run("moe", _moe_region, cfg.compile and gemm != "loop" and not recompute,
+        y_BLD, stats = run("moe", moe_region, cfg.compile and gemm != "loop" and not recompute,
                            dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm, recompute)
         return x_BLD + y_BLD, stats
-    return x_BLD + run("mlp", _mlp_region, cfg.compile, dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg), None
+    return x_BLD + run("mlp", mlp_region, cfg.compile, dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg), None
 
 
 def check_tokens(tokens_BL: torch.Tensor, vocab_size: int, what: str = "tokens") -> None:
@@ -102,12 +98,18 @@ def check_tokens(tokens_BL: torch.Tensor, vocab_size: int, what: str = "tokens")
     # a traced graph (linearize's) and fake tensors (fnmoe.plan.rehearse's) have no ids to read
     if tokens_BL.device.type != "cpu" or _torch.tracing() or _torch.is_fake(tokens_BL):
         return
-    tokens_BL = _torch.unwrapped(tokens_BL)
+    tokens_BL = token_ids(_torch.unwrapped(tokens_BL))  # torch compares no uint16/32/64
     bad = (tokens_BL < 0) | (tokens_BL >= vocab_size)
     if bad.any():
         pos = bad.nonzero()[0].tolist()
         raise ValueError(f"token id {tokens_BL[tuple(pos)].item()} at position {pos} is outside "
                          f"0..model.vocab_size-1={vocab_size - 1}")
+
+
+def token_ids(tokens_BL: torch.Tensor) -> torch.Tensor:
+    """Token ids of any integer dtype as the embedding and the loss take them: int32 and int64 as they
+    are, the rest (uint8, int16, uint16, ..., as token files store them) as int64."""
+    return tokens_BL if tokens_BL.dtype in (torch.int32, torch.int64) else tokens_BL.long()
 
 
 def check_inputs(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig) -> None:
@@ -117,66 +119,28 @@ def check_inputs(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig) -> Non
     check_tokens(tokens_BL, cfg.vocab_size)
 
 
-def cast(tree: Tree, dtype: torch.dtype) -> Tree:
-    """The gather of one process: every leaf in the compute dtype."""
-    return tree_map(lambda t: t.to(dtype), tree)
-
-
-def gather_fn(params: Tree) -> Callable:
-    """How params reach compute: `cast` for plain leaves; sharded (DTensor) leaves are gathered
-    one block at a time by fnmoe.parallel.gather."""
-    if isinstance(params["embed"]["w_VD"], DTensor):
-        return fgather.gather
-    return cast
-
-
 def _router_bias(params: Tree, i: int) -> torch.Tensor | None:
     buffers = params.get("buffers", {}).get("layers", {})
     return buffers[str(i)]["moe"]["router_bias_E"] if str(i) in buffers else None
 
 
 def _with_bias(p: dict, bias_E: torch.Tensor | None) -> dict:
-    if bias_E is not None:  # the router bias stays fp32: it only ranks fp32 router scores
-        p["moe"] = dict(p["moe"], router_bias_E=bias_E)
-    return p
+    if bias_E is None:  # the router bias stays fp32: it only ranks fp32 router scores
+        return p
+    return dict(p, moe=dict(p["moe"], router_bias_E=bias_E))
 
 
-def layer_params(params: Tree, i: int, dtype: torch.dtype) -> dict:
+def layer_params(params: Tree, i: int, dtype: torch.dtype, source: ParamsSource = CAST) -> dict:
     """Layer i's params in the compute dtype, with its router bias (kept fp32) merged in."""
-    return _with_bias(gather_fn(params)(params["layers"][str(i)], dtype), _router_bias(params, i))
+    return _with_bias(source(params["layers"][str(i)], dtype), _router_bias(params, i))
 
 
-def stored_block(stored: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg: ModelConfig, gather: Callable,
-                 mask=None, runner: BlockRunner = PLAIN, i: int = 0):
-    """block on a layer's stored (sharded) params, gathered here: a runner that recomputes in
-    backward gathers them again there, and resharding (fnmoe.parallel.reshard) regathers what backward needs."""
-    dtype = DTYPE[cfg.compute_dtype]
-    p = gather(stored, dtype)
-    reshard.track(p, stored, lambda: functools.partial(fgather.finish, fgather.issue(stored, dtype), stored), i)
-    return block(_with_bias(p, bias_E), x_BLD, cos_LP, sin_LP, cfg, mask, runner, i)
-
-
-class _Prefetching:
-    """stored_block's gather with one block of lookahead, over the layers' stored params in order.
-    Forward issues layer i+1's gathers before block i computes (`issue`), and block i+1 waits for
-    them where it starts (fnmoe.parallel.gather). A block recomputed in backward gathers again, and issues
-    the gathers of the layer before it, which backward recomputes next."""
-
-    def __init__(self, dtype: torch.dtype, layers: list[dict]):
-        self.dtype, self.layers, self.issued = dtype, layers, {}
-        self.index = {id(stored): i for i, stored in enumerate(layers)}
-
-    def issue(self, i: int) -> None:
-        if 0 <= i < len(self.layers) and i not in self.issued:
-            self.issued[i] = fgather.issue(self.layers[i], self.dtype)
-
-    def __call__(self, stored: dict, dtype: torch.dtype):
-        i = self.index[id(stored)]
-        self.issue(i)  # issued in dtype: the blocks' compute dtype
-        issued = self.issued.pop(i)
-        if _torch.in_backward():
-            self.issue(i - 1)
-        return fgather.finish(issued, stored)
+def fed_block(p: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg: ModelConfig, mask, runner: BlockRunner,
+              i: int, feed: LayerFeed):
+    """block on layer i's params as its runner holds them (feed.outside's): the feed gives the compute
+    params here, inside the runner, so a runner that recomputes in backward takes them again there
+    (under FSDP: gathers them again; fnmoe.parallel.fsdp)."""
+    return block(_with_bias(feed.inside(p, i), bias_E), x_BLD, cos_LP, sin_LP, cfg, mask, runner, i)
 
 
 @torch.no_grad()
@@ -187,60 +151,23 @@ def _block_max_logits_H(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: Model
                         positions_BL=positions_BL)
 
 
-def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
-                  runner: BlockRunner | None = None, record_max_logits: bool = False,
-                  positions_BL: torch.Tensor | None = None):
-    """Final-norm hidden states [B, L, D] in the compute dtype, and aux: expert_counts_NE (tokens
-    per expert per MoE layer) and balance_loss (the mean over MoE layers, 0-D; both None without
-    MoE), plus seq_balance_loss and z_loss (the same means) only when their coefficients are set,
-    and with record_max_logits max_logits_NH (per layer and head, fp32; MuonClip's input).
-
-    runner (fnmoe.memory.runner.BlockRunner; memory.Runner under a memory policy) runs each block and
-    each of its regions: recompute in backward, offload, resharding. Under torch.func's transforms
-    it runs the paths fnmoe.transforms picks.
-    positions_BL marks packed documents (positions restart at 0 where one starts): RoPE uses them
-    and attention stays within each document; None is one sequence per row.
-    """
-    cfg = transforms.model_config(cfg)
-    transforms.check_params(params["embed"]["w_VD"])
-    dtype = DTYPE[cfg.compute_dtype]
+def _rope_and_mask(tokens_BL: torch.Tensor, cfg: ModelConfig, positions_BL: torch.Tensor | None):
+    """(cos_LP, sin_LP, attention mask or None) of hidden_states' positions."""
     L = tokens_BL.shape[1]
     if L > cfg.max_seq_len:
         raise ValueError(f"sequence length {L} exceeds model.max_seq_len={cfg.max_seq_len}")
     if positions_BL is None:
-        cos_LP, sin_LP, mask = *rope(cfg, torch.arange(L, device=tokens_BL.device)), None
-    else:
-        if positions_BL.shape != tokens_BL.shape:
-            raise ValueError(f"positions {tuple(positions_BL.shape)} must have the shape of the tokens "
-                             f"{tuple(tokens_BL.shape)}")
-        cos_LP, sin_LP = rope(cfg, positions_BL)
-        mask = doc_mask(positions_BL, block_sparse=tokens_BL.is_cuda and cfg.compile and cfg.attention_impl != "math")
-    gather = gather_fn(params)
-    # F.embedding's CPU backward is deterministic; indexing's (a threaded index_put) is not
-    x_BLD = F.embedding(tokens_BL, gather(params["embed"], dtype)["w_VD"])
-    stats, max_logits = [], []
-    runner = runner or PLAIN
-    cast_inside = cfg.compile and not runner.offloads
-    if gather is not cast:
-        block_gather = _Prefetching(dtype, [params["layers"][str(i)] for i in range(cfg.n_layers)])
-        block_gather.issue(0)
-    for i in range(cfg.n_layers):
-        stored, bias_E = params["layers"][str(i)], _router_bias(params, i)
-        if gather is not cast:
-            block_gather.issue(i + 1)  # block i+1's gather runs while block i computes
-        if gather is cast:  # one process: compiled regions cast their params inside (in_compute_dtype)
-            p = _with_bias(dict(stored) if cast_inside else cast(stored, dtype), bias_E)
-            fn, p, rest = block, p, (cos_LP, sin_LP, cfg, mask, runner, i)
-        else:  # sharded: gathered inside the block, so that a recompute in backward gathers again
-            fn, p, rest = stored_block, stored, (bias_E, cos_LP, sin_LP, cfg, block_gather, mask, runner, i)
-        if record_max_logits:  # outside the runner, so recompute in backward does not repeat it
-            with torch.no_grad():
-                p_max = _with_bias(gather(stored, dtype), bias_E)
-            max_logits.append(_block_max_logits_H(p_max, x_BLD, cos_LP, sin_LP, cfg, positions_BL))
-        x_BLD, layer_stats = runner(i, fn, p, x_BLD, *rest)
-        if layer_stats is not None:
-            stats.append(layer_stats)
-    x_BLD = rms_norm(x_BLD, gather(params["final_norm"], dtype)["w_D"], cfg.norm_eps)
+        return *rope(cfg, torch.arange(L, device=tokens_BL.device)), None
+    if positions_BL.shape != tokens_BL.shape:
+        raise ValueError(f"positions {tuple(positions_BL.shape)} must have the shape of the tokens "
+                         f"{tuple(tokens_BL.shape)}")
+    cos_LP, sin_LP = rope(cfg, positions_BL)
+    return cos_LP, sin_LP, doc_mask(positions_BL, block_sparse=tokens_BL.is_cuda and cfg.compile
+                                    and cfg.attention_impl != "math")
+
+
+def _aux(stats: list[dict], max_logits: list[torch.Tensor] | None) -> dict:
+    """hidden_states' aux from the MoE blocks' stats (and max_logits when recorded)."""
     aux = {"expert_counts_NE": None, "balance_loss": None}
     if stats:
         aux = {"expert_counts_NE": torch.stack([s["counts_E"] for s in stats]),
@@ -249,21 +176,61 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
         for key in ("balance_loss", "seq_balance_loss", "z_loss"):
             if key in stats[0]:
                 aux[key] = torch.stack([s[key] for s in stats]).mean()
-    if record_max_logits:
+    if max_logits is not None:
         aux["max_logits_NH"] = torch.stack(max_logits)
-    return x_BLD, aux
+    return aux
 
 
-def head_weight(params: Tree, cfg: ModelConfig) -> torch.Tensor:
+def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
+                  runner: BlockRunner | None = None, record_max_logits: bool = False,
+                  positions_BL: torch.Tensor | None = None, source: ParamsSource = CAST):
+    """Final-norm hidden states [B, L, D] in the compute dtype, and aux: expert_counts_NE (tokens
+    per expert per MoE layer) and balance_loss (the mean over MoE layers, 0-D; both None without
+    MoE), plus seq_balance_loss and z_loss (the same means) only when their coefficients are set,
+    and with record_max_logits max_logits_NH (per layer and head, fp32; MuonClip's input).
+
+    runner (fnmoe.seams.BlockRunner; memory.Runner under a memory policy) runs each block and each
+    of its regions: recompute in backward, offload, resharding. source (fnmoe.seams.ParamsSource)
+    gives the params in the compute dtype: CAST in one process, fnmoe.parallel.fsdp.GATHER for
+    sharded params. Under torch.func's transforms it runs the paths fnmoe.transforms picks.
+    positions_BL marks packed documents (positions restart at 0 where one starts): RoPE uses them
+    and attention stays within each document; None is one sequence per row.
+    """
+    cfg = transforms.model_config(cfg)
+    transforms.check_transformable(params["embed"]["w_VD"])
+    dtype = DTYPE[cfg.compute_dtype]
+    cos_LP, sin_LP, mask = _rope_and_mask(tokens_BL, cfg, positions_BL)
+    # F.embedding's CPU backward is deterministic; indexing's (a threaded index_put) is not
+    x_BLD = F.embedding(token_ids(tokens_BL), source(params["embed"], dtype)["w_VD"])
+    runner = runner or PLAIN
+    layers = [params["layers"][str(i)] for i in range(cfg.n_layers)]
+    feed = source.layers(layers, dtype, cast_inside=cfg.compile and not runner.offloads)
+    stats, max_logits = [], []
+    for i in range(cfg.n_layers):
+        p, bias_E = feed.outside(i), _router_bias(params, i)
+        if record_max_logits:  # outside the runner, so recompute in backward does not repeat it
+            with torch.no_grad():
+                p_max = _with_bias(source(layers[i], dtype), bias_E)
+            max_logits.append(_block_max_logits_H(p_max, x_BLD, cos_LP, sin_LP, cfg, positions_BL))
+        x_BLD, layer_stats = runner(i, fed_block, p, x_BLD, bias_E, cos_LP, sin_LP, cfg, mask, runner, i, feed)
+        if layer_stats is not None:
+            stats.append(layer_stats)
+    x_BLD = rms_norm(x_BLD, source(params["final_norm"], dtype)["w_D"], cfg.norm_eps)
+    return x_BLD, _aux(stats, max_logits if record_max_logits else None)
+
+
+def head_weight(params: Tree, cfg: ModelConfig, source: ParamsSource = CAST) -> torch.Tensor:
     """[D, V] output projection (the embedding's transpose when tied), in the compute dtype."""
-    dtype, gather = DTYPE[cfg.compute_dtype], gather_fn(params)
-    return gather(params["embed"], dtype)["w_VD"].T if cfg.tie_embeddings else gather(params["head"], dtype)["w_DV"]
+    dtype = DTYPE[cfg.compute_dtype]
+    return source(params["embed"], dtype)["w_VD"].T if cfg.tie_embeddings else source(params["head"], dtype)["w_DV"]
 
 
-def forward(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig, positions_BL: torch.Tensor | None = None):
+def forward(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig, positions_BL: torch.Tensor | None = None,
+            source: ParamsSource = CAST):
     """(logits_BLV fp32, aux): aux["expert_counts_NE"] holds tokens per expert per MoE layer;
-    positions_BL marks packed documents (see hidden_states). Its inputs are checked first: cfg as the
-    CLI validates it, params against cfg's leaves and shapes, tokens (check_tokens)."""
+    positions_BL marks packed documents (see hidden_states); source: how params reach compute (CAST;
+    fnmoe.parallel.fsdp.params_source(params) for sharded ones). Its inputs are checked first: cfg as
+    the CLI validates it, params against cfg's leaves and shapes, tokens (check_tokens)."""
     check_inputs(params, tokens_BL, cfg)
-    h_BLD, aux = hidden_states(params, tokens_BL, cfg, positions_BL=positions_BL)
-    return upcast(h_BLD @ head_weight(params, cfg).to(h_BLD.dtype)), aux
+    h_BLD, aux = hidden_states(params, tokens_BL, cfg, positions_BL=positions_BL, source=source)
+    return upcast(h_BLD @ head_weight(params, cfg, source).to(h_BLD.dtype)), aux

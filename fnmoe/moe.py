@@ -342,7 +342,7 @@ def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed:
     return out_TD.view(B, L, D), stats
 
 
-def _capacity(cfg: ModelConfig, n_rows: int) -> int:
+def expert_capacity(cfg: ModelConfig, n_rows: int) -> int:
     return math.ceil(cfg.moe.capacity_factor * n_rows / cfg.moe.n_experts)
 
 
@@ -362,7 +362,7 @@ def sorted_rows(x_TD, idx_TK, cfg: ModelConfig, n_rows: int | None = None, befor
     x_RD, counts_E, order_R, inverse_R = permute(x_TD, idx_TK, cfg.moe.n_experts)
     kept_E, keep_R = counts_E, None
     if cfg.moe.capacity_factor:
-        capacity = _capacity(cfg, n_rows or x_RD.shape[0])
+        capacity = expert_capacity(cfg, n_rows or x_RD.shape[0])
         kept_E, keep_R = over_capacity(counts_E, capacity, x_RD.shape[0], before_E)
         x_RD = x_RD[keep_R]
     return Rows(x_RD, counts_E, kept_E, order_R, inverse_R, keep_R)
@@ -395,7 +395,7 @@ def _dense_routed(p: dict, x_TD, w_TK, idx_TK, cfg: ModelConfig):
     E = cfg.moe.n_experts
     counts_E = expert_counts(idx_TK, E)
     if cfg.moe.capacity_factor:
-        keep_TK = kept_TK(idx_TK, E, _capacity(cfg, idx_TK.numel()))
+        keep_TK = kept_TK(idx_TK, E, expert_capacity(cfg, idx_TK.numel()))
         w_TK = w_TK * keep_TK
         kept_E = expert_counts(idx_TK.masked_fill(~keep_TK, E), E + 1)[:E]  # dropped rows go to a spare bin
     else:

@@ -80,7 +80,7 @@ class _Run:
         self.counts_E = counts_NE.sum(0)
         self.kept_NE, self.before_NE = counts_NE, [None] * N
         if m.capacity_factor:  # each expert's first rows over all chunks stay
-            capacity = fmoe._capacity(cfg, self.n_rows)
+            capacity = fmoe.expert_capacity(cfg, self.n_rows)
             end_NE = counts_NE.cumsum(0)
             self.before_NE = end_NE - counts_NE
             self.kept_NE = end_NE.clamp(max=capacity) - self.before_NE.clamp(max=capacity)

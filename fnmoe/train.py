@@ -1,13 +1,17 @@
-"""Training: loss_fn, train_step and the loop.
+"""Training: loss_fn and the step (make_train_step); the loop is fnmoe.loop.
 
-Legend: B batch, L sequence, D model, T tokens (B·L), V vocab.
+Legend: B batch, L sequence, D model, T tokens (B·L), V vocab, N MoE layers, E experts, H heads.
 
 The loss of a step is the sum of token losses over every micro-batch (and, with a mesh, every
 rank) divided by the global count of non-ignored labels; each micro-batch's gradient is taken
-of its share of that sum, so k micro-batches give exactly the update of one k-times batch.
+of its share of that sum, so k micro-batches give exactly the update of one k-times batch
+(`microbatched` sums them). The step is built from its caller's runner (fnmoe.seams.BlockRunner:
+fnmoe.memory.policies.train_runner, its host pool sized where the step is built) and takes its params
+source from the params it is given (fnmoe.parallel.fsdp.params_source).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -15,18 +19,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from fnmoe import _torch
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import gather as fgather
 from fnmoe import optim
-from fnmoe.plan import meters
 from fnmoe.attention import upcast
 from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.data.loader import IGNORE
-from fnmoe.memory.policies import train_runner
-from fnmoe.model import DTYPE, check_inputs, check_tokens, head_weight, hidden_states
+from fnmoe.dtypes import DTYPE
+from fnmoe.model import check_inputs, check_tokens, head_weight, hidden_states
 from fnmoe.moe import balance_loss_part, update_router_bias
-from fnmoe.memory.runner import BlockRunner
+from fnmoe.parallel.fsdp import params_source
 from fnmoe.parallel.sharding import all_sum
+from fnmoe.seams import CAST, BlockRunner, ParamsSource, mark
 from fnmoe.train_state import TrainState
 from fnmoe.tree import Tree, tree_flatten, tree_unflatten, value_and_grad
 
@@ -39,7 +44,7 @@ def _ce_sum(h_TD: torch.Tensor, w_DV: torch.Tensor, labels_T: torch.Tensor) -> t
 def ce_loss_sum(h_BLD: torch.Tensor, w_DV: torch.Tensor, labels_BL: torch.Tensor, chunks: int = 1):
     """Sum of fp32 cross-entropy over non-ignored labels; with chunks > 1 only one chunk's logits
     exist at a time (each chunk's are recomputed in backward)."""
-    h_TD, labels_T = h_BLD.reshape(-1, h_BLD.shape[-1]), labels_BL.reshape(-1)
+    h_TD, labels_T = h_BLD.reshape(-1, h_BLD.shape[-1]), labels_BL.reshape(-1).long()  # cross_entropy: int64
     w_DV = w_DV.to(h_TD.dtype)
     if chunks == 1:
         return _ce_sum(h_TD, w_DV, labels_T)
@@ -56,20 +61,40 @@ def _check_labels(labels_BL: torch.Tensor, inputs_BL: torch.Tensor) -> None:
         raise TypeError(f"labels must be an integer tensor (token ids, {IGNORE} to ignore), got {labels_BL.dtype}")
 
 
+def _check_n_global(n_global) -> None:
+    """n_global divides the loss: 0 makes it inf or NaN, a negative count turns descent into ascent.
+    A tensor is read only where that is free (check_tokens' rule: CPU, no trace, no fake tensor)."""
+    if isinstance(n_global, torch.Tensor):
+        if n_global.device.type != "cpu" or _torch.tracing() or _torch.is_fake(n_global):
+            return
+        n = _torch.unwrapped(n_global)
+        bad = not bool(((n > 0) & torch.isfinite(n.double())).all())
+        shown = n.tolist()
+    else:
+        bad = not (isinstance(n_global, (int, float)) and n_global > 0 and math.isfinite(n_global))
+        shown = n_global
+    if bad:
+        raise ValueError(f"n_global must be > 0: the step's count of labels that are not {IGNORE} over every rank "
+                         f"and micro-batch, which divides the loss; got {shown}")
+
+
 def loss_fn(params: Tree, inputs_BL: torch.Tensor, labels_BL: torch.Tensor, cfg: ModelConfig,
             n_global: torch.Tensor | int, ce_chunks: int = 1, runner: BlockRunner | None = None,
-            record_max_logits: bool = False, positions_BL: torch.Tensor | None = None):
+            record_max_logits: bool = False, positions_BL: torch.Tensor | None = None,
+            source: ParamsSource = CAST):
     """(this micro-batch's share of the step loss, aux); n_global counts the step's non-ignored labels.
 
     The router losses (load balance, sequence-wise balance, z-loss) are weighted by this
     micro-batch's share of the labels, so the step's total weights each once; aux["ce_loss"] is
     the cross-entropy part alone; with record_max_logits, aux["max_logits_NH"] feeds MuonClip;
-    positions_BL marks packed documents (model.hidden_states).
+    positions_BL marks packed documents, runner and source are the model's seams (model.hidden_states;
+    sharded params: source=fnmoe.parallel.fsdp.params_source(params)).
     """
     check_inputs(params, inputs_BL, cfg)
     _check_labels(labels_BL, inputs_BL)
-    h_BLD, aux = hidden_states(params, inputs_BL, cfg, runner, record_max_logits, positions_BL)
-    ce = ce_loss_sum(h_BLD, head_weight(params, cfg), labels_BL, ce_chunks) / n_global
+    _check_n_global(n_global)
+    h_BLD, aux = hidden_states(params, inputs_BL, cfg, runner, record_max_logits, positions_BL, source)
+    ce = ce_loss_sum(h_BLD, head_weight(params, cfg, source), labels_BL, ce_chunks) / n_global
     aux["ce_loss"] = ce.detach()
     m = cfg.moe
     terms = [(m.aux_loss_coeff, aux["balance_loss"]), (m.seq_aux_loss_coeff, aux.get("seq_balance_loss")),
@@ -100,79 +125,122 @@ def _all_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def make_device_step(run: RunConfig, tx: optim.GradientTransformation) -> Callable:
-    """device_step(state, micro_batches, n_global) -> (state, out): train_step without its host reads
-    (the token check, the label count, the metrics), so that it also runs on fake tensors
-    (fnmoe.plan.rehearse). out holds device tensors: loss, grad_norm, finite, updated, counts, dropped."""
-    cfg = run.model
-    grad_fn = value_and_grad(loss_fn, has_aux=True)
-    runner = train_runner(run)
-    qk_clip = run.optim.qk_clip
-    reduce_dtype = DTYPE[run.mesh.reduce_dtype]
+def microbatched(grad_fn: Callable, fold: Callable, init: Callable) -> Callable:
+    """grad_fn(params, micro_batch, *args) -> (out, grads) of one micro-batch, over a list of them
+    (levanter's `microbatched`): (the outs folded in order, fold(acc, out) from init(); the grads
+    summed leaf by leaf). Each micro-batch's gradients are let go once their sum exists: two
+    gradient trees at the peak, not three (not summed in place: autograd may hand one gradient
+    tensor to two inputs)."""
 
-    def device_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, ...]], n_global: int):
-        loss, sums, spec, counts, max_logits_NH = torch.zeros(()), None, None, None, None
-        dropped = torch.zeros((), dtype=torch.int64)
-        for inputs_BL, labels_BL, *positions in micro_batches:
-            meters.mark("forward")
-            with fgather.reducing(reduce_dtype):  # backward too: a recompute there issues gathers again
-                (_, aux), g = grad_fn(state.params, inputs_BL, labels_BL, cfg, n_global, run.train.ce_chunks, runner,
-                                      record_max_logits=qk_clip, positions_BL=positions[0] if positions else None)
-            meters.mark("grads", g)
-            loss = loss + aux["ce_loss"]
-            # summed leaf by leaf, each old pair let go once its sum exists: two gradient trees at the
-            # peak, not three (not in place: autograd may hand one gradient tensor to two inputs)
+    def over(params: Tree, micro_batches: list, *args):
+        acc, sums, spec = init(), None, None
+        for micro_batch in micro_batches:
+            out, g = grad_fn(params, micro_batch, *args)
+            acc = fold(acc, out)
             parts, spec = tree_flatten(g)
-            del g
+            del g, out
             if sums is None:
                 sums = parts
             else:
                 for k in range(len(parts)):
                     sums[k], parts[k] = sums[k] + parts[k], None
             del parts
-            c = aux["expert_counts_NE"]
-            counts = c if counts is None else counts + c
-            if cfg.moe.capacity_factor:
-                dropped = dropped + aux["dropped_N"].sum()
-            if qk_clip:
-                m = aux["max_logits_NH"]
-                max_logits_NH = m if max_logits_NH is None else torch.maximum(max_logits_NH, m)
-        grads = tree_unflatten(sums, spec)
-        del sums
-        meters.mark("update")
-        loss = all_sum(loss, "the loss")
-        if qk_clip:  # every rank clips the same heads by the same gamma, or replicas would drift apart
-            max_logits_NH = _all_max(max_logits_NH)
-        # the router bias sees every rank's tokens
-        counts = None if counts is None else all_sum(counts, "expert counts")
-        grad_norm = optim.global_norm(grads)
-        finite = torch.isfinite(grad_norm) & torch.isfinite(loss)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optim.apply_updates(state.params, updates)
-        # the router bias follows its own rule, after the optimizer (which leaves buffers alone)
-        params = update_router_bias(params, counts, cfg)
-        if qk_clip:
-            params = optim.qk_clip(params, max_logits_NH, cfg, run.optim.qk_clip_tau)
-        # finite gradients can still write non-finite params (a huge learning rate, a QK-clip of
-        # non-finite logits): the new params' norm (one read of them, every rank) guards those too
-        updated = torch.isfinite(optim.global_norm(params))
-        ok = finite & updated
-        # a non-finite step leaves params and optimizer state bitwise as they were; chosen on the
-        # device, so nothing waits for the flag before the metrics read it with the loss
-        params = optim.select(ok, params, state.params, in_place=True)
-        opt_state = optim.select(ok, opt_state, state.opt_state, in_place=True)
-        out = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "updated": updated, "counts": counts,
-               "dropped": dropped}
-        return TrainState(params, opt_state, state.step + 1), out
+        return acc, tree_unflatten(sums, spec)
+    return over
 
-    device_step.runner = runner  # (its host pool's bookkeeping is what fnmoe.plan.rehearse reports)
+
+def _micro_grad(run: RunConfig, runner: BlockRunner) -> Callable:
+    """micro_grad(params, micro_batch, n_global, source) -> (aux, grads) of one micro-batch's loss share."""
+    grad_fn = value_and_grad(loss_fn, has_aux=True)
+    reduce_dtype = DTYPE[run.mesh.reduce_dtype]
+
+    def micro_grad(params: Tree, micro_batch: tuple, n_global: int, source: ParamsSource):
+        inputs_BL, labels_BL, *positions = micro_batch
+        runner.begin()
+        mark("forward")
+        with fgather.reducing(reduce_dtype):  # backward too: a recompute there issues gathers again
+            (_, aux), g = grad_fn(params, inputs_BL, labels_BL, run.model, n_global, run.train.ce_chunks, runner,
+                                  run.optim.qk_clip, positions[0] if positions else None, source)
+        mark("grads", g)
+        return aux, g
+    return micro_grad
+
+
+def _folding(run: RunConfig) -> tuple[Callable, Callable]:
+    """(fold, init) of a step's micro-batch auxes (microbatched's): the loss summed, the expert
+    counts summed, the rows dropped over capacity summed, QK-clip's max attention logits maxed."""
+    capacity, qk_clip = run.model.moe.capacity_factor, run.optim.qk_clip
+
+    def init() -> dict:
+        return {"loss": torch.zeros(()), "counts": None, "dropped": torch.zeros((), dtype=torch.int64),
+                "max_logits_NH": None}
+
+    def fold(acc: dict, aux: dict) -> dict:
+        c, m = aux["expert_counts_NE"], acc["max_logits_NH"]
+        if qk_clip:
+            m = aux["max_logits_NH"] if m is None else torch.maximum(m, aux["max_logits_NH"])
+        return {"loss": acc["loss"] + aux["ce_loss"], "counts": c if acc["counts"] is None else acc["counts"] + c,
+                "dropped": acc["dropped"] + aux["dropped_N"].sum() if capacity else acc["dropped"],
+                "max_logits_NH": m}
+    return fold, init
+
+
+def _reduced(acc: dict, qk_clip: bool) -> dict:
+    """The step's sums over every rank: the loss, QK-clip's max logits (every rank clips the same
+    heads by the same gamma, or replicas would drift apart), the expert counts (the router bias
+    sees every rank's tokens)."""
+    loss = all_sum(acc["loss"], "the loss")
+    max_logits_NH = _all_max(acc["max_logits_NH"]) if qk_clip else None
+    counts = None if acc["counts"] is None else all_sum(acc["counts"], "expert counts")
+    return {"loss": loss, "max_logits_NH": max_logits_NH, "counts": counts, "dropped": acc["dropped"]}
+
+
+def _apply(run: RunConfig, tx: optim.GradientTransformation, state: TrainState, grads: Tree, sums: dict):
+    """(the new state, its flags): the optimizer's update, then the router bias's rule and QK-clip;
+    a non-finite loss, gradient or new param leaves params and optimizer state bitwise as they were."""
+    grad_norm = optim.global_norm(grads)
+    finite = torch.isfinite(grad_norm) & torch.isfinite(sums["loss"])
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optim.apply_updates(state.params, updates)
+    # the router bias follows its own rule, after the optimizer (which leaves buffers alone)
+    params = update_router_bias(params, sums["counts"], run.model)
+    if run.optim.qk_clip:
+        params = optim.qk_clip(params, sums["max_logits_NH"], run.model, run.optim.qk_clip_tau)
+    # finite gradients can still write non-finite params (a huge learning rate, a QK-clip of
+    # non-finite logits): the new params' norm (one read of them, every rank) guards those too
+    updated = torch.isfinite(optim.global_norm(params))
+    ok = finite & updated
+    # chosen on the device, so nothing waits for the flag before the metrics read it with the loss
+    params = optim.select(ok, params, state.params, in_place=True)
+    opt_state = optim.select(ok, opt_state, state.opt_state, in_place=True)
+    return TrainState(params, opt_state, state.step + 1), {"grad_norm": grad_norm, "finite": finite,
+                                                           "updated": updated}
+
+
+def make_device_step(run: RunConfig, tx: optim.GradientTransformation, runner: BlockRunner) -> Callable:
+    """device_step(state, micro_batches, n_global) -> (state, out): train_step without its host reads
+    (the token check, the label count, the metrics), so that it also runs on fake tensors
+    (fnmoe.plan.rehearse). runner runs the blocks (fnmoe.memory.policies.train_runner: the caller
+    builds it, and sizes its host pool). out holds device tensors: loss, grad_norm, finite, updated,
+    counts, dropped."""
+    grads_of = microbatched(_micro_grad(run, runner), *_folding(run))
+
+    def device_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, ...]], n_global: int):
+        # the params' source, once a step: FSDP's gathers for sharded params, else a cast
+        sums, grads = grads_of(state.params, micro_batches, n_global, params_source(state.params))
+        mark("update")
+        sums = _reduced(sums, run.optim.qk_clip)
+        new, flags = _apply(run, tx, state, grads, sums)
+        return new, {"loss": sums["loss"], **flags, "counts": sums["counts"], "dropped": sums["dropped"]}
     return device_step
 
 
-def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callable:
+def make_train_step(run: RunConfig, tx: optim.GradientTransformation, runner: BlockRunner) -> Callable:
     """train_step(state, micro_batches) -> (state, metrics); micro_batches: [(inputs_BL, labels_BL)]
-    or, for packed documents, [(inputs_BL, labels_BL, positions_BL)] (Loader.batch_at's)."""
-    device_step = make_device_step(run, tx)
+    or, for packed documents, [(inputs_BL, labels_BL, positions_BL)] (Loader.batch_at's). runner runs
+    the blocks under run.memory: fnmoe.memory.policies.train_runner(run, pool_bytes), its host pool
+    sized by fnmoe.plan.activations.pool_bytes(run) when the run offloads."""
+    device_step = make_device_step(run, tx, runner)
 
     def train_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
         for inputs_BL, *_ in micro_batches:
@@ -182,28 +250,32 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation) -> Callabl
         if n_global == 0:
             raise ValueError("every label of this step is ignored (-100): the loss is undefined")
         state, out = device_step(state, micro_batches, n_global)
-        loss = out["loss"]
-        loss_f, grad_norm_f, finite_f, updated_f = torch.stack(
-            [loss, out["grad_norm"].to(loss), out["finite"].to(loss), out["updated"].to(loss)]).tolist()
-        metrics = {"loss": loss_f, "grad_norm": grad_norm_f, "skipped": int(not (finite_f and updated_f)),
-                   "n_tokens": n_global, "expert_counts_NE": out["counts"]}
-        if not finite_f or not updated_f:
-            metrics["skipped_why"] = "non-finite loss or gradients" if not finite_f else "non-finite update"
-        if run.model.moe.capacity_factor:  # routed (token, expert) rows over capacity, all ranks
-            metrics["dropped_tokens"] = int(all_sum(out["dropped"], "the dropped-token count"))
-        return state, metrics
-
-    train_step.runner = device_step.runner  # its memory runner (the host pool's bookkeeping: tools/gpu_check)
+        return state, _metrics(run, out, n_global)
     return train_step
+
+
+def _metrics(run: RunConfig, out: dict, n_global: int) -> dict:
+    """The step's metrics from device_step's out: one host read of the loss and the flags."""
+    loss = out["loss"]
+    loss_f, grad_norm_f, finite_f, updated_f = torch.stack(
+        [loss, out["grad_norm"].to(loss), out["finite"].to(loss), out["updated"].to(loss)]).tolist()
+    metrics = {"loss": loss_f, "grad_norm": grad_norm_f, "skipped": int(not (finite_f and updated_f)),
+               "n_tokens": n_global, "expert_counts_NE": out["counts"]}
+    if not finite_f or not updated_f:
+        metrics["skipped_why"] = "non-finite loss or gradients" if not finite_f else "non-finite update"
+    if run.model.moe.capacity_factor:  # routed (token, expert) rows over capacity, all ranks
+        metrics["dropped_tokens"] = int(all_sum(out["dropped"], "the dropped-token count"))
+    return metrics
 
 
 def eval_loss(params: Tree, batches: list[tuple[torch.Tensor, ...]], run: RunConfig) -> float:
     """Mean token cross-entropy over batches (as train_step's micro-batches), no gradients."""
-    total, count = 0.0, 0
+    total, count, source = 0.0, 0, params_source(params)
     with torch.no_grad():
         for inputs_BL, labels_BL, *positions in batches:
-            h_BLD, _ = hidden_states(params, inputs_BL, run.model, positions_BL=positions[0] if positions else None)
-            total += ce_loss_sum(h_BLD, head_weight(params, run.model), labels_BL, run.train.ce_chunks).item()
+            h_BLD, _ = hidden_states(params, inputs_BL, run.model, positions_BL=positions[0] if positions else None,
+                                     source=source)
+            total += ce_loss_sum(h_BLD, head_weight(params, run.model, source), labels_BL, run.train.ce_chunks).item()
             count += int((labels_BL != IGNORE).sum())
     return total / max(count, 1)
 

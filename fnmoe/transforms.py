@@ -12,7 +12,7 @@ traces functorch's wrappers only partly). One grad or vjp keeps the fast paths: 
 Functions compose with it. Reverse-over-reverse through plain autograd (create_graph=True) cannot
 be seen at forward time: set the composite paths in the config for it. `hidden_states` decides
 once per call, outside compiled code, and says so once. Sharded (DTensor) params do not compose
-with the transforms: `check_params` says so.
+with the transforms: `check_transformable` says so.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def _under(cfg: ModelConfig, composite: bool) -> ModelConfig:  # one object per 
     return dataclasses.replace(cfg, compile=False, attention_impl="math", moe=moe)
 
 
-def check_params(leaf) -> None:
+def check_transformable(leaf) -> None:
     """Raise if a transform is active over sharded params (leaf: one of them, maybe wrapped by a transform)."""
     names = active()
     if names and isinstance(_torch.unwrapped(leaf), DTensor):

@@ -38,6 +38,15 @@ def map_with_path(fn: Callable[[str, Any], Any], tree: Tree) -> Tree:
     return rebuild([fn(p, leaf) for p, leaf in zip(paths, leaves)])
 
 
+def leaf_kind(path: str) -> str:
+    """What the params tree's leaf at a dotted path is, from the path alone (the one rule: sharding,
+    the optimizer's labels and the planner read it): "buffer" (state under `buffers`, never
+    trained), "expert" (an expert stack [E, ...], named ..._EDF or ..._EFD), else "dense"."""
+    if path.startswith("buffers."):
+        return "buffer"
+    return "expert" if path.endswith(("_EDF", "_EFD")) else "dense"
+
+
 def flatten_dict(tree: Tree) -> dict[str, Any]:
     paths, leaves, _ = tree_flatten_with_paths(tree)
     return dict(zip(paths, leaves))

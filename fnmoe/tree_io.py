@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,18 +25,31 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fnmoe.config import ModelConfig, from_dict, to_dict, validate_model
+from fnmoe.config.types import read_json
 from fnmoe.params import current_path, shape_mismatches
+from fnmoe.run.rundir import os_reason
 from fnmoe.tree import Tree, flatten_dict, unflatten_dict
 
 FORMAT, VERSION = "fnmoe-tree", 1
 PARAMS, INDEX = "params.safetensors", "index.json"
 
 
+def umask() -> int:
+    """The process's umask (read from /proc where it can be, else by setting it and back)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def new_dir(out_dir: str | Path):
     """A temporary sibling of out_dir (new or empty) to write into, renamed to out_dir when the
     block ends without an error and removed when it raises: a full disk or a crash never leaves
-    half a model that a rerun would refuse as "not empty"."""
+    half a model that a rerun would refuse as "not empty". An OSError in the block (a full disk, a
+    file-size limit) is one line naming the file as out_dir would hold it and the OS's reason."""
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"{out_dir} is not empty")
@@ -43,6 +57,16 @@ def new_dir(out_dir: str | Path):
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         yield tmp
+        # mkdtemp's 0700, and safetensors' 0600 files, would hide the result from those the umask admits
+        mask = umask()
+        tmp.chmod(0o777 & ~mask)
+        for path in tmp.rglob("*"):
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        name = Path(e.filename) if e.filename else None
+        path = out_dir / name.relative_to(tmp) if name and name.is_relative_to(tmp) else name or out_dir
+        raise ValueError(f"writing {path} failed: {os_reason(e)}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -51,11 +75,25 @@ def new_dir(out_dir: str | Path):
     os.replace(tmp, out_dir)
 
 
+def save_safetensors(tensors: dict, path: Path) -> None:
+    """safetensors' save_file (metadata format "pt"), its failure an OSError naming path: safetensors
+    raises its own error, which names no file ("I/O error: File too large (os error 27)")."""
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, e.filename or str(path)) from None
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise ValueError(f"writing {path} failed: {e}") from None
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
+
+
 def save_tree(out_dir: str | Path, params: Tree, cfg: ModelConfig) -> Path:
     """Write params and their model config to out_dir (created; must be new or empty)."""
     with new_dir(out_dir) as tmp:
         flat = {path: t.detach().cpu().contiguous() for path, t in flatten_dict(params).items()}
-        save_file(flat, tmp / PARAMS, metadata={"format": "pt"})
+        save_safetensors(flat, tmp / PARAMS)
         tensors = {path: {"file": PARAMS, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
                    for path, t in flat.items()}
         index = {"format": FORMAT, "version": VERSION, "model": to_dict(cfg), "tensors": tensors}
@@ -68,12 +106,7 @@ def load_tree(tree_dir: str | Path) -> tuple[ModelConfig, Tree]:
     tree_dir = Path(tree_dir)
     if not (tree_dir / INDEX).is_file():
         raise FileNotFoundError(f"{tree_dir}: no {INDEX} (not an fnmoe tree directory)")
-    try:
-        index = json.loads((tree_dir / INDEX).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{tree_dir / INDEX}: not valid JSON ({e})") from None
-    if not isinstance(index, dict):
-        raise ValueError(f"{tree_dir / INDEX}: expected a JSON object, got {type(index).__name__}")
+    index = read_json(tree_dir / INDEX)
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise ValueError(f"{tree_dir / INDEX}: format {index.get('format')!r} version {index.get('version')!r}, "
                          f"expected {FORMAT!r} version {VERSION}")

@@ -7,6 +7,9 @@ import pytest
 # OpenMP's busy-waiting threads starve each other when test processes (torchrun ranks, CLI
 # subprocesses) share 2 cores; passive waiting costs nothing when a core is free.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers share the cores (pyproject's -n 2): one thread each, as spawned ranks have
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # fnmoe.plan.overlap's recordings of proxy steps: one directory a test run, like the inductor cache
 os.environ.setdefault("FNMOE_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"fnmoe-test-cache-{os.getuid()}"))

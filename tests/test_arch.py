@@ -17,6 +17,7 @@ from fnmoe.model import forward
 from fnmoe.params import init_params, leaf_inits
 from fnmoe.moe import moe_block, route, seq_balance_loss, update_router_bias, z_loss
 from fnmoe.train import init_state, loss_fn, make_train_step
+from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict, value_and_grad
 from conftest import rel
 
@@ -320,7 +321,7 @@ def test_router_bias_moves_exactly_by_its_rule_under_adamw():
     state = init_state(params, tx)
     for step in range(2):
         before = flatten_dict(state.params)
-        state, metrics = make_train_step(run, tx)(state, [(x, y)])
+        state, metrics = make_train_step(run, tx, train_runner(run))(state, [(x, y)])
         after = flatten_dict(state.params)
         for n, i in enumerate([1, 2]):
             key = f"buffers.layers.{i}.moe.router_bias_E"
@@ -330,7 +331,7 @@ def test_router_bias_moves_exactly_by_its_rule_under_adamw():
             assert not torch.equal(after[f"layers.{i}.moe.w_router_DE"], before[f"layers.{i}.moe.w_router_DE"])
     frozen = dataclasses.replace(run, model=dataclasses.replace(
         BIAS_CFG, moe=dataclasses.replace(BIAS_CFG.moe, bias_update_coeff=0.0)))
-    state2, _ = make_train_step(frozen, tx)(init_state(params, tx), [(x, y)])
+    state2, _ = make_train_step(frozen, tx, train_runner(frozen))(init_state(params, tx), [(x, y)])
     assert torch.equal(state2.params["buffers"]["layers"]["1"]["moe"]["router_bias_E"],
                        params["buffers"]["layers"]["1"]["moe"]["router_bias_E"])
 

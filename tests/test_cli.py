@@ -20,7 +20,7 @@ CONTRACT_FLAGS = [
     "--train.run-dir", "--checkpoint.every", "--checkpoint.keep-last", "--resume",
     "--mesh.fsdp", "--mesh.ep", "--mesh.reshard-after-forward", "--mesh.no-reshard-after-forward",
     "--dist.timeout-s", "--model.compute-dtype", "--model.compile", "--model.no-compile",
-    "--compile-cache", "--profile.steps", "--plan.imbalance",
+    "--compile-cache", "--profile.steps", "--plan.imbalance", "--train.tokens", "--train.sample-every",
 ]
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu",
                "expert_load_max_over_mean", "time_s"}
@@ -35,7 +35,8 @@ def fnmoe(*args, cwd, timeout=240):
 
 def test_help_lists_subcommands_and_contract_flags(capsys):
     assert main(["--help"]) == 0
-    assert "train" in capsys.readouterr().out
+    top = capsys.readouterr().out
+    assert all(f"\n  {sub} " in top for sub in ("train", "eval", "tokenizer train", "generate", "convert"))
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
@@ -50,6 +51,27 @@ def test_overrides_apply_on_top_of_a_preset():
     assert run.name == "tiny" and run.train.steps == 7 and run.model.compute_dtype == "bfloat16"
     assert run.model.compile and not run.mesh.reshard_after_forward and run.model.moe.top_k == 3
     assert run.model.dim == load_config(ROOT / "configs/tiny.toml").model.dim
+
+
+def test_train_tokens_sets_the_steps_and_a_disagreement_is_refused(tmp_path):
+    """--train.tokens N: ceil(N / (batch x seq_len)) steps for the batch the flags leave; given with
+    --train.steps they must agree; --train.steps alone replaces a preset's token budget."""
+    assert parse_run(["--train.tokens", "100000"], "t").train.steps == 49  # 16 x 128 = 2048 a step: 48.8
+    run = parse_run(["--train.tokens", "100000", "--train.batch-size", "8"], "t")
+    assert (run.train.steps, run.train.tokens) == (98, 100000)
+    assert parse_run(["--train.tokens", "4096", "--train.steps", "2"], "t").train.steps == 2
+    with pytest.raises(ValueError, match=r"train.steps=3 and train.tokens=4096 disagree: 4096 tokens at "
+                       r"train.batch_size=16 x data.seq_len=128 tokens a step are 2 steps; set one of them"):
+        parse_run(["--train.tokens", "4096", "--train.steps", "3"], "t")
+    preset = tmp_path / "budget.toml"
+    preset.write_text("[train]\ntokens = 8192\n")
+    assert load_config(preset).train.steps == 4
+    assert parse_run(["--config", str(preset), "--train.batch-size", "8"], "t").train.steps == 8
+    run = parse_run(["--config", str(preset), "--train.steps", "7"], "t")
+    assert (run.train.steps, run.train.tokens) == (7, 0)
+    preset.write_text("[train]\ntokens = 8192\nsteps = 5\n")
+    with pytest.raises(ValueError, match="train.steps=5 and train.tokens=8192 disagree"):
+        load_config(preset)
 
 
 @pytest.mark.launch

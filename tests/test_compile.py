@@ -23,6 +23,7 @@ from fnmoe.model import forward
 from fnmoe.params import init_params
 from fnmoe.moe import padded_expert_mlp
 from fnmoe.train import init_state, make_train_step
+from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +40,7 @@ def test_no_breaks_and_no_recompiles_as_routing_and_lr_change():
     run = RunConfig(model=cfg, train=TrainConfig(batch_size=4), data=DataConfig(seq_len=32),
                     optim=OptimConfig(warmup_steps=3))
     tx, schedule = optim.from_config(run.optim, 6)
-    step = make_train_step(run, tx)
+    step = make_train_step(run, tx, train_runner(run))
     state = init_state(init_params(cfg, 0), tx)
     gen = torch.Generator().manual_seed(0)
     counts, lrs = [], []
@@ -61,9 +62,12 @@ def test_no_breaks_and_no_recompiles_as_routing_and_lr_change():
 
 def test_inspect_reports_clean_regions_and_dumps(tmp_path, capsys):
     code = main(["inspect", "--config", str(ROOT / "configs/tiny.toml"), "--dump", str(tmp_path), *SMALL])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert code == 0, out
     assert "traced in bfloat16" in out
+    # progress on stderr, a line as each region's compile begins and one when it ends
+    for k, region in enumerate(("attention", "mlp", "moe"), 1):
+        assert f"inspect: region {k} of 3, {region}: compiling" in err and f"inspect: {region} done in " in err, err
     assert "MoE expert GEMMs 'grouped'" in out
     for region in ("attention", "mlp", "moe"):  # the grouped op reads nothing on the host
         assert re.search(rf"^{region}\s+1\s+0\s+0\s+\d+\s+[1-9]\d*\s+0\s+ok$", out, re.M), out
@@ -103,12 +107,12 @@ def test_inspect_exits_1_when_a_region_breaks(tmp_path):
     script.write_text(
         "import runpy, torch\n"
         "from fnmoe import inspect_compile\n"
-        "mlp = inspect_compile._mlp_region\n"
+        "mlp = inspect_compile.mlp_region\n"
         "def broken(*args):\n"
         "    y = mlp(*args)\n"
         "    torch._dynamo.graph_break()  # a graph on each side of it\n"
         "    return y * 2\n"
-        "inspect_compile._mlp_region = broken\n"
+        "inspect_compile.mlp_region = broken\n"
         "runpy.run_module('fnmoe', run_name='__main__')\n")
     r = subprocess.run([sys.executable, str(script), "inspect", "--config", str(ROOT / "configs/tiny.toml"),
                         "--model.moe.n-experts", "0", "--model.n-layers", "1", *SMALL],

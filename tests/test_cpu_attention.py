@@ -93,7 +93,7 @@ def test_choice_rules():
 
 
 def test_choice_without_the_extension(monkeypatch, caplog):
-    monkeypatch.setattr(cpu_gemm, "_build_error", lambda: "RuntimeError: no C++ compiler")
+    monkeypatch.setattr(cpu_gemm, "build_error", lambda: "RuntimeError: no C++ compiler")
     monkeypatch.setattr(cpu_gemm, "_loaded", False)
     monkeypatch.setattr(fcompile, "_said", set())  # said here, and again where other tests expect it
     cfg = ModelConfig(attention_impl="auto")

@@ -4,7 +4,7 @@ On a simulated 2x2 (fsdp x ep) mesh, fp32, routing pinned to an exactly balanced
 and every gradient equal keep-exchange's bitwise; CommMeter counts 2 all-to-all passes a MoE layer
 in forward and 4 in backward (the recompute's dispatch and combine, then their backward) against
 2, and the count exchange never again; the bytes live after the forward (every storage the forward
-made, held weakly: fnmoe.memory.report.NewStorages) drop by the exchange's two outputs, exactly, as
+made, held weakly: fnmoe.plan.memory_report.NewStorages) drop by the exchange's two outputs, exactly, as
 the planner counts. The same on real gloo ranks: tests/test_mesh_memory.py's comm check.
 Legend: B batch, L sequence, T tokens a rank, K top-k, D model.
 """
@@ -17,7 +17,8 @@ import torch
 from fnmoe.config import (DataConfig, MemoryConfig, MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig,
                           load_config, validate)
 from fnmoe.memory import policies as memory
-from fnmoe.memory.report import NewStorages
+from fnmoe.parallel.fsdp import GATHER
+from fnmoe.plan.memory_report import NewStorages
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.params import init_params
@@ -57,7 +58,7 @@ def _step(keep: bool) -> dict:
         runner = memory.block_runner(MemoryConfig(recompute="full", keep_exchange=keep), CFG.n_layers, reshard=True)
         live = NewStorages(set())
         with CommMeter(sharding.group_axes(mesh)) as forward, live:
-            loss, _ = loss_fn(params, x_BL[:, :-1], x_BL[:, 1:], CFG, B * L, runner=runner)
+            loss, _ = loss_fn(params, x_BL[:, :-1], x_BL[:, 1:], CFG, B * L, runner=runner, source=GATHER)
             live_bytes = live.live_bytes()  # every rank's, summed
         with CommMeter(sharding.group_axes(mesh)) as backward:
             loss.backward()

@@ -18,6 +18,7 @@ from fnmoe.config import MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainCon
 from fnmoe.run.faults import STOP_AT_STEP_ENV, STOP_RANK_ENV
 from fnmoe.params import init_params
 from fnmoe.train import init_state, make_train_step
+from fnmoe.memory.policies import train_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=48, max_seq_len=16,
@@ -35,7 +36,8 @@ def test_a_step_on_a_mesh_names_each_kind_of_collective(monkeypatch):
     with fdist.simulate(4):
         mesh = sharding.make_mesh(run.mesh)
         x_BL = fdist.rank_map(lambda r: tokens_BL[2 * r:2 * r + 2].clone())
-        make_train_step(run, tx)(init_state(init_params(CFG, 0, mesh=mesh), tx), [(x_BL[:, :-1], x_BL[:, 1:])])
+        state = init_state(init_params(CFG, 0, mesh=mesh), tx)
+        make_train_step(run, tx, train_runner(run))(state, [(x_BL[:, :-1], x_BL[:, 1:])])
     kinds = {re.sub(r" of \S+('s gradient)? over", r" of LEAF\1 over", what) for what in named}
     assert {"all-reduce of the step's label count over every rank", "all-gather of LEAF over dp (fsdp x ep)",
             "all-gather of LEAF over fsdp", "MoE count all-to-all over ep", "MoE dispatch all-to-all over ep",

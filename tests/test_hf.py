@@ -203,6 +203,10 @@ def fn_model(kind: str) -> tuple[ModelConfig, dict]:
     elif kind == "qwen3":
         cfg = load_config(ROOT / "configs" / "tiny_qwen3.toml").model
         cfg = dataclasses.replace(cfg, **small, moe=dataclasses.replace(cfg.moe, expert_hidden=24, dense_layers=(2,)))
+    elif kind == "ernie":  # the tiny preset's kind (GQA, no q/k norm, a dense first layer), with more in it
+        cfg = load_config(ROOT / "configs" / "tiny.toml").model
+        cfg = dataclasses.replace(cfg, **small, n_layers=5, moe=dataclasses.replace(
+            cfg.moe, expert_hidden=24, n_shared_experts=1, moe_every=2, router_bias=True))
     else:
         cfg = ModelConfig(**small, n_layers=2, n_heads=4, n_kv_heads=2,
                           moe=MoEConfig(n_experts=6, top_k=2, expert_hidden=24, first_k_dense=0))
@@ -219,7 +223,7 @@ def fn_model(kind: str) -> tuple[ModelConfig, dict]:
 
 
 @pytest.mark.parametrize("kind,arch", [("mla", "DeepseekV3ForCausalLM"), ("qwen3", "Qwen3MoeForCausalLM"),
-                                       ("mixtral", "MixtralForCausalLM")])
+                                       ("mixtral", "MixtralForCausalLM"), ("ernie", "Ernie4_5_MoeForCausalLM")])
 def test_export_loads_in_transformers_with_same_logits_and_expert_ids(kind, arch, tmp_path):
     cfg, params = fn_model(kind)
     hf.save(tmp_path, params, cfg)
@@ -252,8 +256,66 @@ def test_load_after_save_is_the_identity(tmp_path):
 
 def test_models_fnmoe_cannot_export_are_named(tmp_path):
     cfg = load_config(ROOT / "configs" / "tiny.toml").model  # GQA without qk-norm, a dense first layer
-    with pytest.raises(ValueError, match="MixtralForCausalLM, which needs: every layer must be MoE"):
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, routed_scaling_factor=2.0, dense_layers=(2,)))
+    with pytest.raises(ValueError, match=r"Ernie4_5_MoeForCausalLM \(or MixtralForCausalLM, with every layer MoE\), "
+                       r"which needs: model.moe.routed_scaling_factor must be 1; the MoE layers must be every"):
         hf.save(tmp_path / "x", init_params(cfg), cfg)
+
+
+def ernie(seed=0, **kw):
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+
+    base = dict(vocab_size=70, hidden_size=32, intermediate_size=44, moe_intermediate_size=12, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, moe_num_experts=6, moe_k=2, moe_num_shared_experts=1,
+                moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1, max_position_embeddings=64,
+                tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return randomize(Ernie4_5_MoeForCausalLM(Ernie4_5_MoeConfig(**(base | kw), attn_implementation="eager")), seed)
+
+
+def test_ernie_logits(tmp_path):
+    """transformers' Ernie 4.5 MoE (interleaved RoPE, moe_statics bias, shared expert, a dense layer
+    after the MoE ones) read by hf.load: the same logits, its MoE layers, its bias as the router bias."""
+    model = ernie()
+    cfg, params = roundtrip(model, tmp_path)
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, True, False]
+    assert cfg.moe.router_bias and cfg.moe.n_shared_experts == 1 and not cfg.rope_interleave and not cfg.qk_norm
+    bias = model.model.layers[1].mlp.gate.moe_statics.e_score_correction_bias
+    assert torch.equal(params["buffers"]["layers"]["1"]["moe"]["router_bias_E"], bias[0])
+    assert logits_rel_diff(model, cfg, params, L=30) <= TOL
+
+
+def test_the_tiny_preset_exports_with_its_tokenizer_and_generates_alike(tmp_path):
+    """Issue 37: the default preset (GQA without q/k norm, a dense first layer) exports as Ernie 4.5
+    MoE, whose logits transformers computes within 1e-5 of fnmoe's in fp32; the export carries a
+    tokenizer AutoTokenizer loads that encodes text as fnmoe's byte tokenizer does, the end-of-text id
+    in config.json and generation_config.json, and transformers' greedy generate continues a prompt
+    as fnmoe.generate does."""
+    from transformers import AutoTokenizer
+
+    from fnmoe.data.loader import EOS_ID, ByteTokenizer
+    from fnmoe.generate import generate
+
+    cfg = load_config(ROOT / "configs" / "tiny.toml").model
+    g = torch.Generator().manual_seed(1)
+
+    def scale(path, t):  # HF-like scales, routers decisive
+        if t.ndim == 1:
+            return 1 + 0.1 * torch.randn(t.shape, generator=g)
+        return (2.0 if "router" in path else 1.0) * torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-2])
+    params = map_with_path(scale, init_params(cfg, seed=0))
+    hf.save(tmp_path, params, cfg, tokenizer=hf.byte_level(cfg.max_seq_len))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert type(model).__name__ == "Ernie4_5_MoeForCausalLM"
+    assert logits_rel_diff(model, cfg, params, L=64) <= 1e-5
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    text = "héllo, wörld\n\t<|endoftext|> 😀"
+    assert tok.encode(text) == ByteTokenizer().encode(text) and tok.decode(ByteTokenizer().encode(text)) == text
+    assert tok.eos_token_id == EOS_ID == model.config.eos_token_id == model.generation_config.eos_token_id
+    prompt = torch.tensor([ByteTokenizer().encode("The list")])
+    ours = generate(params, prompt, cfg, 12, stop_id=EOS_ID)
+    theirs = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(ours, theirs[:, :ours.shape[1]])
 
 
 # ---------------------------------------------------------------- errors name the key
@@ -311,6 +373,7 @@ def test_damaged_files_are_named(qwen3_dir, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"config.json: expected a JSON object"):
         hf.load(bad)
     assert main(["convert", "--from-hf", str(qwen3_dir), "--out", str(tmp_path / "tree")]) == 0
+    assert load_config(tmp_path / "tree" / "config.toml", validate_config=False).name == qwen3_dir.name  # not "run"
     index = json.loads((tmp_path / "tree" / "index.json").read_text())
     index["model"]["n_layers"] = 1  # the tree holds 2: it would have run on half of them
     (tmp_path / "tree" / "index.json").write_text(json.dumps(index))
@@ -323,14 +386,18 @@ def test_damaged_files_are_named(qwen3_dir, tmp_path, capsys):
 
 
 def test_a_failed_save_leaves_nothing_behind(qwen3_dir, tmp_path, monkeypatch):
-    """A full disk mid-save: no half-written model in --out (a rerun refused it as "not empty")."""
+    """A full disk mid-save: no half-written model in --out (a rerun refused it as "not empty"), and
+    one error naming the file and the OS's reason."""
+    from fnmoe import tree_io
+
     cfg, params = hf.load(qwen3_dir)
 
     def full(*a, **k):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(hf.io, "save_file", full)  # hf.save writes through fnmoe.hf.io.save_file
+    monkeypatch.setattr(tree_io, "save_file", full)  # hf.save writes through fnmoe.tree_io.save_safetensors
     (tmp_path / "out").mkdir()
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(ValueError, match=f"^writing {tmp_path / 'out' / 'model.safetensors'} failed: No space left "
+                                         r"on device \(disk full or over a file-size limit\)$"):
         hf.save(tmp_path / "out", params, cfg)
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and not any((tmp_path / "out").iterdir())
     monkeypatch.undo()
@@ -342,6 +409,7 @@ def test_convert_command_round_trip(qwen3_dir, tmp_path, capsys):
     from fnmoe.tree_io import load_tree
 
     assert main(["convert", "--from-hf", str(qwen3_dir), "--out", str(tmp_path / "tree")]) == 0
+    assert load_config(tmp_path / "tree" / "config.toml", validate_config=False).name == qwen3_dir.name  # not "run"
     index = json.loads((tmp_path / "tree" / "index.json").read_text())
     assert index["format"] == "fnmoe-tree" and "layers.1.moe.w_up_EDF" in index["tensors"]
     assert main(["convert", "--to-hf", str(tmp_path / "tree"), "--out", str(tmp_path / "hf")]) == 0
@@ -378,6 +446,36 @@ def test_convert_a_training_checkpoint_to_hf(tmp_path):
     assert (ours - theirs).abs().max() <= 1e-4 * ours.abs().max()
 
 
+def test_convert_a_run_of_the_default_preset(tmp_path, capsys):
+    """`fnmoe convert --to-hf RUN_DIR` of a run of the default preset (small): an Ernie 4.5 MoE with
+    fnmoe's logits (1e-5, fp32), the byte tokenizer and generation_config.json, every file and the
+    directory as readable as the umask says (027: group may read, others not)."""
+    import os
+    import stat
+
+    from fnmoe.checkpoint import load_params
+    from fnmoe.cli import main
+    from conftest import tiny_flags
+
+    assert main(["train", "--train.steps", "2", *tiny_flags(1), "--train.run-dir", str(tmp_path / "run")]) == 0
+    old = os.umask(0o027)
+    try:
+        assert main(["convert", "--to-hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(old)
+    assert "Ernie4_5_MoeForCausalLM, with its tokenizer" in capsys.readouterr().out
+    out = tmp_path / "hf"
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json"} <= names
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750
+    assert {stat.S_IMODE((out / n).stat().st_mode) for n in names} == {0o640}
+    run, params = load_params(tmp_path / "run" / "checkpoints" / "step_2")
+    model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert logits_rel_diff(model, run.model, params, L=32) <= 1e-5
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 256
+
+
 def test_convert_refuses_a_corrupt_training_checkpoint(tmp_path, capsys):
     """README: a training checkpoint is verified before export. One flipped byte in its params file:
     `convert --to-hf` exits 2 naming the file and its checksum, and writes no model."""
@@ -408,12 +506,12 @@ def test_load_on_a_mesh_reads_only_each_ranks_experts(tmp_path, monkeypatch):
     qwen3(seed=7, num_experts=8, num_hidden_layers=2).save_pretrained(tmp_path)
     cfg, ref = hf.load(tmp_path)
     reads: dict[str, int] = {}
-    read = hf._Reader.read
+    read = hf.HFReader.read
 
     def counted(self, key, want, index=()):
         reads[key] = reads.get(key, 0) + 1
         return read(self, key, want, index)
-    monkeypatch.setattr(hf._Reader, "read", counted)
+    monkeypatch.setattr(hf.HFReader, "read", counted)
     with fdist.simulate(4):
         mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
         cfg2, params = hf.load(tmp_path, mesh=mesh)
@@ -493,7 +591,7 @@ def wrong_json_values(v):
 
 
 @pytest.mark.parametrize("kind,arch", [("mla", "DeepseekV3ForCausalLM"), ("qwen3", "Qwen3MoeForCausalLM"),
-                                       ("mixtral", "MixtralForCausalLM")])
+                                       ("mixtral", "MixtralForCausalLM"), ("ernie", "Ernie4_5_MoeForCausalLM")])
 def test_every_config_json_field_is_typed(kind, arch, tmp_path):
     """Every field of a config.json fnmoe reads (those config_to_hf writes, and the optional ones),
     set to a value of another type: one error naming the file, the field, the value and the

@@ -1,5 +1,5 @@
 """Host memory is a limit: a run whose offload pool passes plan.host_gb or this host's available
-memory stops before step 1, naming the figures and the flags (fnmoe.memory.host_limit)."""
+memory stops before step 1, naming the figures and the flags (fnmoe.plan.host_limit)."""
 import dataclasses
 from pathlib import Path
 
@@ -8,9 +8,9 @@ import pytest
 from fnmoe import loop
 from fnmoe.cli import main
 from fnmoe.config import MemoryConfig, load_config
-from fnmoe.memory import host_limit
 from fnmoe.memory.host_pool import pool_segments
-from fnmoe.memory.policies import pool_bytes
+from fnmoe.plan import host_limit
+from fnmoe.plan.activations import pool_bytes
 from fnmoe.parallel import dist as fdist
 
 ROOT = Path(__file__).resolve().parents[1]

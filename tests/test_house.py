@@ -226,6 +226,7 @@ def test_clear_caches_between_steps_on_a_simulated_mesh():
     from fnmoe.config import MeshConfig, OptimConfig, RunConfig, TrainConfig
     from fnmoe.params import init_params
     from fnmoe.train import init_state, make_train_step
+    from fnmoe.memory.policies import train_runner
 
     def losses(clear: bool) -> list[float]:
         run = RunConfig(model=CFG, mesh=MeshConfig(fsdp=2, ep=2), train=TrainConfig(batch_size=B, steps=2),
@@ -234,7 +235,7 @@ def test_clear_caches_between_steps_on_a_simulated_mesh():
         out = []
         with fdist.simulate(4):
             mesh = sharding.make_mesh(run.mesh, run.dist)
-            state, step = init_state(init_params(CFG, 0, mesh=mesh), tx), make_train_step(run, tx)
+            state, step = init_state(init_params(CFG, 0, mesh=mesh), tx), make_train_step(run, tx, train_runner(run))
             for s in range(2):
                 x_BL = _rank_part(_tokens(s), 4)
                 state, metrics = step(state, [(x_BL[:, :-1], x_BL[:, 1:])])
@@ -260,8 +261,9 @@ def test_imports_run_one_way_and_modules_stay_short():
     """tools/import_graph.py reads every import, lazy ones included: no circle, no module over 450 lines."""
     ig = _import_graph()
     edges = ig.graph()
-    assert {"fnmoe.moe", "fnmoe.parallel.gather", "fnmoe.memory.runner"} <= edges["fnmoe.model"]
-    # the scan sees imports above
+    assert {"fnmoe.moe", "fnmoe.seams"} <= edges["fnmoe.model"]
+    # the model runs through its seams (fnmoe/seams.py): it imports neither FSDP nor the memory policies
+    assert not [m for m in edges["fnmoe.model"] if m.startswith(("fnmoe.parallel", "fnmoe.memory"))]
     assert ig.circles(edges) == []
     assert ig.circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert ig.long_modules(450) == []
@@ -282,6 +284,25 @@ def test_no_package_imports_one_above_it():
     toy = {"fnmoe.a.x": {"fnmoe.b"}, "fnmoe.b": {"fnmoe.a.y", "fnmoe.c"}, "fnmoe.a.y": set(), "fnmoe.c": set(),
            "fnmoe": {"fnmoe.b"}, "fnmoe.d": set()}
     assert ig.against_order(toy, [("a", "c"), ("b",), ("",)]) == ([("fnmoe.a.x", "fnmoe.b")], ["d"])
+
+
+def test_no_module_takes_another_modules_private_names(tmp_path):
+    """tools/import_graph.py's private-name rule: a name another fnmoe module imports (or reads off an
+    imported module) is public; a private module's name (fnmoe/_torch.py) is allowed."""
+    ig = _import_graph()
+    assert ig.private_names() == []
+    src = tmp_path / "fnmoe" / "user.py"
+    src.parent.mkdir()
+    src.write_text("from fnmoe import _torch, model as m\nfrom fnmoe.model import _hidden, public\n"
+                   "import fnmoe.train as t\nx = _torch.pytree, m._block, t._step, m.__doc__\n")
+    modules = {"fnmoe", "fnmoe._torch", "fnmoe.model", "fnmoe.train", "fnmoe.user"}
+    orig = ig.ROOT
+    ig.ROOT = tmp_path / "fnmoe"
+    try:
+        found = ig.private_uses(src, modules)
+    finally:
+        ig.ROOT = orig
+    assert found == [(2, "fnmoe.model._hidden"), (4, "fnmoe.model._block"), (4, "fnmoe.train._step")]
 
 
 def test_every_module_is_in_the_architecture_table():

@@ -15,11 +15,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fnmoe import optim
 from fnmoe.memory import host_pool
 from fnmoe.memory import policies as memory
-from fnmoe.memory import report as memory_report
+from fnmoe.plan import memory_report
 from fnmoe.config import MemoryConfig, load_config
 from fnmoe.model import hidden_states
 from fnmoe.params import init_params
-from fnmoe.memory.runner import Plain
+from fnmoe.seams import Plain
 from fnmoe.train import loss_fn
 from fnmoe.tree import flatten_dict
 from conftest import pin_routing, rel
@@ -181,7 +181,7 @@ def test_recompute_leaves_the_router_bias_update_as_it_is(mem):
     tokens = _tokens(2, 32)
     out = {}
     for name, m in (("none", MemoryConfig()), ("policy", mem)):
-        step = make_train_step(dataclasses.replace(run, memory=m), tx)
+        step = make_train_step(mrun := dataclasses.replace(run, memory=m), tx, memory.train_runner(mrun))
         state, metrics = step(init_state(init_params(run.model, 0), tx), [(tokens[:, :-1], tokens[:, 1:])])
         out[name] = (flatten_dict(state.params["buffers"]), metrics["expert_counts_NE"])
     (bias0, counts0), (bias1, counts1) = out["none"], out["policy"]
@@ -222,9 +222,17 @@ def test_copies_in_flight_stay_under_the_bound():
 
 
 def test_train_runner_builds_a_runner_per_policy():
-    assert memory.train_runner(RUN) is None
-    runner = memory.train_runner(dataclasses.replace(RUN, memory=MemoryConfig(moe="offload")))
+    """The step's runner, its host pool sized where the step is built (the planner's pool_bytes)."""
+    from fnmoe.plan.activations import pool_bytes
+
+    plain = memory.train_runner(RUN)
+    assert isinstance(plain, memory.Runner) and plain.pool is None and not plain.offloads
+    offload = dataclasses.replace(RUN, memory=MemoryConfig(moe="offload"))
+    runner = memory.train_runner(offload, pool_bytes(offload))
     assert isinstance(runner, memory.Runner) and runner.pool is not None
+    assert runner.pool.nbytes == pool_bytes(offload) > 0 and pool_bytes(RUN) == 0
+    with pytest.raises(ValueError, match="offload needs a HostPool"):
+        memory.train_runner(offload)
 
 
 @pytest.mark.slow
@@ -352,3 +360,37 @@ def test_out_of_memory_prints_the_plan_and_peak_and_leaves_no_checkpoint(tmp_pat
     assert "per rank (device)" in r.stderr and "activations" in r.stderr  # the planner's table
     ckpts = tmp_path / "run" / "checkpoints"
     assert not ckpts.exists() or not any(ckpts.iterdir())
+
+
+def test_a_pool_holds_its_planned_bytes_whatever_the_tensor_sizes():
+    """A pool of pool_bytes_for(n) holds n bytes of saved tensors even when each is larger than what
+    its power-of-two segments have left (K2's 784 MiB block inputs in a 3-layer rehearsal filled a
+    2 GB pool after one): such a tensor is stored in pieces and comes back bitwise, with its strides."""
+    mib = 1 << 20
+    x = [torch.randn(mib // 4 * 3 // 2).view(-1, 2, 64).transpose(0, 2),  # 1.5 MiB, permuted strides
+         torch.randn(3 * mib // 4), torch.randn(mib // 2, dtype=torch.float64).view(2, -1).t()]  # 3 MiB, 4 MiB
+    pool = host_pool.HostPool(sum(t.numel() * t.element_size() for t in x) + 64)  # 8.5 MiB: segments 8, 2 MiB
+    assert [b.numel() // mib for b in pool.buffers] == [8, 2]
+    handles = [pool.store(t) for t in x]
+    assert any(h.host is None for h in handles)  # one went in pieces
+    for t, h in zip(x, handles):
+        back = pool.load(h)
+        assert torch.equal(back, t) and back.stride() == t.stride()
+    with pytest.raises(RuntimeError, match="pool of .* bytes is full"):
+        pool.store(torch.zeros(pool.nbytes // 4))
+
+
+def test_a_kept_exchange_output_is_waited_for_before_its_copy_to_the_host(monkeypatch):
+    """An all-to-all's output is written by the backend (NCCL's stream, gloo's thread) until it is
+    waited for: with offload, keeping it must wait before the pool copies it (a copy issued at the
+    collective's return read rows still arriving)."""
+    from fnmoe import _torch
+    events = []
+    monkeypatch.setattr(_torch.funcol, "wait_tensor", lambda t: events.append(("wait", t.data_ptr())) or t)
+    store = host_pool.HostPool.store
+    monkeypatch.setattr(host_pool.HostPool, "store",
+                        lambda self, t: events.append(("store", t.data_ptr())) or store(self, t))
+    kept = memory._Kept(memory.EXCHANGE_OPS, host_pool.HostPool(4 << 20))
+    rows = torch.randn(64, 32)
+    kept.keep(next(iter(memory.EXCHANGE_OPS)), rows)
+    assert events == [("wait", rows.data_ptr()), ("store", rows.data_ptr())]

@@ -12,7 +12,7 @@ Meters (none is fnmoe's own accounting):
                  meets through a view as new, so tensors made before it starts (the params'
                  local shards) are registered with track_external, and only what ops make while
                  it runs adds to its live bytes.
-  _LiveStorages  fnmoe.memory.report.NewStorages excluding nothing: a dispatch mode holding a
+  _LiveStorages  fnmoe.plan.memory_report.NewStorages excluding nothing: a dispatch mode holding a
                  weak reference to the storage of every tensor an op makes while it is active
                  (DTensor ops are counted by the local ops they run, as MemTracker does); live
                  bytes = the bytes of those storages still alive. Cheaper than MemTracker.
@@ -45,14 +45,16 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fnmoe import moe, optim
-from fnmoe.memory import report as memory_report
+from fnmoe.plan import memory_report
 from fnmoe.plan import rehearse
 from fnmoe.parallel import sharding
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import gather as fgather
+from fnmoe.parallel.fsdp import GATHER
 from fnmoe.config import DistConfig, MemoryConfig, MeshConfig, load_config
 from fnmoe.memory.policies import train_runner
-from fnmoe.memory.report import NewStorages
+from fnmoe.plan.activations import pool_bytes
+from fnmoe.plan.memory_report import NewStorages
 from fnmoe.plan.meters import CommMeter, plain_tensors
 from fnmoe.params import init_params, leaf_inits
 from fnmoe.plan.activations import block_activations, tokens_per_rank
@@ -141,7 +143,7 @@ def _check_reshard(run, mesh, rank) -> dict:
         try:
             with mt:
                 before = _live(mt)
-                loss, _ = loss_fn(params, x[:, :-1], x[:, 1:], rr.model, B * L, 1, train_runner(rr))
+                loss, _ = loss_fn(params, x[:, :-1], x[:, 1:], rr.model, B * L, 1, train_runner(rr), source=GATHER)
                 gc.collect()
                 after = _live(mt)
                 alive = sum(n for ref, n in gathered if not ref.expired())
@@ -176,7 +178,7 @@ def _check_leak(run, mesh, rank) -> dict:
     the train state (params and optimizer state) they include."""
     rr = dataclasses.replace(run, memory=MemoryConfig(recompute="full"))
     tx, _ = optim.from_config(rr.optim, STEPS)
-    train_step = make_train_step(rr, tx)
+    train_step = make_train_step(rr, tx, train_runner(rr))
     meter, live = _LiveStorages(), []
     with meter:
         state = init_state(init_params(rr.model, 0, mesh=mesh), tx)
@@ -229,7 +231,7 @@ def _check_comm(run, mesh, rank) -> dict:
             state = init_state(init_params(rr.model, 0, mesh=mesh), tx)
             x = _tokens(rank, 0)
             with CommMeter(sharding.group_axes(mesh)) as counter:
-                make_train_step(rr, tx)(state, [(x[:, :-1], x[:, 1:])])
+                make_train_step(rr, tx, train_runner(rr, pool_bytes(rr)))(state, [(x[:, :-1], x[:, 1:])])
             out[name] = {"measured": _comm_rows(counter.rows()), "planned": comm_bytes(rr)}
     finally:
         moe.route = _ROUTE
@@ -342,7 +344,7 @@ def _planned_saved(n_ranks: int = WORLD) -> list[int]:
 
 
 def test_memory_report_measures_sharded_blocks(ranks):
-    """memory_report.measure runs on a mesh: its runner gets stored_block with DTensor shards. Its
+    """memory_report.measure runs on a mesh: its runner gets blocks fed DTensor shards (fnmoe.parallel.fsdp). Its
     saved bytes per block, summed over the ranks, reach 90% of the planner's (measured 92.3% for the
     dense block, 93.4% for the MoE ones: the planner counts the block input, which the report leaves
     to the block before, and one more fp32 [T, D] tensor); a report measuring with params that did

@@ -186,7 +186,7 @@ def test_expert_gemm_choice(monkeypatch, caplog):
     assert expert_gemm(cfg, torch.bfloat16, "cuda") == "grouped"
     assert expert_gemm(cfg, torch.float32, "cuda") == "loop"
     assert expert_gemm(dataclasses.replace(cfg, moe=MoEConfig(impl="padded")), torch.float32) == "padded"
-    monkeypatch.setattr(cpu_gemm, "_build_error", lambda: "RuntimeError: no C++ compiler")
+    monkeypatch.setattr(cpu_gemm, "build_error", lambda: "RuntimeError: no C++ compiler")
     monkeypatch.setattr(cpu_gemm, "_loaded", False)
     assert expert_gemm(cfg, torch.bfloat16, "cpu") == "padded"
     assert "did not build (RuntimeError: no C++ compiler)" in caplog.text

@@ -15,10 +15,11 @@ from fnmoe.config import MemoryConfig, MeshConfig, ModelConfig, MoEConfig, RunCo
 from fnmoe.generate import generate
 from fnmoe.memory import policies
 from fnmoe.memory.host_pool import HostPool
-from fnmoe.model import _moe_region
+from fnmoe.model import moe_region
 from fnmoe.parallel import dispatch
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
+from fnmoe.parallel.fsdp import GATHER
 from fnmoe.params import init_params
 from fnmoe.plan.meters import StorageMeter
 from fnmoe.train import loss_fn
@@ -64,7 +65,8 @@ def _mesh(cfg: ModelConfig, mem: MemoryConfig = MemoryConfig()):
         pool = HostPool(16 << 20) if mem.offload else None
         runner = policies.block_runner(mem, cfg.n_layers, pool, reshard=True)
         (loss, _), grads = value_and_grad(loss_fn, has_aux=True)(init_params(cfg, 0, mesh=mesh), part[:, :-1],
-                                                                 part[:, 1:], cfg, B * L, runner=runner)
+                                                                 part[:, 1:], cfg, B * L, runner=runner,
+                                                                 source=GATHER)
         return _whole(sharding.all_sum(loss)), {k: _whole(g) for k, g in flatten_dict(grads).items()}
 
 
@@ -156,7 +158,8 @@ def test_next_chunks_dispatch_is_issued_before_this_chunks_experts_and_waited_af
         order = _Exchanges()
         monkeypatch.setattr(dispatch, "local_experts", order.experts(dispatch.local_experts))
         with order:
-            loss, _ = loss_fn(params, part[:, :-1], part[:, 1:], cfg, tokens[:, 1:].numel(), runner=runner)
+            loss, _ = loss_fn(params, part[:, :-1], part[:, 1:], cfg, tokens[:, 1:].numel(), runner=runner,
+                              source=GATHER)
             order.seq.append("|")
             loss.backward()
     forward, backward = "".join(order.seq).split("|")
@@ -180,7 +183,7 @@ def _moe_region_peaks(chunks: int, mem: MemoryConfig, T: int = 1024) -> tuple[in
     meter = StorageMeter()
     meter.track((p, x_BLD, g_BLD), "params")
     with meter:
-        y_BLD, _ = runner.region(1, "moe", _moe_region, False, p, x_BLD, cfg, moe.expert_gemm(cfg, torch.float32),
+        y_BLD, _ = runner.region(1, "moe", moe_region, False, p, x_BLD, cfg, moe.expert_gemm(cfg, torch.float32),
                                  runner.chunk_recompute(1))
         saved = meter.live["activations"] - y_BLD.untyped_storage().nbytes()
         y_BLD.backward(g_BLD)
@@ -250,6 +253,6 @@ def test_compile_runs_a_recomputed_chunked_moe_region_eager_and_says_so(monkeypa
     for mem in (MemoryConfig(), MemoryConfig(recompute="full")):
         seen.clear()
         _one_process(cfg, mem)
-        assert ("_moe_region" in seen) == (mem.recompute == "none"), (mem, seen)
-        assert "_attention_region" in seen
+        assert ("moe_region" in seen) == (mem.recompute == "none"), (mem, seen)
+        assert "attention_region" in seen
     assert "model.moe.token_chunks > 1 under recompute" in caplog.text

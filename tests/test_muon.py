@@ -20,6 +20,7 @@ from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunCon
 from fnmoe.model import hidden_states
 from fnmoe.params import init_params
 from fnmoe.train import init_state, make_train_step
+from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict
 from conftest import rel, tiny_flags
 
@@ -331,7 +332,7 @@ def test_train_step_clips_after_the_update():
                       optim=OptimConfig(name="muon", warmup_steps=0, qk_clip=clip, qk_clip_tau=tau))
             for clip in (False, True)]
     tx = optim.from_config(runs[0].optim, 10)[0]
-    plain, clipped = (make_train_step(run, tx)(init_state(params, tx), micro)[0] for run in runs)
+    plain, clipped = (make_train_step(run, tx, train_runner(run))(init_state(params, tx), micro)[0] for run in runs)
     want = optim.qk_clip(plain.params, before_LH, cfg, tau)
     assert all(torch.equal(a, b) for a, b in zip(flatten_dict(clipped.params).values(), flatten_dict(want).values()))
     q_key = "layers.0.attn.w_q_DN"

@@ -28,6 +28,7 @@ from fnmoe import train as ftrain
 from fnmoe.config import DataConfig, DistConfig, MeshConfig, OptimConfig, RunConfig, TrainConfig
 from fnmoe.params import init_params
 from fnmoe.train import init_state, make_train_step
+from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict, map_with_path, tree_flatten, unflatten_dict
 from conftest import rel
 
@@ -153,7 +154,7 @@ def _train(mesh_shape, steps: int):
                     optim=OptimConfig(name="muon", lr=0.02, adamw_lr=3e-3, warmup_steps=2, ns_dtype="float32"))
     tx, _ = optim.from_config(run.optim, steps)
     state = init_state(init_params(CFG, 0, mesh=sharding.make_mesh(run.mesh) if n > 1 else None), tx)
-    train_step = make_train_step(run, tx)
+    train_step = make_train_step(run, tx, train_runner(run))
     losses, first = [], None
     for s in range(steps):
         x_BL = _rank_part(TOKENS[s], n) if n > 1 else TOKENS[s]
@@ -209,7 +210,7 @@ def _skips_everywhere(name: str) -> bool:
     try:
         b = B // 4
         x_BL = TOKENS[0][dist.get_rank() * b:(dist.get_rank() + 1) * b]
-        new, metrics = make_train_step(run, tx)(state, [(x_BL[:, :-1], x_BL[:, 1:])])
+        new, metrics = make_train_step(run, tx, train_runner(run))(state, [(x_BL[:, :-1], x_BL[:, 1:])])
     finally:
         ftrain.value_and_grad = real
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731

@@ -11,6 +11,7 @@ from fnmoe.data.loader import Loader, load_data
 from fnmoe.generate import generate
 from fnmoe.params import init_params
 from fnmoe.train import init_state, make_train_step
+from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict
 
 CFG = ModelConfig(vocab_size=264, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
@@ -28,18 +29,19 @@ def _bitwise(a, b) -> bool:
         torch.equal(fa[k].view(-1).view(torch.uint8), fb[k].view(-1).view(torch.uint8)) for k in fa)
 
 def test_a_step_whose_update_is_not_finite_is_skipped_and_changes_nothing():
-    """Finite loss and gradients, but a learning rate of inf: the update writes inf/NaN params (the
-    old guard, loss and gradient norm only, let that through and training went on from NaN)."""
-    tx = optim.adamw(lr=float("inf"), weight_decay=0.1)
+    """Finite loss and gradients, but eps 0: Adam's 0/0 on the embedding rows no token of the batch
+    touches writes NaN params (the old guard, loss and gradient norm only, let that through and
+    training went on from NaN). An lr of inf, the other way there, is refused when the optimizer is made."""
+    tx = optim.adamw(lr=1e-2, eps=0.0, weight_decay=0.1)
     state = init_state(init_params(CFG), tx)
-    new, metrics = make_train_step(RUN, tx)(state, _batch())
+    new, metrics = make_train_step(RUN, tx, train_runner(RUN))(state, _batch())
     assert metrics["skipped"] == 1 and metrics["skipped_why"] == "non-finite update"
     assert torch.isfinite(torch.tensor([metrics["loss"], metrics["grad_norm"]])).all()
     assert _bitwise(new.params, state.params) and _bitwise(new.opt_state, state.opt_state)
     assert new.step == 1  # the step is counted, as a skipped step with non-finite gradients is
 
     tx = optim.adamw(lr=1e-2, weight_decay=0.1)  # a finite one goes through
-    new, metrics = make_train_step(RUN, tx)(init_state(init_params(CFG), tx), _batch())
+    new, metrics = make_train_step(RUN, tx, train_runner(RUN))(init_state(init_params(CFG), tx), _batch())
     assert metrics["skipped"] == 0 and "skipped_why" not in metrics
     assert not _bitwise(new.params, state.params)
 
@@ -73,7 +75,7 @@ def test_the_update_step_holds_two_states_not_three():
                     optim=OptimConfig(lr=1e-3, warmup_steps=0))
     tx = optim.adamw(lr=1e-3)
     state = init_state(init_params(wide), tx)
-    step = make_train_step(run, tx)
+    step = make_train_step(run, tx, train_runner(run))
     tokens = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(2))
     P = sum(t.numel() * t.element_size() for t in flatten_dict(state.params).values())
     with MemTracker() as mt:

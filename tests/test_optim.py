@@ -164,16 +164,14 @@ def test_chain_order_and_state():
     assert isinstance(state, tuple) and len(state) == 2
 
 
-@pytest.mark.parametrize("inplace", [False, True])
-def test_apply_updates(inplace):
+def test_apply_updates():
     params = {"a": torch.ones(3, dtype=torch.bfloat16), "b": torch.ones(2, requires_grad=True)}
     a0, b0 = params["a"], params["b"]
-    new = optim.apply_updates(params, {"a": torch.full((3,), 0.5), "b": torch.full((2,), -1.0)}, inplace=inplace)
+    new = optim.apply_updates(params, {"a": torch.full((3,), 0.5), "b": torch.full((2,), -1.0)})
     assert new["a"].dtype == torch.bfloat16 and torch.equal(new["a"], torch.full((3,), 1.5, dtype=torch.bfloat16))
     assert new["b"].requires_grad and new["b"].is_leaf
-    assert (new["a"] is a0) == inplace and (new["b"] is b0) == inplace
-    if not inplace:
-        assert torch.equal(a0, torch.ones(3, dtype=torch.bfloat16))  # inputs untouched
+    assert new["a"] is not a0 and new["b"] is not b0
+    assert torch.equal(a0, torch.ones(3, dtype=torch.bfloat16))  # inputs untouched
 
 
 # ------------------------------------------------------------------ clipping
@@ -233,6 +231,44 @@ def test_wsd_decay_length_rounds_a_fractional_step_count(total, fraction, last_s
     for step, want in [(last_stable, 1.0), (last_stable + 1, 1 - 0.9 / n_decay),
                        (last_stable + 3, 1 - 0.9 * 3 / n_decay), (total - 1, 0.1)]:
         assert at(step) == pytest.approx(want, rel=1e-6), step
+
+
+def test_a_warmup_not_shorter_than_the_run_is_clamped_to_a_tenth_of_it():
+    """Issue 37: 50 warmup steps on a 30-step run clamp to 3 (a tenth), with a note naming both; the
+    cosine then runs from step 2 (the peak) to step 29 (peak x 0.1), values written out by hand."""
+    ocfg = OptimConfig(lr=3e-3, warmup_steps=50, min_lr_ratio=0.1)
+    warmup, note = optim.warmup_of(ocfg, 30)
+    assert warmup == 3 and "optim.warmup_steps=50" in note and "train.steps=30" in note and "3 steps" in note
+    sched = optim.schedule_from_config(ocfg, ocfg.lr, 30)
+    at = lambda step: sched(torch.tensor(step)).item()  # noqa: E731
+    cos = lambda step: 3e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - 2) / 27)))  # noqa: E731
+    for step, want in [(0, 1e-3), (1, 2e-3), (2, 3e-3), (10, cos(10)), (29, 3e-4)]:
+        assert at(step) == pytest.approx(want, rel=1e-6), step
+    assert optim.warmup_of(ocfg, 51) == (50, None)  # shorter than the run: as given
+    assert optim.warmup_of(OptimConfig(warmup_steps=50, schedule="constant"), 30) == (50, None)
+
+
+def test_warmup_as_a_fraction_follows_the_run():
+    ocfg = OptimConfig(warmup_steps=50, warmup_fraction=0.05)  # the fraction wins over the steps
+    assert optim.warmup_of(ocfg, 800) == (40, None) and optim.warmup_of(ocfg, 30) == (2, None)
+    sched = optim.schedule_from_config(ocfg, 1.0, 30)
+    assert sched(torch.tensor(0)).item() == pytest.approx(0.5) and sched(torch.tensor(1)).item() == pytest.approx(1.0)
+
+
+def test_resume_names_the_lr_jump_of_a_longer_run():
+    """Extending a finished 40-step cosine run to 80 steps: the lr of step 41 goes from the floor
+    (peak x 0.1) up to the 80-step cosine's value at index 40, both computed by hand; unchanged
+    settings say nothing."""
+    from fnmoe.checkpoint.resume import lr_jump
+    from fnmoe.config import RunConfig, TrainConfig
+
+    saved = RunConfig(optim=OptimConfig(lr=1e-3, warmup_steps=4), train=TrainConfig(steps=40))
+    longer = RunConfig(optim=saved.optim, train=TrainConfig(steps=80))
+    new = 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (40 - 3) / (79 - 3))))
+    msg = lr_jump(saved, longer, 40)
+    assert msg.startswith(f"the learning rate jumps up at step 41: {1e-4:.3g} by the checkpoint's schedule") and \
+        f"{new:.3g} by this run's (cosine over 80 steps" in msg and "the saved run had ended there" in msg
+    assert lr_jump(saved, saved, 40) is None and lr_jump(saved, saved, 12) is None
 
 
 def test_scheduled_lr_is_used_and_logged():

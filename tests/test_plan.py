@@ -191,14 +191,14 @@ def _region_inputs(name: str, region: str, dtype: torch.dtype):
     if region == "attention":
         attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
         args = (attn, x, cos, sin, cpu_attention.resolved(cfg, _B, _L, dtype, x.device))
-        return cfg, model._attention_region, args, skip
+        return cfg, model.attention_region, args, skip
     if region == "norm":
         return cfg, lambda x: rms_norm(x, p["attn_norm"]["w_D"], cfg.norm_eps), (x,), skip
     ffn = dict(p["moe" if region == "moe" else "mlp"], norm_D=p["mlp_norm"]["w_D"])
     if region == "moe":
-        return cfg, model._moe_region, (ffn, x, cfg, expert_gemm(cfg, dtype)), skip
+        return cfg, model.moe_region, (ffn, x, cfg, expert_gemm(cfg, dtype)), skip
     if region == "mlp":
-        return cfg, model._mlp_region, (ffn, x, cfg), skip
+        return cfg, model.mlp_region, (ffn, x, cfg), skip
     return cfg, swiglu, (ffn, x), [*skip, x]  # the input is the norm's output: norm_bytes counts it
 
 
@@ -268,3 +268,17 @@ def test_selective_formulas_match_kept_bytes(name, region):
     extra = 4 * _B * H * _L * _L - 4 * T * H if region == "attention" and cfg.attention == "mla" else 0
     planned = selective_bytes(cfg, region, T, 4, T * cfg.moe.top_k)
     assert kept == planned + extra, (name, region, kept, planned, extra, kept - planned - extra)
+
+
+def test_the_printed_total_says_it_is_the_larger_peak_not_the_sum(capsys):
+    """`fnmoe plan`'s total row names its two candidates with their sizes: the step's peak (the rows
+    above but update_transient) and the update's (params, grads, optim, update_transient)."""
+    r = plan(load_config(ROOT / "configs" / "tiny.toml"))["per_rank_bytes"]
+    step = sum(r[k] for k in ("params", "grads", "optim", "gathered", "activations", "recompute_transient",
+                              "logits", "ep_buffers"))
+    update = r["params"] + r["grads"] + r["optim"] + r["update_transient"]
+    assert r["total_device"] == max(step, update) < step + r["update_transient"]
+    assert main(["plan", "--config", str(ROOT / "configs" / "tiny.toml")]) == 0
+    total = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("total "))
+    assert (f"(not the sum of the rows: the larger of the step's peak, {step / 1e9:.2f} GB = the rows above but "
+            f"update_transient, and the update's, {update / 1e9:.2f} GB = ") in total

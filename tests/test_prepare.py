@@ -162,3 +162,21 @@ def test_workers_must_be_positive(tmp_path, capsys, workers):
     assert main(["prepare", "--input", str(src), "--out", str(tmp_path / "out"), "--workers", workers]) == 2
     assert capsys.readouterr().err == f"fnmoe prepare: error: --workers must be >= 1, got {workers}\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_progress_off_a_terminal_is_whole_lines(tmp_path, capsys, monkeypatch):
+    """stderr a file or a pipe (not a terminal): the progress is whole lines, no carriage returns;
+    on a terminal one line redrawn in place, ended once."""
+    import sys
+
+    docs = [f"document {i} " * 20 for i in range(40)]
+    src = write_jsonl(tmp_path / "in.jsonl", docs)
+    assert main(["prepare", "--input", str(src), "--out", str(tmp_path / "a"), "--workers", "1"]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.split("\n") if line]
+    assert "\r" not in err and lines and all(line.startswith("prepare [") for line in lines)
+    assert lines[-1].startswith("prepare [##############################] ")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["prepare", "--input", str(src), "--out", str(tmp_path / "b"), "--workers", "1"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("\rprepare [") and err.endswith("tokens/s\n") and err.count("\n") == 1

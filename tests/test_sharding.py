@@ -27,13 +27,17 @@ from fnmoe.run import faults
 from fnmoe.memory import policies as memory
 from fnmoe.parallel import sharding
 from fnmoe.parallel import gather as fgather
+from fnmoe.parallel.fsdp import GATHER
+from fnmoe.plan.activations import pool_bytes
 from fnmoe._torch import TorchDispatchMode
 from fnmoe.config import (DistConfig, MemoryConfig, MeshConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig,
                           TrainConfig, validate)
-from fnmoe.model import DTYPE, forward
+from fnmoe.dtypes import DTYPE
+from fnmoe.model import forward
 from fnmoe.params import init_params
 from fnmoe.plan.meters import CommMeter
 from fnmoe.train import IGNORE, init_state, loss_fn, make_train_step
+from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict, tree_flatten, tree_map, value_and_grad
 from conftest import rel
 
@@ -102,7 +106,7 @@ def test_gloo_on_a_gpu_host_trains_on_the_cpu(monkeypatch):
     run = RunConfig(model=CFG, mesh=MeshConfig(fsdp=2, ep=2), dist=DistConfig(backend="gloo"),
                     memory=MemoryConfig(offload=True), train=TrainConfig(batch_size=8))
     with pytest.warns(UserWarning):
-        runner = memory.train_runner(run)
+        runner = memory.train_runner(run, pool_bytes(run))
     assert runner.pool is not None and not runner.pool.copier.cuda  # copies on the CPU: no CUDA stream
 
 
@@ -134,7 +138,7 @@ def _first_step(mesh_shape, cfg: ModelConfig = CFG):
     with fdist.simulate(f * e):
         mesh = sharding.make_mesh(MeshConfig(fsdp=f, ep=e))
         x = _rank_part(x_BL, f * e)
-        (loss, _), grads = grad_fn(init_params(cfg, 0, mesh=mesh), x[:, :-1], x[:, 1:], cfg, B * L)
+        (loss, _), grads = grad_fn(init_params(cfg, 0, mesh=mesh), x[:, :-1], x[:, 1:], cfg, B * L, source=GATHER)
         return _plain(sharding.all_sum(loss)), {k: _plain(g) for k, g in flatten_dict(grads).items()}
 
 
@@ -193,13 +197,13 @@ def test_bf16_reduce_scatter_sends_half_the_bytes_and_returns_float32_gradients(
             params = init_params(CFG, 0, mesh=mesh)
             want = {a: e * DTYPE[reduce].itemsize for a, e in _scatter_elements(params).items()}
             with _GatherBytes(sharding.group_axes(mesh)) as meter:
-                make_train_step(run, tx)(init_state(params, tx), [(x[:, :-1], x[:, 1:])])
+                make_train_step(run, tx, train_runner(run))(init_state(params, tx), [(x[:, :-1], x[:, 1:])])
             sent[reduce] = {(r["kind"], r["axis"], r["dtype"]): (r["bytes"], r["calls"]) for r in meter.rows()
                             if r["kind"] in ("reduce_scatter", "all_gather")}
             assert {a: b for (kind, a, _), (b, _) in sent[reduce].items() if kind == "reduce_scatter"} == want
             with fgather.reducing(DTYPE[reduce]):
                 _, g = value_and_grad(loss_fn, has_aux=True)(init_params(CFG, 0, mesh=mesh), x[:, :-1], x[:, 1:],
-                                                             CFG, B * L)
+                                                             CFG, B * L, source=GATHER)
             grads[reduce] = {k: (v.dtype, _plain(v)) for k, v in flatten_dict(g).items()}
     fp32, bf16 = sent.values()
     gathers = [{k: v for k, v in rows.items() if k[0] == "all_gather"} for rows in (fp32, bf16)]
@@ -224,7 +228,7 @@ def _train(mesh_shape, steps: int, grad_accum: int = 1, reshard: bool = True,
     tx, _ = optim.from_config(run.optim, steps)
     mesh = sharding.make_mesh(run.mesh, run.dist) if n > 1 else None
     state = init_state(init_params(cfg, 0, mesh=mesh), tx)
-    train_step = make_train_step(run, tx)
+    train_step = make_train_step(run, tx, train_runner(run))
     losses = []
     for s in range(steps):
         x_BL = _tokens(s)
@@ -245,11 +249,11 @@ def test_grad_accumulation_on_2x2_equals_one_big_batch():
         mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
         params = init_params(cfg, 0, mesh=mesh)
         x = _rank_part(x_BL, 4)
-        (big, _), g_big = grad_fn(params, x[:, :-1], x[:, 1:], cfg, B * L)
+        (big, _), g_big = grad_fn(params, x[:, :-1], x[:, 1:], cfg, B * L, source=GATHER)
         acc, g_acc = 0.0, None
         for m in (x_BL[: B // 2], x_BL[B // 2:]):
             xm = _rank_part(m, 4)
-            (loss, _), g = grad_fn(params, xm[:, :-1], xm[:, 1:], cfg, B * L,
+            (loss, _), g = grad_fn(params, xm[:, :-1], xm[:, 1:], cfg, B * L, source=GATHER,
                                   runner=memory.block_runner(MemoryConfig(), cfg.n_layers, reshard=True))
             acc, g = acc + loss, flatten_dict(g)
             g_acc = g if g_acc is None else {k: g_acc[k] + g[k] for k in g}
@@ -271,7 +275,7 @@ def test_ignored_labels_count_globally():
         mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=1))
         x, y = _rank_part(x_BL[:, :-1], 2), _rank_part(y_BL, 2)
         n = int(sharding.all_sum((y != IGNORE).sum()))
-        (loss, _), _ = grad_fn(init_params(CFG, 0, mesh=mesh), x, y, CFG, n)
+        (loss, _), _ = grad_fn(init_params(CFG, 0, mesh=mesh), x, y, CFG, n, source=GATHER)
         total = _plain(sharding.all_sum(loss))
     assert n == B // 2 * L and abs(total.item() - ref.item()) <= 1e-6 * ref.item()
 
@@ -294,7 +298,7 @@ def _forward_backward(resharding: bool, monkeypatch) -> tuple[int, int, int]:
         params = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), init_params(CFG, 0, mesh=mesh))
         x = _rank_part(x_BL, 4)
         with CommDebugMode() as comm:
-            loss, _ = loss_fn(params, x[:, :-1], x[:, 1:], CFG, B * L,
+            loss, _ = loss_fn(params, x[:, :-1], x[:, 1:], CFG, B * L, source=GATHER,
                               runner=(memory.block_runner(MemoryConfig(), CFG.n_layers, reshard=True)
                                       if resharding else None))
             gc.collect()
@@ -326,8 +330,8 @@ def test_backward_gathers_ahead_only_within_its_own_forward():
         mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
         params = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), init_params(CFG, 0, mesh=mesh))
         runner = memory.block_runner(MemoryConfig(), CFG.n_layers, reshard=True)
-        held, _ = loss_fn(params, x[:, :-1], x[:, 1:], CFG, B * L, runner=runner)  # never differentiated
-        loss, _ = loss_fn(params, x[:, :-1], x[:, 1:], CFG, B * L, runner=runner)
+        held, _ = loss_fn(params, x[:, :-1], x[:, 1:], CFG, B * L, runner=runner, source=GATHER)  # never differentiated
+        loss, _ = loss_fn(params, x[:, :-1], x[:, 1:], CFG, B * L, runner=runner, source=GATHER)
         with CommDebugMode() as comm:
             loss.backward()
         gathers = sum(n for op, n in comm.get_comm_counts().items() if "all_gather_into_tensor" in str(op))
@@ -350,7 +354,7 @@ def test_expert_parallel_with_idle_experts_matches_one_process(mesh_shape):
     f, e = mesh_shape
     with fdist.simulate(f * e):
         mesh = sharding.make_mesh(MeshConfig(fsdp=f, ep=e))
-        logits, _ = forward(sharding.shard_params(ref, mesh), _rank_part(x_BL, f * e), CFG)
+        logits, _ = forward(sharding.shard_params(ref, mesh), _rank_part(x_BL, f * e), CFG, source=GATHER)
         got = torch.cat([logits._local_tensors[r] for r in range(f * e)])
     assert rel(got, want) <= 1e-6
 
@@ -531,7 +535,11 @@ def _slurm_launch(tmp_path: Path, **env_extra: str) -> tuple[list[str], str]:
     r = subprocess.run(["bash", str(ROOT / "tools" / "slurm_train.sh"), "--config", "configs/tiny.toml",
                         "--mesh.fsdp", "2", "--mesh.ep", "8"], env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
-    return (tmp_path / "argv").read_text().split("\0")[:-1], (tmp_path / "omp").read_text()
+    argv = (tmp_path / "argv").read_text().split("\0")[:-1]
+    # each node's task is a small bash program around torchrun (it passes SIGUSR1 on to the workers;
+    # tests/test_process_tree.py), which runs `torchrun "$@"`: the torchrun command line is what follows
+    assert argv[:2] == ["bash", "-c"] and 'torchrun "$@" &' in argv[2] and argv[3] == "fnmoe-node", argv
+    return ["torchrun", *argv[4:]], (tmp_path / "omp").read_text()
 
 
 @pytest.mark.launch
@@ -639,7 +647,8 @@ def test_gathers_run_ahead_and_reduce_scatters_behind_the_blocks_compute(monkeyp
                               init_params(CFG, 0, mesh=mesh))
             runner = memory.block_runner(MemoryConfig(recompute=recompute), CFG.n_layers, reshard=True)
             with _Order() as order:
-                loss, _ = loss_fn(params, _rank_part(x, 4)[:, :-1], _rank_part(x, 4)[:, 1:], CFG, B * L, runner=runner)
+                loss, _ = loss_fn(params, _rank_part(x, 4)[:, :-1], _rank_part(x, 4)[:, 1:], CFG, B * L, runner=runner,
+                                  source=GATHER)
                 order.seq.append("|")
                 loss.backward()
         forward, backward = "".join(order.seq).split("|")

@@ -11,6 +11,7 @@ from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunCon
 from fnmoe.model import forward
 from fnmoe.params import init_params
 from fnmoe.train import IGNORE, init_state, loss_fn, make_train_step
+from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict, tree_map, value_and_grad
 from conftest import rel
 
@@ -64,7 +65,7 @@ def test_grad_accum_equals_one_big_batch():
     results = []
     for micro in ([(x1, y1), (x2, y2)], [big]):
         run = _run(batch_size=8, grad_accum=len(micro))
-        state, metrics = make_train_step(run, capture)(init_state(params, capture), micro)
+        state, metrics = make_train_step(run, capture, train_runner(run))(init_state(params, capture), micro)
         results.append((state.opt_state, metrics))
     (g_acc, m_acc), (g_big, m_big) = results
     assert abs(m_acc["loss"] - m_big["loss"]) <= 1e-6 * abs(m_big["loss"])
@@ -94,7 +95,8 @@ def test_step_loss_is_cross_entropy_of_forwards_logits_over_the_step():
     params = init_params(SMALL, seed=3)
     micro = [batch(3, ignore=7), batch(4, ignore=20)]
     tx = optim.adamw(lr=1e-2)
-    _, metrics = make_train_step(_run(batch_size=8, grad_accum=2), tx)(init_state(params, tx), micro)
+    run = _run(batch_size=8, grad_accum=2)
+    _, metrics = make_train_step(run, tx, train_runner(run))(init_state(params, tx), micro)
     sums = [F.cross_entropy(forward(params, x, SMALL)[0].flatten(0, 1), y.flatten(), ignore_index=IGNORE,
                             reduction="sum") for x, y in micro]
     counts = [int((y != IGNORE).sum()) for _, y in micro]
@@ -138,7 +140,7 @@ def test_non_finite_gradients_skip_the_step():
     run = _run(batch_size=4)
     tx, _ = optim.from_config(run.optim, 10)
     state0 = init_state(params, tx)
-    state, m = make_train_step(run, tx)(state0, [(x, y)])
+    state, m = make_train_step(run, tx, train_runner(run))(state0, [(x, y)])
     assert m["skipped"] == 1 and state.step == 1
     # the skip is a torch.where on the device: new tensors, bitwise the old ones (NaNs included)
     for new, old in [(state.params, state0.params), (state.opt_state, state0.opt_state)]:
@@ -157,7 +159,8 @@ def test_every_label_ignored_is_an_error():
     run = _run(batch_size=4)
     tx, _ = optim.from_config(run.optim, 10)
     with pytest.raises(ValueError, match="every label"):
-        make_train_step(run, tx)(init_state(init_params(SMALL, 0), tx), [(x, torch.full_like(y, IGNORE))])
+        state = init_state(init_params(SMALL, 0), tx)
+        make_train_step(run, tx, train_runner(run))(state, [(x, torch.full_like(y, IGNORE))])
 
 
 DEFAULT_RUN_STEPS = 60

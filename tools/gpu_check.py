@@ -86,8 +86,16 @@ from fnmoe.config import MemoryConfig, ModelConfig, MoEConfig, OptimConfig, RunC
 from fnmoe.plan.flops import flops_per_token, mfu  # noqa: E402
 from fnmoe.params import init_params, leaf_inits  # noqa: E402
 from fnmoe.moe import expert_mlp, moe_block  # noqa: E402
+from fnmoe.memory.policies import train_runner  # noqa: E402
+from fnmoe.plan.activations import pool_bytes  # noqa: E402
 from fnmoe.train import init_state, make_train_step  # noqa: E402
 from fnmoe.tree import flatten_dict, map_with_path, tree_map  # noqa: E402
+
+
+def build_step(run: RunConfig, tx):
+    """(run's train step, its runner): the host pool sized where the step is built, as fnmoe.loop does."""
+    runner = train_runner(run, pool_bytes(run))
+    return make_train_step(run, tx, runner), runner
 
 
 class Recorder:
@@ -241,7 +249,7 @@ def train_losses(run: RunConfig, device: str, steps: int) -> list[tuple[float, f
     tx, _ = optim.from_config(run.optim, run.train.steps)
     params = tree_map(lambda t: t.to(device), init_params(run.model, run.train.seed))
     state = init_state(params, tx)
-    step_fn = make_train_step(run, tx)
+    step_fn, _ = build_step(run, tx)
     t = run.train
     loader = Loader(_data(run), run.data.seq_len, t.batch_size, t.grad_accum, t.seed)
     out = []
@@ -494,7 +502,7 @@ class ModelBench:
         tx, _ = optim.from_config(run.optim, run.train.steps)
         if self.state is None:
             self.state = init_state(self.params, tx)
-        step_fn = make_train_step(run, tx)
+        step_fn, runner = build_step(run, tx)
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -512,8 +520,7 @@ class ModelBench:
         tps = self.B * self.L / dt
         fpt = flops_per_token(self.cfg, self.L)
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.startswith("cuda") else None
-        pool = getattr(step_fn.runner, "pool", None)  # no runner: policy none
-        offloaded = pool.peak_used / 2**30 if pool is not None else 0.0
+        offloaded = runner.pool.peak_used / 2**30 if runner.pool is not None else 0.0  # none offloaded: no pool
         return {"ms": dt * 1e3, "tps": tps, "mfu": mfu(fpt, tps, PEAK_TFLOPS), "peak_gib": peak, "losses": losses,
                 "offloaded_gib": offloaded, "step": step_fn}
 
@@ -653,7 +660,7 @@ def step_determinism(rec: Recorder, device: str, dry: bool) -> None:
         rec.row("cost of deterministic mode", f"tokens/s ratio det/default {det['tps'] / base['tps']:.2f}")
         run = mb.run_cfg({})
         tx, _ = optim.from_config(run.optim, run.train.steps)
-        step_fn = make_train_step(run, tx)
+        step_fn, _ = build_step(run, tx)
         _, m1 = step_fn(mb.state, mb.batch)
         _, m2 = step_fn(mb.state, mb.batch)
         same = m1["loss"] == m2["loss"] and m1["grad_norm"] == m2["grad_norm"]

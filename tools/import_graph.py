@@ -1,13 +1,18 @@
 """fnmoe's import graph: which module imports which, every circle in it, imports against the
-package order, and the longest modules.
+package order, private names used across modules, and the longest modules.
 
-    python tools/import_graph.py            # circles, imports against LAYERS, modules over --max-lines
+    python tools/import_graph.py            # circles, imports against LAYERS, private names, long modules
     python tools/import_graph.py --edges    # also every edge, importer -> imported
 
 Reads the source with ast (nothing is imported), so lazy imports inside functions count like
 top-level ones: a circle hidden behind a function-level import is still a circle. Exit status 1
 when there is a circle, an import against the package order that KNOWN does not list, a package or
-top-level module LAYERS does not place, or a module over --max-lines.
+top-level module LAYERS does not place, a private name used across modules, or a module over
+--max-lines.
+
+A name another module imports (`from fnmoe.x import name`, or `x.name` on an imported module) is
+public: it does not start with "_". A private *module* may keep its name (fnmoe/_torch.py); the
+names it exports are public.
 
 The package order: each unit (a package under fnmoe/, or a top-level module) sits on a layer of
 LAYERS, and imports only units on its own layer or below: nothing imports "up". The layers are
@@ -25,9 +30,10 @@ ROOT = Path(__file__).resolve().parents[1] / "fnmoe"
 # Units low to high: a unit imports its own layer and those below. "" is fnmoe/__init__.py (the
 # public API, which re-exports from anywhere).
 LAYERS: list[tuple[str, ...]] = [
-    ("_torch", "caches", "cli_checks"),         # private torch behind names; the cache registry
+    ("_torch", "caches", "cli_checks", "dtypes", "threads"),  # private torch behind names; the cache registry;
+                                                            # dtype names; how the command's threads wait
     ("tree", "config"),                         # trees of tensors; the run configuration
-    ("compile",),                               # the one torch.compile site
+    ("compile", "seams"),                       # the one torch.compile site; the model's seams (runner, params source)
     ("parallel",),                              # process groups, the mesh, gathers, the EP exchange
     ("params", "optim", "kernels", "data", "transforms", "train_state", "run"),
     ("attention", "tree_io", "checkpoint"),     # checkpoint/ imports neither the step nor the data
@@ -37,27 +43,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("memory",),                                # what a block keeps for backward: runs the model's blocks
     ("train",),                                 # the step
     ("plan",),                                  # plans the step and rehearses it
-    ("func", "generate", "inspect_compile", "loop", "cli_prepare"),
+    ("func", "generate", "inspect_compile", "sampling", "evaluate", "loop", "loop_steps", "cli_prepare",
+     "cli_tokenizer", "cli_models"),
     ("cli",),
     ("", "__main__"),
 ]
 
-# Imports against LAYERS that exist today, each with the work that removes it (issue 33, item 2).
+# Imports against LAYERS that exist today, each with the work that removes it.
 # tests/test_house.py fails on any other, and on an entry here that no longer exists (delete it).
-KNOWN: dict[tuple[str, str], str] = {
-    ("fnmoe.model", "fnmoe.memory.runner"):
-        "the BlockRunner protocol the model runs its blocks through lives in memory/, above the model",
-    ("fnmoe.memory.policies", "fnmoe.plan.activations"):
-        "the host pool sized by the planner; to be sized where the step is built",
-    ("fnmoe.memory.host_limit", "fnmoe.plan.activations"):
-        "the host pool sized by the planner; to be sized where the step is built",
-    ("fnmoe.memory.report", "fnmoe.plan.activations"):
-        "the report's host pool sized by the planner, a second rule beside memory.policies.pool_bytes",
-    ("fnmoe.memory.report", "fnmoe.plan.meters"):
-        "the dispatch-mode meters live in plan/, above what they measure",
-    ("fnmoe.train", "fnmoe.plan.meters"):
-        "the step marks its phases for the meters, which live in plan/, above it",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path) -> str:
@@ -136,6 +130,37 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
+def private_uses(path: Path, modules: set[str]) -> list[tuple[int, str]]:
+    """(line, "module.name") for each private name path's module takes from another fnmoe module:
+    imported by name, or read as an attribute of a module it imported."""
+    me, out, aliases = module_name(path), [], {}
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module in modules:
+            for a in node.names:
+                if f"{node.module}.{a.name}" in modules:  # a module: its name may be private (_torch)
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                elif _private(a.name) and node.module != me:
+                    out.append((node.lineno, f"{node.module}.{a.name}"))
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.name in modules and a.asname})
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and _private(node.attr) and aliases[node.value.id] != me):
+            out.append((node.lineno, f"{aliases[node.value.id]}.{node.attr}"))
+    return sorted(set(out))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_names() -> list[str]:
+    """"module:line: module.name" for every private name used across fnmoe's modules."""
+    files = {module_name(p): p for p in ROOT.rglob("*.py")}
+    return [f"{m}:{line}: {what}" for m, p in sorted(files.items()) for line, what in private_uses(p, set(files))]
+
+
 def long_modules(max_lines: int) -> list[tuple[str, int]]:
     sizes = [(module_name(p), len(p.read_text().splitlines())) for p in ROOT.rglob("*.py")]
     return sorted(((m, n) for m, n in sizes if n > max_lines), key=lambda x: -x[1])
@@ -162,13 +187,16 @@ def main() -> int:
     for m, d in sorted(set(KNOWN) - set(up)):
         print(f"gone: {m} -> {d} no longer imports up; delete it from KNOWN")
     new = [e for e in up if e not in KNOWN]
+    private = private_names()
+    for line in private:
+        print(f"private: {line} (another module's private name: rename it public)")
     longs = long_modules(args.max_lines)
     for m, n in longs:
         print(f"long: {m} has {n} lines (> {args.max_lines})")
     print(f"{len(edges)} modules, {sum(map(len, edges.values()))} imports, {len(found)} circles, "
-          f"{len(up)} imports against the package order ({len(new)} new), "
-          f"{len(longs)} modules over {args.max_lines} lines")
-    return 1 if found or new or unplaced or longs else 0
+          f"{len(up)} imports against the package order ({len(new)} new), {len(private)} private names across "
+          f"modules, {len(longs)} modules over {args.max_lines} lines")
+    return 1 if found or new or unplaced or private or longs else 0
 
 
 if __name__ == "__main__":

@@ -44,8 +44,21 @@ def held_out(run, batches: int, batch_size: int) -> tuple[torch.Tensor, ...]:
     return tuple(torch.cat(p) for p in zip(*parts))
 
 
+def progress(iters: int, every: int = 10, out=sys.stderr):
+    """on_iter for top_hessian_eigenvalue: the first iteration and every `every`-th as a line on out,
+    with the estimate, its residual and the time since the first HVP began."""
+    start = time.perf_counter()
+
+    def say(k: int, lam: float, residual: float) -> None:
+        if k == 1 or k % every == 0:
+            print(f"iteration {k} (at most {iters} a run): eigenvalue {lam:.6g}, residual {residual:.3g}, "
+                  f"{time.perf_counter() - start:.1f} s", file=out, flush=True)
+    return say
+
+
 def sharpness(src: Path, batches: int = 1, batch_size: int = 8, iters: int = 100, tol: float = 1e-3,
-              seed: int = 0) -> dict:
+              seed: int = 0, every: int = 0) -> dict:
+    """every > 0: say every so many iterations on stderr (progress)."""
     from fnmoe import func, loss_fn
 
     run, params = checkpoint_source(src)
@@ -57,7 +70,7 @@ def sharpness(src: Path, batches: int = 1, batch_size: int = 8, iters: int = 100
     def loss(tree):
         return loss_fn(full(tree), inputs, labels, cfg, n, positions_BL=positions[0] if positions else None)[0]
     start = time.perf_counter()
-    lam, hvps = func.top_hessian_eigenvalue(loss, rest, iters, tol, seed)
+    lam, hvps = func.top_hessian_eigenvalue(loss, rest, iters, tol, seed, progress(iters, every) if every else None)
     ce = loss_fn(params, inputs, labels, cfg, n, positions_BL=positions[0] if positions else None)[1]["ce_loss"]
     return {"eigenvalue": lam, "hvps": hvps, "seconds": time.perf_counter() - start, "loss": ce.item(),
             "tokens": int(n)}
@@ -71,9 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=100, help="at most this many Hessian-vector products")
     parser.add_argument("--tol", type=float, default=1e-3, help="stop when the estimate moves by less (relative)")
     parser.add_argument("--seed", type=int, default=0, help="of the starting direction")
+    parser.add_argument("--every", type=int, default=10,
+                        help="print the estimate every N iterations on stderr (and the first); 0: never")
     args = parser.parse_args(argv)
     try:
-        got = sharpness(Path(args.src), args.batches, args.batch_size, args.iters, args.tol, args.seed)
+        got = sharpness(Path(args.src), args.batches, args.batch_size, args.iters, args.tol, args.seed, args.every)
     except (FileNotFoundError, ValueError) as e:
         print(f"sharpness: {e}", file=sys.stderr)
         return 2

@@ -47,7 +47,6 @@ loads any checkpoint) is described in docs/architecture.md, section "Checkpoints
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -55,13 +54,14 @@ from typing import Any
 import torch
 
 from fnmoe.config import types
+from fnmoe.parallel.sharding import MESH_AXES  # index.json's mesh sizes are the mesh's axes
+
 FORMAT, VERSION = "fnmoe-checkpoint", 2
 READABLE = (1, 2)
 """the versions of index.json this reader takes (1: every part listed; 2: grids of parts)"""
 INDEX, CONFIG = "index.json", "config.toml"
 SECTIONS = ("tensors", "opt_state", "rng")
 """index.json's sections of tensor entries: params (named as in the tree format), optimizer state, RNG"""
-MESH_AXES = ("fsdp", "ep")
 TMP_PREFIX = ".tmp-"
 STEP_DIR = re.compile(r"step_(\d+)")
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -73,7 +73,7 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt or incompatible with the run, or could not be written."""
 
 
-def _whole(shape) -> tuple[slice, ...]:
+def whole_slices(shape) -> tuple[slice, ...]:
     """The slices (one per dim) of a whole tensor of this shape."""
     return tuple(slice(0, n) for n in shape)
 
@@ -125,11 +125,8 @@ def read_index(ckpt: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: {ckpt} is not a complete fnmoe checkpoint "
                               "(checkpoints are <run-dir>/checkpoints/step_<N>)")
-    try:
-        index = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") not in READABLE:
+    index = types.read_json(path, CheckpointError)
+    if index.get("format") != FORMAT or index.get("version") not in READABLE:
         raise CheckpointError(f"{path} is not an fnmoe checkpoint index of version {' or '.join(map(str, READABLE))}")
     problem = type_problem(index, INDEX_TYPES, "") or _grid_problem(index)
     if problem:

@@ -13,8 +13,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from fnmoe.parallel import dist as fdist
-from fnmoe.checkpoint.format import CONFIG, INDEX, SECTIONS, ST_DTYPES, CheckpointError, _whole, parts, read_index
-from fnmoe.checkpoint.procs import _first_error, _job
+from fnmoe.checkpoint.format import CONFIG, INDEX, SECTIONS, ST_DTYPES, CheckpointError, whole_slices, parts, read_index
+from fnmoe.checkpoint.procs import first_error, rank_in_job
 from fnmoe.config import RunConfig, load_config
 from fnmoe.params import current_path, shape_mismatches
 from fnmoe.tree import Tree, unflatten_dict
@@ -60,10 +60,30 @@ def _check_shards(ckpt: Path, index: dict, names: set[str]) -> None:
             raise CheckpointError(f"{ckpt / name}: unreadable safetensors file ({e})") from None
 
 
+def _check_model(ckpt: Path, index: dict) -> None:
+    """What a resume reads beyond the files, checked without reading a tensor: its config.toml reads,
+    the params index.json lists are the leaves of that config's model, each of its shape, and every
+    tensor's shards cover all its values. A CheckpointError naming the first that is not."""
+    run = saved_config(ckpt)
+    meta = unflatten_dict({current_path(p): torch.empty(e["shape"], device="meta")
+                           for p, e in index["tensors"].items()})
+    diff = shape_mismatches(meta, run.model)
+    if diff:
+        raise CheckpointError(f"{ckpt / INDEX}: its params do not fit the model of its {CONFIG}: {'; '.join(diff)}")
+    for section in SECTIONS:
+        for path, e in index[section].items():
+            covered, n = sum(math.prod(s["shape"]) for s in parts(e["shards"])), math.prod(e["shape"])
+            if covered != n:
+                raise CheckpointError(f"{ckpt / INDEX}: the shards of {section} '{path}' hold {covered} of its {n} "
+                                      "values")
+
+
 def verify(ckpt: Path, part: tuple[int, int] = (0, 1)) -> dict[str, Any]:
     """Check the files of a checkpoint against its index.json (size, sha256; the tensors' keys,
-    dtypes and shapes) and return the index; raise CheckpointError naming the first bad file.
-    part=(i, n) checks only every n-th file from the i-th, so n ranks can share the reading."""
+    dtypes and shapes), and what a resume needs of the index (_check_model: its config.toml, the
+    params of that model, shards covering every tensor), and return the index; raise
+    CheckpointError naming the first problem. part=(i, n) checks only every n-th file from the
+    i-th, so n ranks can share the reading."""
     ckpt = Path(ckpt)
     index = read_index(ckpt)
     try:
@@ -78,26 +98,37 @@ def verify(ckpt: Path, part: tuple[int, int] = (0, 1)) -> dict[str, Any]:
             if _sha256(path) != meta["sha256"]:
                 raise CheckpointError(f"{path} does not match its sha256 checksum in {ckpt / INDEX} (corrupt)")
         _check_shards(ckpt, index, set(names))
+        _check_model(ckpt, index)
     except (KeyError, TypeError, AttributeError) as e:  # valid JSON of the wrong shape
         raise CheckpointError(f"{ckpt / INDEX} is malformed ({type(e).__name__}: {e})") from None
     return index
 
 
-def _verify_together(ckpt: Path) -> dict[str, Any]:
+def verify_together(ckpt: Path) -> dict[str, Any]:
     """verify(ckpt) with the files shared among the job's processes; every process gets the same
     verdict, so all resume from the same checkpoint or all fail."""
     try:
-        index, error = verify(ckpt, _job()), None
+        index, error = verify(ckpt, rank_in_job()), None
     except CheckpointError as e:
         index, error = None, str(e)
-    error = _first_error(error)
+    error = first_error(error)
     if error:
         raise CheckpointError(error)
     return index
 
 
+def check_finite(ckpt: Path, index: dict) -> None:
+    """Raise CheckpointError when the params of a verified checkpoint hold NaN or inf (a run would
+    refuse to start from them: fnmoe.run.guards); reads every param once."""
+    bad = [path for path, t in _read_section(ckpt, index, "tensors").items()
+           if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise CheckpointError(f"{ckpt}: its params hold non-finite values (NaN or inf) in {len(bad)} leaves, e.g. "
+                              f"{bad[:3]}: a run cannot resume from it")
+
+
 @contextlib.contextmanager
-def _opened(ckpt: Path):
+def opened_files(ckpt: Path):
     """A function file name -> that safetensors file of ckpt, opened once; all closed on exit."""
     with contextlib.ExitStack() as stack:
         files: dict[str, Any] = {}
@@ -109,7 +140,7 @@ def _opened(ckpt: Path):
         yield get
 
 
-def _read_region(get: Callable, entry: dict, idx: tuple[slice, ...], what: str) -> torch.Tensor:
+def read_region(get: Callable, entry: dict, idx: tuple[slice, ...], what: str) -> torch.Tensor:
     """The part idx (a slice per dim) of a saved tensor, read from the shards that overlap it, each
     only where it overlaps (safetensors get_slice reads no more of the file)."""
     with fdist.unsimulated():  # one plain value, the same on every simulated rank
@@ -131,8 +162,8 @@ def _read_region(get: Callable, entry: dict, idx: tuple[slice, ...], what: str) 
 
 def _read_section(ckpt: Path, index: dict, section: str) -> dict[str, torch.Tensor]:
     """{path: tensor} of one section of a verified checkpoint, each assembled from its shards."""
-    with _opened(ckpt) as get:
-        return {path: _read_region(get, e, _whole(e["shape"]), f"{ckpt}: {section} '{path}'")
+    with opened_files(ckpt) as get:
+        return {path: read_region(get, e, whole_slices(e["shape"]), f"{ckpt}: {section} '{path}'")
                 for path, e in index[section].items()}
 
 

@@ -9,15 +9,15 @@ import torch.distributed as dist
 from fnmoe.parallel import dist as fdist
 
 
-def _job() -> tuple[int, int]:
+def rank_in_job() -> tuple[int, int]:
     """(this process's rank, the number of processes) that save and load a checkpoint together; a
     simulation of ranks is one process."""
     return fdist.rank(), 1 if fdist.simulated() else fdist.world()
 
 
-def _gather_to_lead(obj: Any) -> list | None:
+def gather_to_lead(obj: Any) -> list | None:
     """Every process's obj in rank order on rank 0, None on the others."""
-    rank, world = _job()
+    rank, world = rank_in_job()
     if world == 1:
         return [obj]
     out = [None] * world if rank == 0 else None
@@ -25,18 +25,18 @@ def _gather_to_lead(obj: Any) -> list | None:
     return out
 
 
-def _from_lead(obj: Any) -> Any:
+def from_lead(obj: Any) -> Any:
     """Rank 0's obj, on every process."""
-    if _job()[1] == 1:
+    if rank_in_job()[1] == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def _first_error(error: str | None) -> str | None:
+def first_error(error: str | None) -> str | None:
     """The first of every process's error (None for none): every process gets the same verdict."""
-    world = _job()[1]
+    world = rank_in_job()[1]
     if world == 1:
         return error
     errors = [None] * world

@@ -11,9 +11,9 @@ from torch.distributed.tensor import DTensor
 
 from fnmoe import optim
 from fnmoe.parallel import sharding
-from fnmoe.checkpoint.format import CONFIG, CheckpointError, _whole, list_checkpoints
-from fnmoe.checkpoint.load import _opened, _read_region, _verify_together, saved_config
-from fnmoe.checkpoint.procs import _job
+from fnmoe.checkpoint.format import CONFIG, CheckpointError, whole_slices, list_checkpoints
+from fnmoe.checkpoint.load import opened_files, read_region, verify_together, saved_config
+from fnmoe.checkpoint.procs import rank_in_job
 from fnmoe.checkpoint.shards import rng_states
 from fnmoe.config import RunConfig, to_dict
 from fnmoe.params import current_path, init_params
@@ -46,9 +46,32 @@ def check_resume_config(saved: RunConfig, run: RunConfig, ckpt: Path, step: int)
     if model:
         raise CheckpointError(f"cannot resume from {ckpt}: model fields differ from the checkpoint's: "
                               f"{shown(model)}; use the checkpoint's values (its {CONFIG}) or start a new run")
-    if diffs and _job()[0] == 0:  # every rank finds the same: rank 0 says it
+    if diffs and rank_in_job()[0] == 0:  # every rank finds the same: rank 0 says it
         log.warning("resuming from %s with settings that differ from the checkpoint's: %s; the new values "
                     "apply after step %d", ckpt, shown(diffs), step)
+        jump = lr_jump(saved, run, step)
+        if jump:
+            log.warning(jump)
+
+
+def lr_jump(saved: RunConfig, run: RunConfig, step: int) -> str | None:
+    """What the changed settings do to the learning rate of step `step` + 1 (0-based index step),
+    when they change it by more than 1%: the saved run's schedule against this run's (a finished
+    run extended with more steps goes back up its cosine). None for another optimizer, whose fresh
+    state restarts the schedule (said where the state is restored)."""
+    if saved.optim.name != run.optim.name:
+        return None
+
+    def lr(cfg: RunConfig) -> float:
+        return optim.schedule_from_config(cfg.optim, cfg.optim.lr, cfg.train.steps)(torch.tensor(step)).item()
+    old, new = lr(saved), lr(run)
+    if abs(new - old) <= 0.01 * max(abs(old), abs(new)):
+        return None
+    done = " (the saved run had ended there, at the end of its decay)" if step >= saved.train.steps else ""
+    return (f"the learning rate jumps {'up' if new > old else 'down'} at step {step + 1}: {old:.3g} by the "
+            f"checkpoint's schedule ({saved.optim.schedule} over {saved.train.steps} steps, peak {saved.optim.lr:g})"
+            f"{done}, {new:.3g} by this run's ({run.optim.schedule} over {run.train.steps} steps, peak "
+            f"{run.optim.lr:g})")
 
 
 Reader = Callable[[str, tuple[slice, ...]], torch.Tensor]
@@ -67,7 +90,7 @@ def _restore_params(template: Tree, entries: dict[str, dict], read: Reader, mesh
         raise CheckpointError(f"{ckpt}: params of the wrong shape for the model: {bad[:5]}")
     dtypes = dict(zip(paths, (x.dtype for x in leaves)))
     if mesh is None:
-        return rebuild([read(p, _whole(x.shape)).to(x.dtype) for p, x in zip(paths, leaves)])
+        return rebuild([read(p, whole_slices(x.shape)).to(x.dtype) for p, x in zip(paths, leaves)])
     return sharding.distribute(template, mesh, lambda path, idx: read(path, idx).to(dtypes[path]))
 
 
@@ -93,14 +116,14 @@ def _restore_opt_state(template: Tree, entries: dict[str, dict], read: Reader, c
             return x
         if isinstance(x, DTensor):
             return sharding.distribute_like(x, lambda idx: read(path, idx))
-        return read(path, _whole(x.shape)).to(x.device)
+        return read(path, whole_slices(x.shape)).to(x.device)
     return rebuild([leaf(p, x) for p, x in zip(paths, leaves)])
 
 
 def _restore_rng(entries: dict[str, dict], read: Reader) -> None:
     """Set this rank's RNG states to the saved ones; ranks the saving mesh did not have keep their
     seeded state, and rank 0 says so once."""
-    rank, world = _job()
+    rank, world = rank_in_job()
     saved_world = len({k.split(".")[0] for k in entries})  # every saving rank wrote its own states
     if rank == 0 and world > saved_world:
         log.warning("the checkpoint has the RNG states of %d ranks: ranks %d..%d keep their seeded state",
@@ -112,7 +135,7 @@ def _restore_rng(entries: dict[str, dict], read: Reader) -> None:
         log.warning("the checkpoint has RNG states %s, this process %s; the others keep their seeded state",
                     sorted(saved), sorted(here))
     for name in saved & here:
-        state = read(prefix + name, _whole(entries[prefix + name]["shape"]))
+        state = read(prefix + name, whole_slices(entries[prefix + name]["shape"]))
         if name == "torch_cpu":
             torch.set_rng_state(state)
         else:
@@ -130,15 +153,15 @@ def load_state(ckpt: Path, index: dict, run: RunConfig, tx: optim.GradientTransf
     ckpt = Path(ckpt)
     check_resume_config(saved_config(ckpt), run, ckpt, index["step"])
     data = index["train"]["data"]
-    if data["corpus_fingerprint"] != fingerprint and _job()[0] == 0:
+    if data["corpus_fingerprint"] != fingerprint and rank_in_job()[0] == 0:
         log.warning("the data differ from the checkpoint's (corpus fingerprint %s, now %s): samples after step "
                     "%d are not those the saved run would have seen", data["corpus_fingerprint"],
                     fingerprint, index["step"])
     # an earlier release's leaf names (params.RENAMED) read as today's
     entries = {**index, **{s: {current_path(p): e for p, e in index[s].items()} for s in ("tensors", "opt_state")}}
-    with _opened(ckpt) as get:
+    with opened_files(ckpt) as get:
         def reader(section: str) -> Reader:
-            return lambda path, idx: _read_region(get, entries[section][path], idx, f"{ckpt}: {section} '{path}'")
+            return lambda path, idx: read_region(get, entries[section][path], idx, f"{ckpt}: {section} '{path}'")
         params = _restore_params(init_params(run.model, device="meta"), entries["tensors"], reader("tensors"), mesh,
                                  ckpt)
         opt_state = _restore_opt_state(tx.init(params), entries["opt_state"], reader("opt_state"), ckpt)
@@ -151,9 +174,9 @@ def find_latest(root: Path) -> tuple[Path, dict] | None:
     Corrupt or partial ones are passed over with a warning naming the bad file."""
     for _, path in list_checkpoints(root):
         try:
-            return path, _verify_together(path)
+            return path, verify_together(path)
         except CheckpointError as e:
-            if _job()[0] == 0:  # every rank has the same verdict
+            if rank_in_job()[0] == 0:  # every rank has the same verdict
                 log.warning("skipping checkpoint %s: %s; falling back to an older one", path.name, e)
     return None
 
@@ -166,4 +189,4 @@ def resume_point(resume: str, root: Path) -> tuple[Path, dict] | None:
         return None
     if resume == "auto":
         return find_latest(root)
-    return Path(resume), _verify_together(Path(resume))
+    return Path(resume), verify_together(Path(resume))

@@ -21,7 +21,7 @@ import torch
 from fnmoe.run import faults
 from fnmoe.checkpoint.format import (CONFIG, FORMAT, INDEX, MESH_AXES, ST_DTYPES, TMP_PREFIX, VERSION,
                                      CheckpointError, list_checkpoints, read_index)
-from fnmoe.checkpoint.procs import _from_lead, _gather_to_lead, _job
+from fnmoe.checkpoint.procs import from_lead, gather_to_lead, rank_in_job
 from fnmoe.checkpoint.shards import Snapshot, index_sections, snapshot, staged
 from fnmoe.config import CheckpointConfig, RunConfig
 from fnmoe.train_state import TrainState
@@ -149,18 +149,18 @@ def write(snap: Snapshot, root: Path, keep_last: int) -> Path:
     complete ones are untouched.
     """
     root = Path(root)
-    rank, _ = _job()
+    rank, _ = rank_in_job()
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{snap.step}"
     name = f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     if rank == 0:
         shutil.rmtree(root / name, ignore_errors=True)
-    tmp = root / _from_lead(name)  # after rank 0's cleanup: one directory for all ranks
+    tmp = root / from_lead(name)  # after rank 0's cleanup: one directory for all ranks
     try:
         files, error = _write_files(snap, tmp)
         faults.save_delay()
-        parts = _gather_to_lead((files, snap.entries, error))  # returns once every rank's files are fsynced
-        error = _from_lead(_commit(snap, parts, tmp, final) if rank == 0 else None)
+        parts = gather_to_lead((files, snap.entries, error))  # returns once every rank's files are fsynced
+        error = from_lead(_commit(snap, parts, tmp, final) if rank == 0 else None)
     except BaseException:
         if rank == 0:  # the one remover: another rank cannot know whether rank 0 is renaming tmp
             shutil.rmtree(tmp, ignore_errors=True)
@@ -226,7 +226,7 @@ class Saver:
         self._error: BaseException | None = None
         self._pending: Snapshot | None = None  # a background save's snapshot until it is staged
         self._staged: threading.Event | None = None
-        self._background = cfg.async_save and _job()[1] == 1
+        self._background = cfg.async_save and rank_in_job()[1] == 1
         if cfg.async_save and not self._background:
             log.info("checkpoint.async_save applies to one process; on several ranks checkpoints are saved "
                      "synchronously")

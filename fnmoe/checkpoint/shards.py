@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
-from fnmoe.checkpoint.format import MESH_AXES, SECTIONS, ST_DTYPES, CheckpointError, _whole, compact
+from fnmoe.checkpoint.format import MESH_AXES, SECTIONS, ST_DTYPES, CheckpointError, whole_slices, compact
 from fnmoe.config import RunConfig, to_dict, to_toml
 from fnmoe.train_state import TrainState
 from fnmoe.tree import Tree, flatten_dict, tree_flatten_with_paths
@@ -66,7 +66,7 @@ def _stored(t: torch.Tensor, rank: int) -> tuple[tuple[slice, ...], bool]:
     """(rank's slice of t, whether rank writes it): each slice once, by the lowest rank holding it."""
     if isinstance(t, DTensor):
         return sharding.stored_slice(t, rank)
-    return _whole(t.shape), rank == 0
+    return whole_slices(t.shape), rank == 0
 
 
 def _rank_part(leaves: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]], rank: int,
@@ -80,7 +80,7 @@ def _rank_part(leaves: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]], 
         for path, (t, value) in section_leaves.items():
             if t.dtype not in ST_DTYPES:
                 raise CheckpointError(f"{section} leaf '{path}' has dtype {t.dtype}, which safetensors cannot store")
-            idx, writes = (_whole(t.shape), True) if section == "rng" else _stored(t, rank)
+            idx, writes = (whole_slices(t.shape), True) if section == "rng" else _stored(t, rank)
             # a slice that is empty here (torch.chunk leaves trailing ranks none) is skipped
             writes = writes and (value.numel() > 0 or math.prod(t.shape) == 0)
             if writes or rank == 0:  # rank 0 lists every leaf, even one it holds nothing of

@@ -3,7 +3,8 @@
 A `RunConfig` is the whole run; `forward` and `hf` take only its `ModelConfig`. Presets are
 TOML files whose tables mirror the dataclass tree; `load_config` reads one and validates it.
 
-  schema.py   the dataclasses (their fields, defaults, help and derived properties), Range
+  ranges.py   Range (a number field's bounds) and the bounded types the fields use
+  schema.py   the dataclasses (their fields, defaults, help and derived properties)
   types.py    each field's own check from its annotation: type, choices, range, finiteness
   check.py    validate_model, validate: every problem at once, by field name
   toml.py     from_dict, to_dict, to_toml, load_config
@@ -20,6 +21,7 @@ from fnmoe.config.schema import (
     MeshConfig,
     MixSource,
     ModelConfig,
+    REGIONS,
     MoEConfig,
     OptimConfig,
     PlanConfig,
@@ -28,10 +30,10 @@ from fnmoe.config.schema import (
     RunConfig,
     TrainConfig,
 )
-from fnmoe.config.toml import from_dict, load_config, to_dict, to_toml
+from fnmoe.config.toml import from_dict, load_config, to_dict, to_toml, with_token_steps
 
 __all__ = [
     "CheckpointConfig", "DataConfig", "DistConfig", "Dtype", "MemoryConfig", "MeshConfig", "MixSource", "ModelConfig",
-    "MoEConfig", "OptimConfig", "PlanConfig", "ProfileConfig", "RegionPolicy", "RunConfig", "TrainConfig",
-    "from_dict", "load_config", "to_dict", "to_toml", "validate", "validate_model",
+    "MoEConfig", "OptimConfig", "PlanConfig", "ProfileConfig", "REGIONS", "RegionPolicy", "RunConfig", "TrainConfig",
+    "from_dict", "load_config", "to_dict", "to_toml", "validate", "validate_model", "with_token_steps",
 ]

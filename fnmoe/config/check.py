@@ -7,11 +7,12 @@ other, and run once every field passes its own (they compare and divide by field
 """
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
 from fnmoe.config.hardware import hardware
-from fnmoe.config.schema import MemoryConfig, ModelConfig, MoEConfig, RunConfig
+from fnmoe.config.schema import REGIONS, MemoryConfig, ModelConfig, MoEConfig, RunConfig
 from fnmoe.config.types import field_errors
 
 
@@ -90,7 +91,7 @@ def _validate_groups(e: list[str], moe: MoEConfig) -> None:
 
 
 def _validate_memory(e: list[str], mem: MemoryConfig) -> None:
-    for name in ("attention", "moe", "mlp"):
+    for name in REGIONS:
         value = getattr(mem, name)
         _check(e, mem.recompute == "none" or value == "none",
                f"memory.{name}={value!r} needs memory.recompute='none' (full recompute already covers the region)")
@@ -116,6 +117,9 @@ def _validate_mix(e: list[str], cfg: RunConfig) -> None:
     for i, (s, label) in enumerate(zip(d.mix, labels)):
         _check(e, bool(MIX_NAME.fullmatch(label)),
                f"data.mix[{i}] name {label!r} must be letters, digits, '_', '.' or '-' (set name = ...)")
+    total = sum(s.weight for s in d.mix)  # each is finite; their sum can overflow, every share then 0
+    _check(e, math.isfinite(total), f"data.mix weights sum to {total} (an overflow): give them on a smaller scale, "
+           "e.g. as fractions")
     twice = sorted({x for x in labels if labels.count(x) > 1})
     _check(e, not twice, f"data.mix names must differ; {', '.join(twice)} appear more than once (set name = ...)")
 
@@ -143,6 +147,9 @@ def _run_relations(cfg: RunConfig) -> list[str]:
     if cfg.mesh.ep > 1:  # expert parallelism gives every ep rank the same whole experts
         _check(e, E > 0 and E % cfg.mesh.ep == 0,
                f"model.moe.n_experts={E} must be a positive multiple of mesh.ep={cfg.mesh.ep}")
+    _check(e, not t.tokens or t.steps == cfg.token_steps,
+           f"train.steps={t.steps} and train.tokens={t.tokens} disagree: {t.tokens} tokens at train.batch_size="
+           f"{t.batch_size} x data.seq_len={d.seq_len} tokens a step are {cfg.token_steps} steps; set one of them")
     _check(e, t.batch_size % (cfg.dp_size * t.grad_accum) == 0,
            f"train.batch_size={t.batch_size} must be divisible by data-parallel degree "
            f"(mesh.fsdp*mesh.ep={cfg.dp_size}) x train.grad_accum={t.grad_accum}")

@@ -4,44 +4,18 @@ The dataclass defaults are the tiny CPU preset (configs/tiny.toml states the sam
 Derived values are properties, never stored. The CLI (tyro) reads each field's annotation and
 the docstring right after it as a flag and its help, and check.py reads each annotation as the
 one statement of that field's type, each Literal as the one list of its choices and each `Range`
-(in an `Annotated` type) as the one statement of its bounds.
+(ranges.py; in an `Annotated` type) as the one statement of its bounds.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+from fnmoe.config.ranges import Count, NonNegativeFloat, PositiveFloat, PositiveInt, Range
+
 Dtype = Literal["float32", "bfloat16", "float64"]
 RegionPolicy = Literal["none", "full", "selective", "offload"]
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a number field takes, stated once in its `Annotated` type; check.py reads it
-    (a float field must also be finite, with or without a range)."""
-
-    lo: float = -math.inf
-    hi: float = math.inf
-    lo_open: bool = False
-    hi_open: bool = False
-
-    def __contains__(self, v: float) -> bool:
-        above = v > self.lo if self.lo_open else v >= self.lo
-        below = v < self.hi if self.hi_open else v <= self.hi
-        return above and below
-
-    def __str__(self) -> str:
-        if self.hi == math.inf:
-            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
-        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
-
-
-PositiveInt = Annotated[int, Range(0, lo_open=True)]
-Count = Annotated[int, Range(0)]
-"""an int >= 0"""
-PositiveFloat = Annotated[float, Range(0, lo_open=True)]
-NonNegativeFloat = Annotated[float, Range(0)]
+REGIONS = ("attention", "moe", "mlp")  # the regions a block compiles and MemoryConfig sets a policy for
 
 
 @dataclass(frozen=True)
@@ -87,10 +61,11 @@ class MoEConfig:
     largest count; one host read of that count per layer) or a loop; auto: grouped where it runs,
     else padded in bf16 with aligned dims, else the loop. dense runs every expert on every token,
     weighted by the routing (E/K times the FLOPs; what torch.func's vmap and jvp take)"""
-    capacity_factor: NonNegativeFloat = 0.0
+    capacity_factor: Annotated[float, Range(0, 1e6)] = 0.0
     """0: dropless. c > 0: an expert takes at most ceil(c*T*K/E) of the T*K rows a rank routes in a
     micro-batch (first come, in token order); the rest are dropped (zero expert output) and
-    counted in metrics as dropped_tokens"""
+    counted in metrics as dropped_tokens. At most 1e6 (from E/K on nothing is dropped; far larger
+    overflows the row count)"""
     token_chunks: Annotated[int, Range(1)] = 1
     """run a MoE layer's tokens (a rank's micro-batch) in N chunks while its gathered weights are held
     once: EP buffers, GEMM transients and saved tensors scale with T/N; N must divide the tokens"""
@@ -204,6 +179,9 @@ class OptimConfig:
     """final lr as a fraction of the peak"""
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     warmup_steps: Count = 50
+    """linear warmup steps; one not shorter than the run is clamped to a tenth of it, with a warning"""
+    warmup_fraction: Annotated[float, Range(0, 1, hi_open=True)] = 0.0
+    """> 0: the warmup is this fraction of train.steps (rounded), in place of warmup_steps"""
     decay_fraction: Annotated[float, Range(0, 1, lo_open=True)] = 0.2
     """wsd: fraction of the steps spent in the final decay"""
     weight_decay: NonNegativeFloat = 0.1
@@ -332,6 +310,9 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: PositiveInt = 800
+    tokens: Count = 0
+    """> 0: train on this many tokens: train.steps becomes ceil(tokens / (batch_size x data.seq_len)) (given
+    both, they must agree; on the command line the one given wins over a preset's)"""
     seed: int = 0
     batch_size: PositiveInt = 16
     """global batch in sequences per optimizer step (all ranks, all micro-batches)"""
@@ -364,11 +345,24 @@ class TrainConfig:
     init_from_hf: str = ""
     """start from the weights of this Hugging Face checkpoint directory (fnmoe.hf.load; on a mesh each
     rank reads only its slices) instead of the random init; its shapes must be the config's"""
+    max_consecutive_skips: Count = 10
+    """stop the run (exit 2) after this many skipped steps in a row (a non-finite loss, gradient or
+    update; a skip leaves the weights as they were, so a cause in the weights or the optimizer repeats
+    every step while one bad batch does not); 0: never. A run whose every step was skipped fails anyway"""
+    sample_every: Count = 0
+    """every N steps print a short greedy sample of the model (rank 0; on a mesh every rank gathers the
+    params for it); 0: never"""
+    sample_prompt: str = ""
+    """the text a sample continues (empty: the start of a document)"""
+    sample_tokens: PositiveInt = 64
+    """tokens a sample adds"""
 
 
 @dataclass(frozen=True)
 class DistConfig:
-    timeout_s: PositiveFloat = 600.0
+    timeout_s: Annotated[float, Range(0, 31_536_000, lo_open=True)] = 600.0
+    """seconds a collective waits for its peers before the run fails naming them; at most a year
+    (31,536,000 s: gloo refuses timeouts past ~9e9 s, and Python's timedelta overflows)"""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
 
@@ -445,4 +439,9 @@ class RunConfig:
     def micro_batch(self) -> int:
         """sequences per rank per micro-batch"""
         return self.train.batch_size // (self.dp_size * self.train.grad_accum)
+
+    @property
+    def token_steps(self) -> int:
+        """the train.steps that train.tokens asks for: ceil(tokens / global batch tokens); 0 without tokens"""
+        return -(-self.train.tokens // (self.train.batch_size * self.data.seq_len))
 

@@ -109,6 +109,14 @@ def _toml_value(v: Any) -> str:
     raise TypeError(f"cannot write {v!r} to TOML")
 
 
+def with_token_steps(cfg: RunConfig) -> RunConfig:
+    """cfg with train.steps set from train.tokens (unchanged without tokens): for a config that
+    gives the tokens and not the steps."""
+    if cfg.train.tokens <= 0:  # none (a negative one is refused by its own range check)
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=cfg.token_steps))
+
+
 def load_config(path: str | Path, validate_config: bool = True) -> RunConfig:
     """Read a TOML preset into a RunConfig (named after the file's stem), every value checked
     against its field's type, and validate it."""
@@ -127,4 +135,7 @@ def load_config(path: str | Path, validate_config: bool = True) -> RunConfig:
         raise ValueError(f"config {path}: cannot read ({e.strerror})") from None
     d.setdefault("name", path.stem)
     cfg = from_dict(RunConfig, d, source=str(path))
+    train = d.get("train")
+    if isinstance(train, dict) and "steps" not in train:  # a preset that states its budget in tokens
+        cfg = with_token_steps(cfg)
     return validate(cfg) if validate_config else cfg

@@ -20,6 +20,19 @@ from typing import Annotated, Any, Literal
 from fnmoe.config.schema import Range
 
 
+def read_json(path, error: type[Exception] = ValueError, obj: bool = True) -> Any:
+    """The JSON in the file at path (with obj, which is the default, a JSON object), or `error` naming
+    the file: how every index.json (a checkpoint's, a tree's, a prepared corpus's) and config.json
+    is read before its fields are checked."""
+    try:
+        out = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if obj and not isinstance(out, dict):
+        raise error(f"{path}: expected a JSON object, got {type(out).__name__}")
+    return out
+
+
 @functools.cache
 def hints(cls: type) -> dict[str, Any]:
     """Field name -> annotation of a config dataclass, Annotated extras (a Range) kept."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 
 from fnmoe import caches
 from fnmoe.config import DataConfig
+from fnmoe.config.types import read_json
 from fnmoe.data.sources import BUNDLED, read_documents
 
 EOS_ID = 256
@@ -126,8 +126,12 @@ class TokenData:
 
 
 def check_token_ids(tokens, vocab_size: int, where: str) -> None:
-    """Raise ValueError naming the first id outside 0..vocab_size-1 and its (flat) position."""
+    """Raise ValueError naming the first id outside 0..vocab_size-1 and its (flat) position; ids of
+    any integer dtype (uint16 and wider unsigned ones compared as int64: torch compares no others)."""
     flat_T = torch.as_tensor(tokens).reshape(-1)
+    if flat_T.dtype.is_floating_point or flat_T.dtype.is_complex or flat_T.dtype == torch.bool:
+        raise ValueError(f"{where}: token ids must be integers, got {flat_T.dtype}")
+    flat_T = flat_T if flat_T.dtype in (torch.int32, torch.int64) else flat_T.long()
     bad_T = (flat_T < 0) | (flat_T >= vocab_size)
     if bad_T.any():
         pos = int(bad_T.nonzero()[0])
@@ -151,19 +155,34 @@ def read_prepared_index(dir_: str | Path) -> dict:
         raise FileNotFoundError(f"corpus directory not found: {d}")
     if not path.is_file():
         raise ValueError(f"{path} is missing: {d} is not a prepared corpus (`fnmoe prepare --out DIR` writes one)")
-    try:
-        index = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(index, dict) or (index.get("format"), index.get("version")) != (PREPARED_FORMAT,
-                                                                                       PREPARED_VERSION):
+    index = read_json(path)
+    if (index.get("format"), index.get("version")) != (PREPARED_FORMAT, PREPARED_VERSION):
         raise ValueError(f"{path}: not a {PREPARED_FORMAT} v{PREPARED_VERSION} index")
     return index
+
+
+def _token_dtype(d: Path, index: dict) -> np.dtype:
+    """The token files' dtype: any integer dtype that holds the ids 0..vocab_size-1 (fnmoe prepare writes
+    uint16 or uint32; a uint8 or int16 set of another tool reads as well); a float, or an integer too
+    narrow for the vocabulary, would misread the ids and is refused."""
+    try:
+        dtype = np.dtype(index["dtype"])
+    except TypeError:
+        raise ValueError(f"{d / 'index.json'}: dtype {index['dtype']!r} is not a numpy dtype") from None
+    vocab = index.get("vocab_size")
+    if dtype.kind not in "iu":
+        raise ValueError(f"{d / 'index.json'}: token dtype {dtype.name!r} is not an integer type")
+    if isinstance(vocab, int) and vocab - 1 > np.iinfo(dtype).max:
+        raise ValueError(f"{d / 'index.json'}: token dtype {dtype.name!r} holds ids up to {np.iinfo(dtype).max}, "
+                         f"fewer than its vocab_size={vocab}")
+    return dtype
 
 
 def _prepared_files(d: Path, index: dict) -> list[tuple[str, Path, int, str]]:
     """(array name, path, bytes, sha256) of every file a prepared index lists."""
     out = []
+    if isinstance(index, dict) and "dtype" in index:
+        _token_dtype(d, index)  # its own message; a missing dtype is the malformed index's below
     try:
         itemsize = np.dtype(index["dtype"]).itemsize
         for split, entry in index["splits"].items():
@@ -269,15 +288,20 @@ def _token_stream(tok: ByteTokenizer, docs: list) -> tuple[torch.Tensor, torch.T
 
 # ---------------------------------------------------------------- batches
 
+def keyed_permutation(key: str, n: int) -> torch.Tensor:
+    """A permutation of range(n) that is a function of key alone (the one rule of the loaders' epoch
+    orders): sha256, not hash(), since Python salts str hashes per process and every rank must agree."""
+    digest = hashlib.sha256(key.encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.randperm(n, generator=gen)
+
+
 @caches.register
 @functools.lru_cache(maxsize=4)   # consecutive steps almost always share an epoch
 def _epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
-    # sha256, not hash(): Python salts str hashes per process, and every rank must agree. The key
-    # names the module this lived in before fnmoe/data/ and must not follow it: a checkpoint keeps
-    # only the step and seed, so a changed key gives a resumed run other samples
-    digest = hashlib.sha256(f"fnmoe.data:{seed}:{epoch}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return torch.randperm(n, generator=gen)
+    # the key names the module this lived in before fnmoe/data/ and must not follow it: a checkpoint
+    # keeps only the step and seed, so a changed key gives a resumed run other samples
+    return keyed_permutation(f"fnmoe.data:{seed}:{epoch}", n)
 
 
 @dataclass(frozen=True, eq=False)

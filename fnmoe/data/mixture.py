@@ -30,7 +30,8 @@ import torch
 
 from fnmoe import caches
 from fnmoe.config import DataConfig, RunConfig
-from fnmoe.data.loader import Loader, TokenData, load_data, load_prepared, read_prepared_index, val_batches, windows
+from fnmoe.data.loader import (Loader, TokenData, keyed_permutation, load_data, load_prepared, read_prepared_index,
+                               val_batches, windows)
 
 log = logging.getLogger("fnmoe")
 
@@ -119,10 +120,7 @@ def source_counts(G: int, weights: tuple[float, ...]) -> list[int]:
 @caches.register
 @functools.lru_cache(maxsize=16)   # consecutive steps almost always share each source's epoch
 def _source_permutation(seed: int, name: str, epoch: int, n: int) -> torch.Tensor:
-    # sha256, not hash(): Python salts str hashes per process, and every rank must agree
-    digest = hashlib.sha256(f"fnmoe.mix:{seed}:{name}:{epoch}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return torch.randperm(n, generator=gen)
+    return keyed_permutation(f"fnmoe.mix:{seed}:{name}:{epoch}", n)
 
 
 # ---------------------------------------------------------------- batches

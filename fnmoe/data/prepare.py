@@ -30,15 +30,22 @@ An interrupted run resumes at the missing parts, only for the same inputs and se
 `parts/key.txt` holds a digest of each input file's (path, size, mtime) -- nothing that needs the
 documents in memory -- with the fields, the tokenizer, the part size and the split. The final
 files are written to temporary names and renamed, so a crash never leaves a half-written
-`train.bin` behind an index that claims it.
+`train.bin` behind an index that claims it, and an error writing one (a full disk) removes its
+temporary file and names the file and the OS's reason. SIGTERM and SIGHUP stop a run as Ctrl-C does
+(`Stopped`): the workers (which leave signals to this process, and end should it die) finish the
+part in hand and end, finished parts stay, and the same command resumes from them.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -49,6 +56,8 @@ import numpy as np
 
 from fnmoe.data.loader import PREPARED_FORMAT, PREPARED_TOKENIZER, PREPARED_VERSION, encode_documents, load_tokenizer
 from fnmoe.data.sources import Source, count_documents, expand_inputs, iter_documents
+from fnmoe.run import faults
+from fnmoe.run.rundir import os_reason
 
 PART_DOCS = 512
 IN_FLIGHT = 2
@@ -122,13 +131,69 @@ _worker: dict = {}  # a pool process's tokenizer, loaded once by _init_worker
 
 
 def _init_worker(spec: str, dtype: str) -> None:
+    # the main process decides on signals (a terminal's Ctrl-C reaches every process of its group)
+    for s in _STOP_SIGNALS + (signal.SIGINT,):
+        signal.signal(s, signal.SIG_IGN)
+    threading.Thread(target=_end_with, args=(os.getppid(),), daemon=True).start()
     _, encode, _, eos = load_tokenizer(spec)
     _worker.update(encode=encode, eos=eos, dtype=dtype, byte=spec == "byte")
+
+
+def _end_with(parent: int) -> None:
+    """A worker whose main process died (SIGKILL: no shutdown) ends too: the pool's queue, whose
+    write end its sibling workers hold open, would never tell it."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP during prepare: stop as Ctrl-C does (parts written so far stay)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _stopping_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise Stopped in the body (main thread only); handlers restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+    before = {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+
+@contextlib.contextmanager
+def _replacing(path: Path, tmp: Path) -> Iterator[Path]:
+    """tmp, to write path's new content into, renamed over path when the block ends; on an error (a
+    stop's too) tmp is removed, and an OSError is one line naming path and the OS's reason (numpy's
+    and a close's errors name neither)."""
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(e, OSError):
+            raise ValueError(f"writing {path} failed: {os_reason(e)}") from None
+        raise
 
 
 def _encode_part(docs: list) -> tuple[np.ndarray, int]:
     """([T] token ids, or [2, T] ids and loss mask for SFT pairs; UTF-8 bytes of docs)."""
     w = _worker
+    faults.part_delay()
     if w["byte"] and not isinstance(docs[0], tuple):  # the bytes are the ids: numpy, not a list per byte
         raw = [d.encode() for d in docs]
         ids_T = np.insert(np.frombuffer(b"".join(raw), np.uint8).astype(w["dtype"]),
@@ -140,25 +205,32 @@ def _encode_part(docs: list) -> tuple[np.ndarray, int]:
 
 
 class _Progress:
-    """`prepare [###...] parts, MB/s of text, tokens/s` on stderr, at most twice a second; rates count
-    this run's parts only (not those resumed)."""
+    """`prepare [###...] parts, MB/s of text, tokens/s` on stderr, at most twice a second redrawn in
+    place on a terminal; elsewhere (a log file, a pipe) as whole lines, at most one every 10 s and
+    the last; rates count this run's parts only (not those resumed)."""
 
     def __init__(self, total: int, done: int):
         self.total, self.done, self.n_bytes, self.tokens = total, done, 0, 0
         self.t0 = self.shown = time.perf_counter()
+        self.tty = sys.stderr.isatty()
         self._show()
 
     def add(self, n_bytes: int, tokens: int) -> None:
         self.done, self.n_bytes, self.tokens = self.done + 1, self.n_bytes + n_bytes, self.tokens + tokens
-        if self.done == self.total or time.perf_counter() - self.shown >= 0.5:
+        if self.done == self.total or time.perf_counter() - self.shown >= (0.5 if self.tty else 10.0):
             self._show()
 
     def _show(self) -> None:
         self.shown = time.perf_counter()
         dt, n = max(self.shown - self.t0, 1e-9), 30 * self.done // self.total
-        sys.stderr.write(f"\rprepare [{'#' * n}{'.' * (30 - n)}] {self.done}/{self.total} parts  "
-                         f"{self.n_bytes / dt / 1e6:.1f} MB/s  {self.tokens / dt / 1e6:.2f}M tokens/s")
+        head, tail = ("\r", "") if self.tty else ("", "\n")
+        sys.stderr.write(f"{head}prepare [{'#' * n}{'.' * (30 - n)}] {self.done}/{self.total} parts  "
+                         f"{self.n_bytes / dt / 1e6:.1f} MB/s  {self.tokens / dt / 1e6:.2f}M tokens/s{tail}")
         sys.stderr.flush()
+
+    def end(self) -> None:
+        if self.tty:  # the line drawn in place ends here
+            sys.stderr.write("\n")
 
 
 def _tokenise_parts(sc: Scan, pool: ProcessPoolExecutor, workers: int, parts_dir: Path) -> list[Path]:
@@ -169,7 +241,8 @@ def _tokenise_parts(sc: Scan, pool: ProcessPoolExecutor, workers: int, parts_dir
         for p in parts_dir.glob("*"):
             p.unlink()
     parts_dir.mkdir(parents=True, exist_ok=True)
-    key_file.write_text(sc.key)
+    with _replacing(key_file, parts_dir / "key.txt.tmp") as tmp:
+        tmp.write_text(sc.key)
     files = [parts_dir / f"{k:06d}.npy" for k in range(len(sc.part_ranges()))]
     progress = _Progress(len(files), sum(f.exists() for f in files))
     pending: dict = {}  # future -> part number
@@ -178,9 +251,10 @@ def _tokenise_parts(sc: Scan, pool: ProcessPoolExecutor, workers: int, parts_dir
         for fut in futures:
             k = pending.pop(fut)
             ids_T, n_bytes = fut.result()
-            tmp = parts_dir / f"{k:06d}.tmp.npy"
-            np.save(tmp, ids_T)
-            os.replace(tmp, files[k])
+            with _replacing(files[k], parts_dir / f"{k:06d}.tmp.npy") as tmp:
+                buf = io.BytesIO()  # numpy's own file write loses the OS's reason ("N requested and M written")
+                np.save(buf, ids_T)
+                tmp.write_bytes(buf.getbuffer())
             progress.add(n_bytes, ids_T.shape[-1])
 
     for k, part in enumerate(_parts(sc)):
@@ -190,14 +264,14 @@ def _tokenise_parts(sc: Scan, pool: ProcessPoolExecutor, workers: int, parts_dir
             save(wait(pending, return_when=FIRST_COMPLETED).done)
         pending[pool.submit(_encode_part, part)] = k
     save(wait(pending).done)
-    sys.stderr.write("\n")
+    progress.end()
     return files
 
 
 def _concat(parts: list[Path], out: Path, dtype: str, row: int = 0) -> dict:
     """Stream row `row` of parts (1: the SFT loss mask) into out (via a temp name); its index entry."""
-    tmp, h, n = out.with_suffix(".tmp"), hashlib.sha256(), 0
-    with open(tmp, "wb") as f:
+    h, n = hashlib.sha256(), 0
+    with _replacing(out, out.with_suffix(".tmp")) as tmp, open(tmp, "wb") as f:
         for part in parts:
             b = np.atleast_2d(np.load(part))[row].astype(np.dtype(dtype).newbyteorder("<")).tobytes()
             f.write(b)
@@ -205,15 +279,20 @@ def _concat(parts: list[Path], out: Path, dtype: str, row: int = 0) -> dict:
             n += len(b) // np.dtype(dtype).itemsize
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, out)
     return {"file": out.name, "tokens": n, "sha256": h.hexdigest()}
 
 
 def prepare(inputs: list[str], tokenizer: str, out_dir: str | Path, text_field: str = "text",
             val_fraction: float = 0.05, workers: int = 2, prompt_field: str = "") -> dict:
     """Tokenise inputs into out_dir (resuming an interrupted run there); returns the index.
-    prompt_field: SFT pairs, whose prompt tokens are written with loss mask 0."""
-    out = Path(out_dir)
+    prompt_field: SFT pairs, whose prompt tokens are written with loss mask 0. SIGTERM and SIGHUP
+    raise Stopped (a KeyboardInterrupt, as Ctrl-C raises) once the workers have ended."""
+    with _stopping_on_signals():
+        return _prepare(inputs, tokenizer, Path(out_dir), text_field, val_fraction, workers, prompt_field)
+
+
+def _prepare(inputs: list[str], tokenizer: str, out: Path, text_field: str, val_fraction: float, workers: int,
+             prompt_field: str) -> dict:
     name, _, vocab, eos = load_tokenizer(tokenizer)
     # forked before pyarrow starts its threads (a fork copies no thread, and no lock one held)
     pool = ProcessPoolExecutor(max_workers=max(1, workers), initializer=_init_worker,
@@ -240,12 +319,11 @@ def prepare(inputs: list[str], tokenizer: str, out_dir: str | Path, text_field: 
              "tokenizer_spec": tokenizer, "vocab_size": vocab, "eos_id": eos, "dtype": dtype, "splits": splits,
              "fingerprint": fingerprint.hexdigest()[:16]}
     if tokenizer != "byte":  # a copy beside the tokens: what reads them (fnmoe generate) needs no other path
-        shutil.copyfile(tokenizer, out / (PREPARED_TOKENIZER + ".tmp"))
-        os.replace(out / (PREPARED_TOKENIZER + ".tmp"), out / PREPARED_TOKENIZER)
+        with _replacing(out / PREPARED_TOKENIZER, out / (PREPARED_TOKENIZER + ".tmp")) as tmp:
+            shutil.copyfile(tokenizer, tmp)
         index["tokenizer_file"] = PREPARED_TOKENIZER
-    tmp = out / "index.json.tmp"
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, out / "index.json")
+    with _replacing(out / "index.json", out / "index.json.tmp") as tmp:
+        tmp.write_text(json.dumps(index, indent=1))
     for p in parts_dir.glob("*"):
         p.unlink()
     parts_dir.rmdir()

@@ -11,6 +11,13 @@ Architectures (dispatched on config.json's `architectures`, never `model_type`):
                           routing, shared experts, the first first_k_dense_replace layers dense
                           (Kimi-K2 uses this architecture too)
   MixtralForCausalLM      GQA, softmax top-k renormalised, every layer MoE
+  Ernie4_5_MoeForCausalLM GQA, softmax top-k renormalised (chosen on the scores plus moe_statics'
+                          score-correction bias: the router bias), shared experts, dense layers
+                          outside moe_layer_start_index..moe_layer_end_index and moe_layer_interval;
+                          its interleaved RoPE is fnmoe's half-split one with each head's query and
+                          key rows reordered (keys.rope_rows). `save` writes it for a GQA model
+                          without q/k norm that Mixtral cannot hold (the tiny preset: a dense first
+                          layer)
 
 Both config dialects are read: transformers-5 `rope_parameters`, and the top-level `rope_theta`
 and `rope_scaling` (with `type`) of published hub checkpoints; `save` writes the former.
@@ -32,6 +39,8 @@ DeepSeek's `aux_loss_alpha` with `seq_aux` to model.moe.seq_aux_loss_coeff; the 
   config.py   config.json <-> ModelConfig for each architecture; block-FP8 settings
   keys.py     fnmoe leaf paths <-> HF tensor keys, and the HF shape behind each leaf
   weights.py  HF tensors -> leaves (transpose, expert stacking, FP8 dequantization) and back
+  tokenizer.py  the tokenizer files an export carries (fnmoe's byte tokenizer as a byte-level
+                tokenizer.json, or a prepared corpus's) and its end-of-text id
   io.py       load and save: the checkpoint directory, its safetensors files and index
 
 Modules import one way, in that order; this file only re-exports.
@@ -41,11 +50,12 @@ Legend: no shape-suffixed tensors here; leaves are handled by dotted path, HF te
 from fnmoe.hf.config import MODEL_TYPES, architecture, config_from_hf, config_to_hf, fp8_block, hf_architecture
 from fnmoe.hf.io import INDEX, SINGLE, load, read_json, save
 from fnmoe.hf.keys import key_map
-from fnmoe.hf.weights import _Reader as _Reader  # tests count the reads a load makes
+from fnmoe.hf.tokenizer import TokenizerFiles, byte_level, of_corpus
+from fnmoe.hf.weights import HFReader as HFReader  # tests count the reads a load makes
 from fnmoe.hf.weights import dequantize_fp8
 
 __all__ = [
     "load", "save",
     "MODEL_TYPES", "architecture", "config_from_hf", "config_to_hf", "fp8_block", "hf_architecture",
-    "key_map", "dequantize_fp8", "INDEX", "SINGLE", "read_json",
+    "key_map", "dequantize_fp8", "INDEX", "SINGLE", "read_json", "TokenizerFiles", "byte_level", "of_corpus",
 ]

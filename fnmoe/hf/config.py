@@ -1,4 +1,4 @@
-"""config.json <-> ModelConfig for Qwen3-MoE, DeepSeek-V3 and Mixtral (see fnmoe/hf/__init__.py).
+"""config.json <-> ModelConfig for Qwen3-MoE, DeepSeek-V3, Mixtral and Ernie 4.5 MoE (see fnmoe/hf/__init__.py).
 
 Reading accepts both config dialects and refuses, naming the option, anything fnmoe does not
 implement; writing emits the transformers-5 dialect for the one architecture that represents a
@@ -15,7 +15,7 @@ import torch
 from fnmoe.config import ModelConfig, MoEConfig, types, validate_model
 
 MODEL_TYPES = {"Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
-               "MixtralForCausalLM": "mixtral"}
+               "MixtralForCausalLM": "mixtral", "Ernie4_5_MoeForCausalLM": "ernie4_5_moe"}
 ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
              "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}
 
@@ -154,8 +154,31 @@ def _deepseek_config(hf: dict) -> ModelConfig:
                        ffn_hidden=_get(hf, "intermediate_size"), moe=moe)
 
 
+def _ernie_config(hf: dict) -> ModelConfig:
+    """Ernie 4.5 MoE: GQA without q/k norm, interleaved RoPE (read as half-split: keys.rope_rows),
+    softmax top-k renormalised, the top k chosen on the scores plus moe_statics' bias (the router
+    bias; io.load drops an all-zero one), layers start..end with (i + 1) % interval == 0 MoE."""
+    _require(hf, "use_bias", (False,), False)
+    n_layers = _get(hf, "num_hidden_layers")
+    start, interval = _get(hf, "moe_layer_start_index", 1), _get(hf, "moe_layer_interval", 1)
+    end = _get(hf, "moe_layer_end_index", -1)
+    end = n_layers - 1 if end == -1 else end
+    if interval < 1 or start < 0:
+        raise ValueError(f"unsupported option 'moe_layer_interval'={interval} or 'moe_layer_start_index'={start}")
+    moe = MoEConfig(n_experts=_get(hf, "moe_num_experts", None) or _get(hf, "num_experts", 0),
+                    top_k=_get(hf, "moe_k", None) or _get(hf, "num_experts_per_tok"),
+                    expert_hidden=_get(hf, "moe_intermediate_size"),
+                    n_shared_experts=_get(hf, "moe_num_shared_experts", 0), norm_topk_prob=True, router_bias=True,
+                    first_k_dense=min(start, n_layers), moe_every=interval,
+                    dense_layers=tuple(i for i in range(max(end + 1, start), n_layers) if (i + 1) % interval == 0),
+                    aux_loss_coeff=_get(hf, "router_aux_loss_coef", 0.001, float))
+    _get(hf, "moe_norm_min", 1e-12, float)  # clamps the renormalising sum of softmax scores: never reached
+    return ModelConfig(**_common_fields(hf, 500000.0), **_gqa_fields(hf), ffn_hidden=_get(hf, "intermediate_size"),
+                       moe=moe)
+
+
 CONFIG_READERS = {"Qwen3MoeForCausalLM": _qwen3_config, "DeepseekV3ForCausalLM": _deepseek_config,
-                  "MixtralForCausalLM": _mixtral_config}
+                  "MixtralForCausalLM": _mixtral_config, "Ernie4_5_MoeForCausalLM": _ernie_config}
 
 
 def config_from_hf(hf: dict, source: str = "config.json") -> tuple[ModelConfig, str]:
@@ -210,7 +233,7 @@ def hf_architecture(cfg: ModelConfig) -> str:
                   (m.n_group == 1 and not m.router_bias, "no group-limited routing or router bias"),
                   (not cfg.rope_interleave, "model.rope_interleave must be false")]
         arch = "Qwen3MoeForCausalLM"
-    else:
+    else:  # GQA without q/k norm: Mixtral where it fits (every layer MoE), else Ernie 4.5 MoE
         checks = [(m.score_func == "softmax", "model.moe.score_func must be 'softmax'"),
                   (m.norm_topk_prob, "model.moe.norm_topk_prob must be true"),
                   (m.n_shared_experts == 0, "model.moe.n_shared_experts must be 0"),
@@ -220,10 +243,31 @@ def hf_architecture(cfg: ModelConfig) -> str:
                    "every layer must be MoE (no dense layers)"),
                   (not cfg.rope_interleave, "model.rope_interleave must be false")]
         arch = "MixtralForCausalLM"
+        if not all(ok for ok, _ in checks):
+            checks = [(m.score_func == "softmax", "model.moe.score_func must be 'softmax'"),
+                      (m.norm_topk_prob, "model.moe.norm_topk_prob must be true"),
+                      (m.routed_scaling_factor == 1.0, "model.moe.routed_scaling_factor must be 1"),
+                      (m.n_group == 1, "no group-limited routing (model.moe.n_group must be 1)"),
+                      (m.n_experts > 0, "model.moe.n_experts must be > 0"),
+                      (_ernie_moe_layers(cfg) is not None, "the MoE layers must be every model.moe.moe_every-th "
+                       "layer from one index to another (model.moe.first_k_dense, dense_layers)")]
+            arch = "Ernie4_5_MoeForCausalLM"
     failed = [msg for ok, msg in checks if not ok]
     if failed:
-        raise ValueError(f"hf.save: this model is saved as {arch}, which needs: " + "; ".join(failed))
+        also = " (or MixtralForCausalLM, with every layer MoE)" if arch == "Ernie4_5_MoeForCausalLM" else ""
+        raise ValueError(f"hf.save: this model is saved as {arch}{also}, which needs: " + "; ".join(failed))
     return arch
+
+
+def _ernie_moe_layers(cfg: ModelConfig) -> tuple[int, int, int] | None:
+    """(moe_layer_start_index, moe_layer_end_index, moe_layer_interval) of Ernie 4.5 that make
+    exactly cfg's MoE layers, or None when no triple does."""
+    moe = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+    if not moe:
+        return None
+    start, end, every = moe[0], moe[-1], cfg.moe.moe_every
+    same = moe == [i for i in range(start, end + 1) if (i + 1) % every == 0]
+    return (start, end, every) if same else None
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
@@ -258,6 +302,13 @@ def config_to_hf(cfg: ModelConfig, arch: str, dtype: torch.dtype) -> dict[str, A
             hf |= {"aux_loss_alpha": m.seq_aux_loss_coeff, "seq_aux": True}
         return hf
     hf |= {"num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim_, "router_aux_loss_coef": m.aux_loss_coeff}
+    if arch == "Ernie4_5_MoeForCausalLM":
+        start, end, every = _ernie_moe_layers(cfg)
+        del hf["num_experts_per_tok"]  # Ernie's own names (transformers maps the generic ones to them too)
+        return hf | {"use_bias": False, "intermediate_size": cfg.ffn_hidden, "moe_intermediate_size": m.expert_hidden,
+                     "moe_k": m.top_k, "moe_num_experts": m.n_experts, "moe_num_shared_experts": m.n_shared_experts,
+                     "moe_layer_start_index": start, "moe_layer_end_index": end, "moe_layer_interval": every,
+                     "moe_norm_min": 1e-12}
     if arch == "Qwen3MoeForCausalLM":
         return hf | {"attention_bias": False, "intermediate_size": cfg.ffn_hidden,
                      "moe_intermediate_size": m.expert_hidden, "num_experts": m.n_experts,

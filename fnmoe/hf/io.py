@@ -6,6 +6,7 @@ Legend: no shape-suffixed tensors here; leaves are handled by dotted path, HF te
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -13,16 +14,17 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from fnmoe.config import ModelConfig
+from fnmoe.config.types import read_json
 from fnmoe.hf.config import config_from_hf, config_to_hf, fp8_block, hf_architecture
-from fnmoe.hf.keys import LAYER_KEY, _mtp_keys, key_map
-from fnmoe.hf.weights import _hf_tensors, _leaf, _Reader
+from fnmoe.hf.keys import ERNIE, LAYER_KEY, mtp_keys, key_map
+from fnmoe.hf.tokenizer import TokenizerFiles
+from fnmoe.hf.weights import hf_tensors, read_leaf, HFReader
 from fnmoe.params import leaf_inits
 from fnmoe.parallel.sharding import distribute
 from fnmoe.tree import Tree, flatten_dict, unflatten_dict
-from fnmoe.tree_io import new_dir
+from fnmoe.tree_io import new_dir, save_safetensors
 
 log = logging.getLogger("fnmoe")
 
@@ -54,17 +56,6 @@ def _safe_open(path: Path, stack: contextlib.ExitStack):
         raise ValueError(f"{path}: unreadable safetensors file ({e})") from None
 
 
-def read_json(path: Path) -> dict:
-    """A JSON object from path, or a ValueError naming the file."""
-    try:
-        out = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(out, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(out).__name__}")
-    return out
-
-
 def load(hf_dir: str | Path, mesh=None) -> tuple[ModelConfig, Tree]:
     """(ModelConfig, fp32 params tree) of a Hugging Face checkpoint directory; with a mesh, this
     rank's shards (DTensor leaves laid out by fnmoe.parallel.sharding), each rank reading only the experts
@@ -77,14 +68,17 @@ def load(hf_dir: str | Path, mesh=None) -> tuple[ModelConfig, Tree]:
     block = fp8_block(hf, str(hf_dir / "config.json"))
     inits = flatten_dict(leaf_inits(cfg))
     with contextlib.ExitStack() as stack:
-        reader = _Reader(_open(hf_dir, stack), block)
-        keys = key_map(cfg, arch)
+        reader = HFReader(_open(hf_dir, stack), block)
+        if arch == ERNIE:
+            cfg = _without_zero_bias(cfg, reader)
+            inits = flatten_dict(leaf_inits(cfg))
+        keys, A = key_map(cfg, arch), cfg.head_dim_
         if mesh is None:
-            flat = {path: _leaf(reader, how, k, inits[path].shape) for path, (how, k) in keys.items()}
+            flat = {path: read_leaf(reader, how, k, inits[path].shape, head_dim=A) for path, (how, k) in keys.items()}
         else:
             flat = flatten_dict(distribute(unflatten_dict(inits), mesh,
-                                           lambda path, idx: _leaf(reader, *keys[path], inits[path].shape, idx)))
-        skipped = _mtp_keys(list(reader.files), hf, arch, cfg.n_layers)
+                                           lambda path, idx: read_leaf(reader, *keys[path], inits[path].shape, idx, A)))
+        skipped = mtp_keys(list(reader.files), hf, arch, cfg.n_layers)
         unexpected = sorted(set(reader.files) - reader.used - set(skipped))
         if cfg.tie_embeddings and "lm_head.weight" in unexpected:  # a redundant copy some exporters write
             unexpected.remove("lm_head.weight")
@@ -98,14 +92,33 @@ def load(hf_dir: str | Path, mesh=None) -> tuple[ModelConfig, Tree]:
     return cfg, unflatten_dict(flat)
 
 
+def _without_zero_bias(cfg: ModelConfig, reader: HFReader) -> ModelConfig:
+    """Ernie 4.5 keeps a score-correction bias (moe_statics) in every MoE layer; all zero (as fnmoe
+    exports a model without one) or absent (transformers then makes it zero), cfg has no router
+    bias, so the tree is the one exported."""
+    keys = [k[0] for how, k in key_map(cfg, ERNIE).values() if how == "row"]
+    if not all(reader.read(k, reader.shape(k)).eq(0).all() for k in keys if k in reader.files):
+        return cfg
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, router_bias=False))
+
+
 # ---------------------------------------------------------------- save
 
-def save(hf_dir: str | Path, params: Tree, cfg: ModelConfig, max_shard_bytes: int = 5 * 2**30) -> Path:
+def save(hf_dir: str | Path, params: Tree, cfg: ModelConfig, max_shard_bytes: int = 5 * 2**30,
+         tokenizer: TokenizerFiles | None = None) -> Path:
     """Write params as a Hugging Face checkpoint (config.json + safetensors, sharded with an index
     above max_shard_bytes) that transformers loads, into a new or empty directory; weights keep
-    the params' dtype."""
+    the params' dtype. With a tokenizer (fnmoe.hf.tokenizer), its files too, and its end-of-text id
+    in config.json and generation_config.json; without, config.json states no token ids (rather
+    than the architecture's defaults, which would name a token of another vocabulary). Weights
+    holding NaN or inf are refused before anything is written."""
+    broken = [p for p, t in flatten_dict(params).items()
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if broken:
+        raise ValueError(f"hf.save: refusing to write {hf_dir}: the weights hold non-finite values (NaN or inf) in "
+                         f"{len(broken)} leaves, e.g. {broken[:3]}; nothing was written")
     arch = hf_architecture(cfg)
-    tensors = _hf_tensors(params, cfg, arch)
+    tensors = hf_tensors(params, cfg, arch)
     with new_dir(hf_dir) as tmp:  # stale shards or an index in hf_dir would mix with ours: new or empty
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
@@ -117,15 +130,19 @@ def save(hf_dir: str | Path, params: Tree, cfg: ModelConfig, max_shard_bytes: in
             shards[-1][key] = t
             size += nbytes
         if len(shards) == 1:
-            save_file(shards[0], tmp / SINGLE, metadata={"format": "pt"})
+            save_safetensors(shards[0], tmp / SINGLE)
         else:
             names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
             for name, shard in zip(names, shards):
-                save_file(shard, tmp / name, metadata={"format": "pt"})
+                save_safetensors(shard, tmp / name)
             weight_map = {key: name for name, shard in zip(names, shards) for key in shard}
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=1))
         dtype = flatten_dict(params)["embed.w_VD"].dtype
-        (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, arch, dtype), indent=1) + "\n")
+        eos = tokenizer.eos_token_id if tokenizer else None
+        ids = {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": None}
+        (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, arch, dtype) | ids, indent=1) + "\n")
+        if tokenizer:
+            tokenizer.write(tmp)
     return Path(hf_dir)

@@ -1,7 +1,8 @@
 """HF tensors <-> fnmoe leaves: reads with shape checks and block-FP8 dequantization, the
 [out, in] -> [in, out] transpose, per-expert matrices stacked into [E, in, out], and the reverse.
 
-Legend: E experts; HF matrices are [out, in], fnmoe's [*batch, in, out]; leaves by dotted path.
+Legend: E experts, N a query/key projection's outputs (heads x head dim); HF matrices are [out, in],
+fnmoe's [*batch, in, out]; leaves by dotted path.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from fnmoe.config import ModelConfig
-from fnmoe.hf.keys import _hf_shape, key_map
+from fnmoe.hf.keys import ERNIE, hf_shape_of, key_map, rope_rows
 from fnmoe.params import leaf_inits
 from fnmoe.tree import Tree, flatten_dict
 
@@ -25,7 +26,7 @@ def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, i
     return w.float() * scale[:w.shape[0], :w.shape[1]]
 
 
-class _Reader:
+class HFReader:
     """Reads HF tensors by key with shape checks and FP8 dequantization; records what it used."""
 
     def __init__(self, files: dict[str, Any], block: tuple[int, int] | None):
@@ -61,23 +62,29 @@ class _Reader:
         return dequantize_fp8(self.files[key].get_tensor(key), self.files[scale_key].get_tensor(scale_key), self.block)
 
 
-def _leaf(reader: _Reader, how: str, keys: tuple[str, ...], shape: tuple[int, ...],
-          index: tuple[slice, ...] = ()) -> torch.Tensor:
+def read_leaf(reader: HFReader, how: str, keys: tuple[str, ...], shape: tuple[int, ...],
+          index: tuple[slice, ...] = (), head_dim: int = 0) -> torch.Tensor:
     """The leaf, or its slice at index (one slice per leading dim), reading only that slice's bytes
-    (an HF [out, in] matrix is the transpose of the leaf's, so the index is reversed for it)."""
-    hf_shape = _hf_shape(how, shape)
+    (an HF [out, in] matrix is the transpose of the leaf's, so the index is reversed for it).
+    head_dim: the heads' width, for 'rope' leaves (whose HF rows are read whole and reordered)."""
+    hf_shape = hf_shape_of(how, shape)
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     if how == "copy":
         return reader.read(keys[0], hf_shape, index)
+    if how == "row":
+        return reader.read(keys[0], hf_shape, (slice(None), *index))[0]
     if how == "linear":
         return reader.read(keys[0], hf_shape, index[::-1]).T.contiguous()
+    if how == "rope":  # leaf column c is HF row inverse_N[c] (rope_rows inverted)
+        inverse_N = torch.argsort(rope_rows(shape[1], head_dim))
+        return reader.read(keys[0], hf_shape, (slice(None), index[0]))[inverse_N][index[1]].T.contiguous()
     experts = range(*index[0].indices(shape[0]))
     reader.used.update(keys)  # the experts this rank skips, other ranks read
     return torch.stack([reader.read(keys[j], hf_shape, index[:0:-1]).T for j in experts]) if experts else \
         torch.empty(0, *[len(range(*i.indices(n))) for i, n in zip(index[1:], shape[1:])])
 
 
-def _hf_tensors(params: Tree, cfg: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
+def hf_tensors(params: Tree, cfg: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
     flat = flatten_dict(params)
     kmap = key_map(cfg, arch)
     extra = sorted(set(flat) - set(kmap))
@@ -93,6 +100,14 @@ def _hf_tensors(params: Tree, cfg: ModelConfig, arch: str) -> dict[str, torch.Te
             raise ValueError(f"hf.save: leaf '{path}' has shape {list(t.shape)}, expected {list(inits[path].shape)}")
         if how == "experts":
             out |= {key: t[j].T.contiguous() for j, key in enumerate(keys)}
+        elif how == "rope":
+            out[keys[0]] = t.T[rope_rows(t.shape[1], cfg.head_dim_)].contiguous()
+        elif how == "row":
+            out[keys[0]] = t[None].contiguous()
         else:
             out[keys[0]] = (t.T if how == "linear" else t).contiguous()
+    if arch == ERNIE and not cfg.moe.router_bias:  # Ernie has the bias in every MoE layer: zero, no change
+        zeros_1E = torch.zeros(1, cfg.moe.n_experts, dtype=flat["embed.w_VD"].dtype)
+        out |= {f"model.layers.{i}.mlp.moe_statics.e_score_correction_bias": zeros_1E.clone()
+                for i in range(cfg.n_layers) if cfg.is_moe_layer(i)}
     return out

@@ -53,7 +53,7 @@ def unsupported(dtype: torch.dtype, device: torch.device, n_heads: int, n_kv_hea
     if n_heads % n_kv_heads:
         return f"{n_heads} query heads do not split over {n_kv_heads} kv heads"
     if not cpu_gemm.available():
-        return f"fnmoe's C++ CPU kernels did not build ({cpu_gemm._build_error()})"
+        return f"fnmoe's C++ CPU kernels did not build ({cpu_gemm.build_error()})"
     return None
 
 

@@ -17,6 +17,8 @@ and model.attention_impl='auto' SDPA.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -25,13 +27,15 @@ from fnmoe import _torch
 from fnmoe.compile import default_cache_dir, say_once
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("grouped_gemm.cpp", "attention.cpp")]
+NAME = "fnmoe_cpu_gemm"
+log = logging.getLogger("fnmoe")
 
 
 _loaded = False  # a plain global: compiled code reads it (a guard), never traces the build
 
 
 @functools.cache
-def _build_error() -> str | None:
+def build_error() -> str | None:
     """None once the extension is loaded (and its ops have fake kernels for compile), else why it
     could not be."""
     global _loaded
@@ -41,9 +45,15 @@ def _build_error() -> str | None:
         isa_flags = vector_isa()[1]
         build = build_dir()
         build.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name="fnmoe_cpu_gemm", sources=[str(s) for s in SOURCES], build_directory=str(build),
+        building = needs_build(build)
+        if building:  # ~17 s of silence otherwise
+            log.info("building fnmoe's C++ CPU kernels in %s (once per checkout and torch version, ~20 s)...", build)
+        t0 = time.perf_counter()
+        cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], build_directory=str(build),
                            extra_cflags=["-O3", "-fopenmp", *isa_flags], extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
+        if building:
+            log.info("built fnmoe's C++ CPU kernels in %.1f s", time.perf_counter() - t0)
     except Exception as e:  # no compiler, no ninja, a read-only cache: the padded path serves
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     torch.library.register_fake("fnmoe_cpu::grouped_mm")(
@@ -57,6 +67,13 @@ def _build_error() -> str | None:
         lambda dy, q, k, v, y, lse, scale: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
     _loaded = True
     return None
+
+
+def needs_build(build: Path) -> bool:
+    """Whether the extension in build is missing or older than a source or header (cpp_extension then
+    builds it; it also rebuilds for changed flags, which this does not see)."""
+    lib = build / f"{NAME}.so"
+    return not lib.exists() or any(src.stat().st_mtime > lib.stat().st_mtime for src in SOURCES[0].parent.iterdir())
 
 
 def build_dir() -> Path:
@@ -81,7 +98,7 @@ def vector_isa() -> tuple[str, list[str]]:
 
 def available() -> bool:
     """Whether the C++ CPU ops (grouped GEMM, attention) run here (builds them on the first call)."""
-    why = _build_error()
+    why = build_error()
     if why:
         say_once(f"fnmoe's C++ CPU kernels did not build ({why}); on CPU MoE experts run as padded batched "
                  "matmuls and attention through SDPA (slower). model.moe.impl='padded' with "
@@ -93,7 +110,7 @@ def require(instead: str) -> None:
     """Raise, naming why and what to use instead, unless the ops are loaded (the plain global is
     read first: compiled code reads it without tracing the build)."""
     if not _loaded and not available():
-        raise RuntimeError(f"fnmoe's C++ CPU kernels did not build ({_build_error()}); use {instead}")
+        raise RuntimeError(f"fnmoe's C++ CPU kernels did not build ({build_error()}); use {instead}")
 
 
 class _GroupedMM(torch.autograd.Function):

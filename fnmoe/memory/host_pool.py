@@ -6,6 +6,7 @@ the GPU runs. fnmoe.memory.policies's offload hooks and recompute keep their sav
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 
 import torch
@@ -48,6 +49,12 @@ class _Done:
 DONE = _Done()
 
 
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a dense, non-overlapping t (any dim order) as one flat uint8 view: its elements
+    fill one block of memory from its storage offset."""
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+
+
 class Copier:
     """The pool's copy primitives, the one place that differs by device. CUDA: copies run on a side
     stream and return events; the other stream waits on an event before using a copy. CPU: the same
@@ -88,6 +95,43 @@ class Copier:
         back.record_stream(self.stream)  # freed before the copy ended (never used): not reused early
         return back, ready
 
+    def pieces_to_host(self, pieces: list[torch.Tensor], t: torch.Tensor):
+        """to_host for a tensor whose bytes go to several slots, in order: one event for them all."""
+        src, at = flat_bytes(t), 0
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            for piece in pieces:
+                piece.copy_(src[at:at + piece.numel()], non_blocking=self.cuda)
+                at += piece.numel()
+            done = self._record()
+        if self.cuda:
+            t.record_stream(self.stream)
+        return done
+
+    def pieces_to_device(self, pieces: tuple, like: tuple, device: torch.device, after):
+        """to_device for a tensor stored in pieces: a new tensor of like's shape, strides and dtype."""
+        shape, stride, dtype = like
+        back = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        dst, at = flat_bytes(back), 0
+        if self.cuda:
+            self.stream.wait_event(after)
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            for piece in pieces:
+                dst[at:at + piece.numel()].copy_(piece, non_blocking=self.cuda)
+                at += piece.numel()
+            ready = self._record()
+        if self.cuda:
+            back.record_stream(self.stream)
+        return back, ready
+
+    def _record(self):
+        if not self.cuda:
+            return DONE
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
     def wait(self, event, device: torch.device) -> None:
         """The compute stream waits for event (nothing to wait for on CPU)."""
         if self.cuda:
@@ -96,10 +140,13 @@ class Copier:
 
 @dataclasses.dataclass(eq=False)
 class Handle:
-    """A saved tensor in the pool: its host copy, and while backward needs it its device copy."""
-    host: torch.Tensor
+    """A saved tensor in the pool: its host copy (host, with the tensor's shape and strides; or, split
+    over segments, its bytes in pieces), and while backward needs it its device copy."""
+    host: torch.Tensor | None
     device: torch.device
     done: object  # the device-to-host copy's event
+    pieces: tuple = ()  # the bytes in order, when host is None
+    like: tuple = ()  # (shape, stride, dtype)
     uses: int = 1  # unpacks still to come (a tensor saved twice is stored once)
     back: torch.Tensor | None = None  # the device copy, from prefetch until the last unpack
     ready: object = None  # the host-to-device copy's event
@@ -141,19 +188,34 @@ class HostPool:
             event.synchronize()
             self._inflight_bytes -= n
 
-    def _slot(self, t: torch.Tensor) -> torch.Tensor:
-        n = t.numel() * t.element_size()
-        while self.segment < len(self.buffers):
-            # 64-byte aligned slots, like the allocator: kernels (and rounding) do not change
-            start = -(-self.offset // 64) * 64
-            buffer = self.buffers[self.segment]
-            if start + n <= buffer.numel():
-                self.offset, self.used = start + n, self.used + n
-                self.peak_used = max(self.peak_used, self.used)
-                return buffer[start:start + n].view(t.dtype).as_strided(t.shape, t.stride())
-            self.segment, self.offset = self.segment + 1, 0
-        raise RuntimeError(f"offload host pool of {self.nbytes} bytes is full; plan it larger "
-                           "(fnmoe plan reports offload_host)")
+    def _take(self, n: int) -> torch.Tensor | None:
+        """n bytes of the current segment from a 64-byte aligned offset (like the allocator: kernels,
+        and so rounding, do not change), or what is left of it; None when nothing is."""
+        buffer = self.buffers[self.segment]
+        start = -(-self.offset // 64) * 64
+        n = min(n, buffer.numel() - start)
+        if n <= 0:
+            return None
+        self.offset, self.used = start + n, self.used + n
+        self.peak_used = max(self.peak_used, self.used)
+        return buffer[start:start + n]
+
+    def _slots(self, n: int) -> list[torch.Tensor]:
+        """Room for n bytes, in order: one slot when the current segment holds them whole, else pieces
+        filling what is left of it and of the next, so that the pool holds its bytes whatever the
+        sizes of the tensors (a pool is its planned bytes, not its planned tensors)."""
+        pieces, left = [], n
+        while left and self.segment < len(self.buffers):
+            piece = self._take(left)
+            if piece is not None:
+                pieces.append(piece)
+                left -= piece.numel()
+            if left:
+                self.segment, self.offset = self.segment + 1, 0
+        if left:
+            raise RuntimeError(f"offload host pool of {self.nbytes} bytes is full; plan it larger "
+                               "(fnmoe plan reports offload_host)")
+        return pieces
 
     def store(self, t: torch.Tensor) -> Handle:
         """A copy of t in the pool with its shape, dtype and strides (t must be non-overlapping and
@@ -161,15 +223,24 @@ class HostPool:
         holds no reference to t."""
         n = t.numel() * t.element_size()
         self._wait_inflight(n)
-        slot = self._slot(t)
-        done = self.copier.to_host(slot, t)
+        slots = self._slots(n)
+        if len(slots) == 1:
+            host = slots[0].view(t.dtype).as_strided(t.shape, t.stride())
+            done = self.copier.to_host(host, t)
+        else:
+            host = None
+            done = self.copier.pieces_to_host(slots, t)
         self.inflight.append((done, n))
         self._inflight_bytes += n
-        return Handle(slot, t.device, done)
+        return Handle(host, t.device, done, pieces=tuple(slots) if host is None else (),
+                      like=(t.shape, t.stride(), t.dtype))
 
     def prefetch(self, handle: Handle) -> None:
         """Start bringing handle back to its device (idempotent while its copy is there)."""
-        if handle.back is None:
+        if handle.back is None and handle.host is None:
+            handle.back, handle.ready = self.copier.pieces_to_device(handle.pieces, handle.like, handle.device,
+                                                                     handle.done)
+        elif handle.back is None:
             handle.back, handle.ready = self.copier.to_device(handle.host, handle.device, handle.done)
 
     def load(self, handle: Handle) -> torch.Tensor:

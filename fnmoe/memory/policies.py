@@ -42,8 +42,8 @@ from fnmoe import _torch, caches
 from fnmoe import compile as fcompile
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import reshard
-from fnmoe.config import MemoryConfig
-from fnmoe.memory.host_pool import Handle, HostPool, pool_bytes_for
+from fnmoe.config import REGIONS, MemoryConfig
+from fnmoe.memory.host_pool import Handle, HostPool
 from fnmoe._torch import TorchDispatchMode
 from fnmoe.tree import flatten_dict, tree_map
 
@@ -107,6 +107,10 @@ class _Kept:
         return not (self.replay_exchange and func in EXCHANGE_OPS and args[0].is_floating_point())
 
     def keep(self, func, out) -> None:
+        if self.pool is not None and func in EXCHANGE_OPS:
+            # a collective's output is written by its backend (NCCL's stream, gloo's thread) until it is
+            # waited for: the copy to the host may only read it after (waiting twice is harmless)
+            out = tree_map(lambda x: _torch.funcol.wait_tensor(x) if isinstance(x, torch.Tensor) else x, out)
         self.outputs[func].append(tree_map(self._pack, out))
 
     def _pack(self, x):
@@ -234,11 +238,13 @@ def _offload_hooks(pool: HostPool, keep: set[int], min_bytes: int, stats: dict, 
     return pack, unpack
 
 
-REGIONS = ("attention", "moe", "mlp")
+def offloads(mem: MemoryConfig) -> bool:
+    """Whether mem copies saved tensors to the host pool (the block policy's or a region's offload)."""
+    return mem.offload or "offload" in (getattr(mem, r) for r in REGIONS)
 
 
 class Runner:
-    """A fnmoe.memory.runner.BlockRunner under a MemoryConfig: `runner(i, fn, p, x_BLD, *rest)` runs block
+    """A fnmoe.seams.BlockRunner under a MemoryConfig: `runner(i, fn, p, x_BLD, *rest)` runs block
     i under the block policy, and `runner.region(i, name, fn, compile, *args)` one of its regions
     under that region's policy. With reshard (several ranks, --mesh.reshard-after-forward) gathered
     weights are regathered in backward, not kept (fnmoe.parallel.reshard), composed with offload where both
@@ -246,19 +252,23 @@ class Runner:
     forward (offload only)."""
 
     def __init__(self, mem: MemoryConfig, n_layers: int, pool: HostPool | None = None, reshard: bool = False):
-        offloads = mem.offload or "offload" in (getattr(mem, r) for r in REGIONS)
-        if offloads and (pool is None or n_layers < 1):
-            raise ValueError("offload needs a HostPool and the model's n_layers")
+        if offloads(mem) and (pool is None or n_layers < 1):
+            raise ValueError("offload needs a HostPool and the model's n_layers (a run's pool: "
+                             "train_runner(run, fnmoe.plan.activations.pool_bytes(run)))")
         self.mem, self.n_layers, self.pool, self.reshard = mem, n_layers, pool, reshard
         # offload knows a block's params by their storages, so its blocks take params already cast:
         # a compiled region casting inside would save the casts, and offload would copy weights
-        self.offloads = offloads
+        self.offloads = offloads(mem)
         self.stats, self.handles, self.reloaded = {}, {}, set()
 
-    def __call__(self, i: int, fn: Callable, p: dict, x_BLD: torch.Tensor, *rest):
-        if i == 0 and self.pool is not None:
+    def begin(self) -> None:
+        """A micro-batch's forward begins (fnmoe.train's step calls it): the pool is rewound (the
+        previous backward is over, and its copies with it) and the per-block bookkeeping starts afresh."""
+        if self.pool is not None:
             self.pool.rewind()
             self.stats, self.handles, self.reloaded = {}, {}, set()
+
+    def __call__(self, i: int, fn: Callable, p: dict, x_BLD: torch.Tensor, *rest):
         inner = _plain
         if self.mem.recompute == "full":  # what it keeps (routing, the exchange) goes to the pool too
             pool = self.pool if self.mem.offload and self._offloading(i) else None
@@ -286,7 +296,7 @@ class Runner:
             return call(*args)
 
     def chunk_recompute(self, i: int) -> str | None:
-        """fnmoe.memory.runner.BlockRunner.chunk_recompute: the MoE region's chunks are recomputed one
+        """fnmoe.seams.BlockRunner.chunk_recompute: the MoE region's chunks are recomputed one
         at a time under full recompute (the block's or the region's); the region's checkpoint keeps the
         exchange's outputs, the block's unless --memory.no-keep-exchange. Selective recompute keeps the
         matmuls the chunks would recompute: its chunks run as they are."""
@@ -331,30 +341,25 @@ class Runner:
 
 def block_runner(mem: MemoryConfig, n_layers: int = 0, pool: HostPool | None = None,
                  reshard: bool = False) -> Runner | None:
-    """The runner for model.hidden_states under this policy (None: fnmoe.memory.runner.PLAIN will do)."""
-    plain = mem.recompute == "none" and not mem.offload and all(getattr(mem, r) == "none" for r in REGIONS)
+    """The runner for model.hidden_states under this policy (None: fnmoe.seams.PLAIN will do)."""
+    plain = mem.recompute == "none" and not offloads(mem) and all(getattr(mem, r) == "none" for r in REGIONS)
     if plain and not reshard:
         return None
     return Runner(mem, max(n_layers, 1), pool, reshard)
 
 
-def pool_bytes(run) -> int:
-    """Host bytes train_runner's pool asks for (a GPU's; 0 when nothing is offloaded): what
-    fnmoe.memory.host_limit holds against plan.host_gb and the machine's memory."""
-    from fnmoe.plan.activations import activation_plan
-
-    mem = run.memory
-    if not (mem.offload or "offload" in (getattr(mem, r) for r in REGIONS)):
-        return 0
-    return pool_bytes_for(activation_plan(run)["host"])
+def regathers(run) -> bool:
+    """Whether run's gathered weights are dropped after forward and gathered again in backward:
+    several ranks with --mesh.reshard-after-forward."""
+    return run.mesh.world > 1 and run.mesh.reshard_after_forward
 
 
-def train_runner(run) -> Runner | None:
-    """block_runner for a RunConfig: the host pool sized by pool_bytes; with several ranks and
-    resharding, gathered weights are dropped after forward and gathered again in backward."""
+def train_runner(run, pool_bytes: int = 0) -> Runner:
+    """The runner of run's training step under run.memory, its host pool of pool_bytes (sized where
+    the step is built: fnmoe.plan.activations.pool_bytes; 0 when nothing is offloaded) on the device
+    training runs on; with regathers(run), resharding."""
     mem = run.memory
     device = fdist.compute_device(run.dist, run.mesh.world)  # where training runs (fnmoe.loop's rule)
     device = device if device.type == "cuda" else None
-    nbytes = pool_bytes(run)
-    pool = HostPool(nbytes, device, mem.max_inflight_bytes) if nbytes else None
-    return block_runner(mem, run.model.n_layers, pool, run.mesh.world > 1 and run.mesh.reshard_after_forward)
+    pool = HostPool(pool_bytes, device, mem.max_inflight_bytes) if pool_bytes and offloads(mem) else None
+    return Runner(mem, max(run.model.n_layers, 1), pool, regathers(run))

@@ -22,7 +22,7 @@ from fnmoe.optim.build import from_config
 from fnmoe.optim.muon_update import (NS_COEFFICIENTS, AdjustLR, ScaleByMuonState, lr_scale, muon, newton_schulz,
                                      scale_by_muon)
 from fnmoe.optim.qk_clipping import qk_clip
-from fnmoe.optim.schedules import constant, schedule_from_config, warmup_cosine, wsd
+from fnmoe.optim.schedules import constant, schedule_from_config, warmup_cosine, warmup_of, wsd
 from fnmoe.tree import tree_flatten_with_paths, tree_map  # the tree helpers optimizer code maps with
 
 __all__ = [
@@ -32,7 +32,7 @@ __all__ = [
     "global_norm", "ClipState", "clip_by_global_norm", "AddDecayedWeightsState", "add_decayed_weights",
     "ScaleByLearningRateState", "scale_by_learning_rate", "default_labels", "decay_mask",
     # schedules
-    "constant", "warmup_cosine", "wsd", "schedule_from_config",
+    "constant", "warmup_cosine", "wsd", "schedule_from_config", "warmup_of",
     # adam
     "ScaleByAdamState", "scale_by_adam", "AdamWState", "adamw",
     # muon

@@ -13,8 +13,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from fnmoe.optim.base import (GradientTransformation, PerLeaf, ScalarOrSchedule, Tree, _count, _device, _leaves,
-                              _lr_init, _lr_now, _resolve, _scalar)
+from fnmoe.optim.base import (GradientTransformation, PerLeaf, ScalarOrSchedule, Tree, current_lr, device_of, hyper,
+                              hyper_tensor, initial_lr, leaves_of, per_leaf_values, zero_count)
 from fnmoe.tree import tree_flatten_with_paths, tree_map
 
 
@@ -38,19 +38,26 @@ def _adam_denom(nu: Tensor, bc2: Tensor, eps: Tensor) -> Tensor:
 
 
 def _adam_init(params: Tree, b1: float, b2: float, eps: float) -> tuple[Tensor, ...]:
-    device = _device(params)
-    return (_count(device), _scalar(b1, device), _scalar(b2, device), _scalar(eps, device),
+    device = device_of(params)
+    return (zero_count(device), hyper_tensor(b1, device), hyper_tensor(b2, device), hyper_tensor(eps, device),
             tree_map(torch.zeros_like, params), tree_map(torch.zeros_like, params))
+
+
+def _check_adam(who: str, b1: float, b2: float, eps: float) -> None:
+    hyper(f"{who}: b1", b1, hi=1.0, hi_open=True)
+    hyper(f"{who}: b2", b2, hi=1.0, hi_open=True)
+    hyper(f"{who}: eps", eps)
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
     """Bias-corrected m / (sqrt(v) + eps), with torch.optim.Adam's order of operations."""
+    _check_adam("scale_by_adam", b1, b2, eps)
     def update(updates: Tree, state: ScaleByAdamState, params: Tree = None) -> tuple[Tree, ScaleByAdamState]:
         _, g_leaves, rebuild = tree_flatten_with_paths(updates)
         count = state.count + 1
         bc1, bc2 = 1 - state.b1 ** count, 1 - state.b2 ** count
         out, mus, nus = [], [], []
-        for g, m, v in zip(g_leaves, _leaves(state.mu), _leaves(state.nu), strict=True):
+        for g, m, v in zip(g_leaves, leaves_of(state.mu), leaves_of(state.nu), strict=True):
             m, v = _adam_moments(g, m, v, state.b1, state.b2)
             out.append((m / bc1).div_(_adam_denom(v, bc2, state.eps)))
             mus.append(m)
@@ -82,18 +89,22 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
     decay, torch rounds twice in place (p*(1-lr*wd), then + step) where p + update rounds
     once, so decayed leaves agree to about 1 ulp per step, not bitwise.
     """
+    hyper("adamw: learning rate", lr)
+    hyper("adamw: weight_decay", weight_decay)
+    _check_adam("adamw", b1, b2, eps)
     def update(grads: Tree, state: AdamWState, params: Tree = None) -> tuple[Tree, AdamWState]:
         if params is None:
             raise ValueError("adamw needs params")
         paths, g_leaves, rebuild = tree_flatten_with_paths(grads)
-        decay = _resolve(mask, params) if mask is not None else [True] * len(paths)
+        decay = per_leaf_values(mask, params) if mask is not None else [True] * len(paths)
         count = state.count + 1
-        lr_now = _lr_now(lr, state.count, state.lr)
+        lr_now = current_lr(lr, state.count, state.lr)
         neg_step_size = -(lr_now / (1 - state.b1 ** count))
         bc2 = 1 - state.b2 ** count
         neg_decay = -(lr_now * state.weight_decay)
         out, mus, nus = [], [], []
-        for g, p, m, v, d in zip(g_leaves, _leaves(params), _leaves(state.mu), _leaves(state.nu), decay, strict=True):
+        for g, p, m, v, d in zip(g_leaves, leaves_of(params), leaves_of(state.mu), leaves_of(state.nu), decay,
+                                 strict=True):
             m, v = _adam_moments(g, m, v, state.b1, state.b2)
             step = (neg_step_size * m).div_(_adam_denom(v, bc2, state.eps))
             out.append(torch.addcmul(step, p, neg_decay) if d else step)
@@ -104,6 +115,6 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
 
     def init(params: Tree) -> AdamWState:
         count, b1_, b2_, eps_, mu, nu = _adam_init(params, b1, b2, eps)
-        device = _device(params)
-        return AdamWState(count, _lr_init(lr, device), b1_, b2_, eps_, _scalar(weight_decay, device), mu, nu)
+        device = device_of(params)
+        return AdamWState(count, initial_lr(lr, device), b1_, b2_, eps_, hyper_tensor(weight_decay, device), mu, nu)
     return GradientTransformation(init, update)

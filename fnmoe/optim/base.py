@@ -24,12 +24,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import math
+
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from fnmoe.parallel import sharding
-from fnmoe.tree import tree_flatten_with_paths, tree_map
+from fnmoe.tree import leaf_kind, tree_flatten_with_paths, tree_map
 
 Tree = Any
 """a nested dict (str keys) of tensors; states also hold NamedTuples and tuples"""
@@ -53,24 +55,38 @@ class EmptyState(NamedTuple):
     pass
 
 
-def _leaves(tree: Tree) -> list[Any]:
+def leaves_of(tree: Tree) -> list[Any]:
     return tree_flatten_with_paths(tree)[1]
 
 
-def _device(tree: Tree) -> torch.device:
-    leaves = _leaves(tree)
+def device_of(tree: Tree) -> torch.device:
+    leaves = leaves_of(tree)
     return leaves[0].device if leaves else torch.device("cpu")
 
 
-def _scalar(value: float, device: torch.device) -> Tensor:
+def hyper_tensor(value: float, device: torch.device) -> Tensor:
     return torch.tensor(value, dtype=torch.float64, device=device)
 
 
-def _count(device: torch.device) -> Tensor:
+def hyper(what: str, value: Any, lo: float = 0.0, hi: float = math.inf, hi_open: bool = False) -> Any:
+    """value, checked where an optimizer is built: a hyperparameter that is NaN, inf or out of its range
+    would make every update non-finite (every step skipped) or turn descent into ascent. A schedule
+    (a callable lr) passes as it is: its values are tensors, checked when it is built."""
+    if callable(value):
+        return value
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and lo <= value \
+        and (value < hi if hi_open else value <= hi)
+    if not ok:
+        bounds = f">= {lo:g}" if hi == math.inf else f"in [{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        raise ValueError(f"{what} must be a finite number {bounds}, got {value!r}")
+    return value
+
+
+def zero_count(device: torch.device) -> Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
-def _resolve(tree_or_fn: PerLeaf, tree: Tree) -> list[Any]:
+def per_leaf_values(tree_or_fn: PerLeaf, tree: Tree) -> list[Any]:
     """Leaves of a per-leaf annotation (labels, masks) given as a tree or as a function of `tree`."""
     ann = tree_or_fn(tree) if callable(tree_or_fn) else tree_or_fn
     paths = tree_flatten_with_paths(tree)[0]
@@ -125,11 +141,11 @@ def partition(transforms: dict[str, GradientTransformation], labels: PerLeaf) ->
         return groups
 
     def init(params: Tree) -> dict[str, Tree]:
-        groups = split(params, _resolve(labels, params))
+        groups = split(params, per_leaf_values(labels, params))
         return {name: tx.init(groups[name]) for name, tx in transforms.items()}
 
     def update(updates: Tree, state: dict[str, Tree], params: Tree = None) -> tuple[Tree, dict[str, Tree]]:
-        label_leaves = _resolve(labels, updates)
+        label_leaves = per_leaf_values(labels, updates)
         paths, _, rebuild = tree_flatten_with_paths(updates)
         u_groups = split(updates, label_leaves)
         p_groups = split(params, label_leaves) if params is not None else {}
@@ -143,14 +159,9 @@ def partition(transforms: dict[str, GradientTransformation], labels: PerLeaf) ->
 
 
 @torch.no_grad()
-def apply_updates(params: Tree, updates: Tree, inplace: bool = False) -> Tree:
-    """params + updates, leaf by leaf, in each param's dtype.
-
-    inplace=False returns new leaves (leaves that required grad are fresh leaves that
-    require grad); inplace=True adds into the given tensors and returns the same tree.
-    """
-    if inplace:
-        return tree_map(lambda p, u: p.add_(u), params, updates)
+def apply_updates(params: Tree, updates: Tree) -> Tree:
+    """params + updates, leaf by leaf, in each param's dtype: new leaves (leaves that required grad
+    are fresh leaves that require grad); params are left as they were."""
     return tree_map(lambda p, u: (p + u).to(p.dtype).requires_grad_(p.requires_grad), params, updates)
 
 
@@ -182,6 +193,8 @@ def set_hyperparams(state: Tree, **values: float) -> Tree:
     e.g. set_hyperparams(state, lr=3e-4). Scheduled learning rates are recomputed from the
     step count every update, so setting their `lr` (the last lr used) has no effect.
     """
+    for name, value in values.items():
+        hyper(f"set_hyperparams: {name}", value, lo=-math.inf)
     if isinstance(state, tuple) and hasattr(state, "_fields"):
         return type(state)(*(
             torch.full_like(v, values[f]) if f in values else set_hyperparams(v, **values)
@@ -207,7 +220,7 @@ def global_norm(tree: Tree) -> Tensor:
     """L2 norm of all floating leaves together, accumulated in fp32 (a norm of per-leaf
     norms, as torch.nn.utils.clip_grad_norm_ computes it). Integer leaves (counters under
     `buffers`) carry no gradient and are skipped."""
-    leaves = [x for x in _leaves(tree) if x.is_floating_point()]
+    leaves = [x for x in leaves_of(tree) if x.is_floating_point()]
     if any(isinstance(x, DTensor) for x in leaves):  # sharded: each mesh's part, summed over its ranks
         return sharding.global_norm_sq(tree).sqrt()
     if not leaves:
@@ -222,12 +235,13 @@ class ClipState(NamedTuple):
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """Scale all updates by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_."""
+    hyper("clip_by_global_norm: max_norm", max_norm)
     def update(updates: Tree, state: ClipState, params: Tree = None) -> tuple[Tree, ClipState]:
         norm = global_norm(updates)
         # reciprocal-then-multiply is how torch evaluates `max_norm / (norm + 1e-6)`
         coef = torch.clamp((norm + 1e-6).reciprocal() * state.max_norm.to(norm.dtype), max=1.0)
         return tree_map(lambda u: u * coef.to(u.device) if u.is_floating_point() else u, updates), state
-    return GradientTransformation(lambda params: ClipState(_scalar(max_norm, _device(params))), update)
+    return GradientTransformation(lambda params: ClipState(hyper_tensor(max_norm, device_of(params))), update)
 
 
 class AddDecayedWeightsState(NamedTuple):
@@ -236,15 +250,17 @@ class AddDecayedWeightsState(NamedTuple):
 
 def add_decayed_weights(weight_decay: float, mask: PerLeaf | None = None) -> GradientTransformation:
     """updates + weight_decay * params on the leaves where `mask` (bools, or params -> bools) is True."""
+    hyper("add_decayed_weights: weight_decay", weight_decay)
     def update(updates: Tree, state: AddDecayedWeightsState, params: Tree = None) -> tuple[Tree, Any]:
         if params is None:
             raise ValueError("add_decayed_weights needs params")
         paths, u_leaves, rebuild = tree_flatten_with_paths(updates)
-        decay = _resolve(mask, params) if mask is not None else [True] * len(paths)
+        decay = per_leaf_values(mask, params) if mask is not None else [True] * len(paths)
         wd = state.weight_decay
-        out = [torch.addcmul(u, p, wd) if d else u for u, p, d in zip(u_leaves, _leaves(params), decay, strict=True)]
+        out = [torch.addcmul(u, p, wd) if d else u for u, p, d in zip(u_leaves, leaves_of(params), decay, strict=True)]
         return rebuild(out), state
-    return GradientTransformation(lambda params: AddDecayedWeightsState(_scalar(weight_decay, _device(params))), update)
+    return GradientTransformation(lambda params: AddDecayedWeightsState(hyper_tensor(weight_decay, device_of(params))),
+                                  update)
 
 
 class ScaleByLearningRateState(NamedTuple):
@@ -253,39 +269,42 @@ class ScaleByLearningRateState(NamedTuple):
     """the constant lr, or with a schedule the lr of the latest step (for logging)"""
 
 
-def _lr_now(lr: ScalarOrSchedule, count: Tensor, state_lr: Tensor) -> Tensor:
+def current_lr(lr: ScalarOrSchedule, count: Tensor, state_lr: Tensor) -> Tensor:
     return lr(count).to(state_lr) if callable(lr) else state_lr
 
 
-def _lr_init(lr: ScalarOrSchedule, device: torch.device) -> Tensor:
-    return lr(_count(device)).to(torch.float64) if callable(lr) else _scalar(lr, device)
+def initial_lr(lr: ScalarOrSchedule, device: torch.device) -> Tensor:
+    return lr(zero_count(device)).to(torch.float64) if callable(lr) else hyper_tensor(lr, device)
 
 
 def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     """updates * -lr; lr a float (kept in the state) or a schedule of the 0-based step."""
+    hyper("learning rate", lr)
     def update(updates: Tree, state: ScaleByLearningRateState, params: Tree = None) -> tuple[Tree, Any]:
-        lr_now = _lr_now(lr, state.count, state.lr)
+        lr_now = current_lr(lr, state.count, state.lr)
         return tree_map(lambda u: u * -lr_now, updates), ScaleByLearningRateState(state.count + 1, lr_now)
 
     def init(params: Tree) -> ScaleByLearningRateState:
-        device = _device(params)
-        return ScaleByLearningRateState(_count(device), _lr_init(lr, device))
+        device = device_of(params)
+        return ScaleByLearningRateState(zero_count(device), initial_lr(lr, device))
     return GradientTransformation(init, update)
 
 
 # ------------------------------------------------------------------ labels
 
-def default_labels(params: Tree, muon: bool = True) -> Tree:
-    """'frozen' under `buffers`; with muon, 'muon' for leaves of >= 2 dims outside the
-    embedding (`embed`) and output head (`head`); everything else 'adamw'."""
-    paths, leaves, rebuild = tree_flatten_with_paths(params)
+def default_label(path: str, ndim: int, muon: bool = True) -> str:
+    """A leaf's default label: 'frozen' under `buffers`; with muon, 'muon' for leaves of >= 2 dims
+    outside the embedding (`embed`) and output head (`head`); everything else 'adamw' (the planner
+    counts optimizer state by it)."""
+    if leaf_kind(path) == "buffer":
+        return "frozen"
+    return "muon" if muon and ndim >= 2 and not path.startswith(("embed.", "head.")) else "adamw"
 
-    def label(path: str, leaf: Tensor) -> str:
-        top = path.split(".", 1)[0]
-        if top == "buffers":
-            return "frozen"
-        return "muon" if muon and leaf.ndim >= 2 and top not in ("embed", "head") else "adamw"
-    return rebuild([label(p, x) for p, x in zip(paths, leaves)])
+
+def default_labels(params: Tree, muon: bool = True) -> Tree:
+    """default_label of every leaf of params."""
+    paths, leaves, rebuild = tree_flatten_with_paths(params)
+    return rebuild([default_label(p, x.ndim, muon) for p, x in zip(paths, leaves)])
 
 
 def decay_mask(params: Tree) -> Tree:

@@ -5,9 +5,8 @@ Legend: no shape-suffixed tensors here; optimizers map trees leaf by leaf.
 """
 from __future__ import annotations
 
-import torch
-
 from fnmoe.config import OptimConfig
+from fnmoe.dtypes import DTYPE
 from fnmoe.optim.adam import adamw
 from fnmoe.optim.base import (GradientTransformation, Schedule, chain, clip_by_global_norm, decay_mask,
                               default_labels, partition, set_to_zero)
@@ -27,7 +26,7 @@ def from_config(ocfg: OptimConfig, total_steps: int) -> tuple[GradientTransforma
                   ns_steps=ocfg.ns_steps, adjust_lr=ocfg.adjust_lr,
                   adamw_lr=schedule_from_config(ocfg, ocfg.adamw_lr or ocfg.lr, total_steps),
                   adamw_betas=(ocfg.beta1, ocfg.beta2), adamw_eps=ocfg.eps,
-                  momentum_dtype=getattr(torch, ocfg.momentum_dtype), ns_dtype=getattr(torch, ocfg.ns_dtype))
+                  momentum_dtype=DTYPE[ocfg.momentum_dtype], ns_dtype=DTYPE[ocfg.ns_dtype])
     elif ocfg.name == "adamw":
         tx = partition({"adamw": adamw(schedule, ocfg.beta1, ocfg.beta2, ocfg.eps, ocfg.weight_decay, mask=decay_mask),
                         "frozen": set_to_zero()},

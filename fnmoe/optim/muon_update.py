@@ -38,8 +38,8 @@ from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.parallel.dispatch import all_to_all
 from fnmoe.optim.adam import adamw
-from fnmoe.optim.base import (GradientTransformation, PerLeaf, ScalarOrSchedule, Tree, _device, _leaves, _scalar,
-                              add_decayed_weights, chain, decay_mask, default_labels, partition,
+from fnmoe.optim.base import (GradientTransformation, PerLeaf, ScalarOrSchedule, Tree, add_decayed_weights, chain,
+                              decay_mask, default_labels, device_of, hyper, hyper_tensor, leaves_of, partition,
                               scale_by_learning_rate, set_to_zero)
 from fnmoe.tree import tree_flatten_with_paths, tree_map
 
@@ -219,6 +219,8 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int =
     Follow with add_decayed_weights and scale_by_learning_rate for the full Muon step.
     """
     lr_scale(1, 1, adjust_lr)  # fail at construction on an unknown name
+    hyper("scale_by_muon: momentum", momentum, hi=1.0, hi_open=True)
+    hyper("scale_by_muon: eps", eps)
 
     def update(updates: Tree, state: ScaleByMuonState, params: Tree = None) -> tuple[Tree, ScaleByMuonState]:
         paths, G_leaves, rebuild = tree_flatten_with_paths(updates)
@@ -228,7 +230,7 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int =
                                  "(label it 'adamw')")
         mu = state.momentum
         # the same lerps as torch.optim.Muon, so the buffers are bitwise equal
-        M_leaves = [M.lerp(G.to(M.dtype), 1 - mu) for G, M in zip(G_leaves, _leaves(state.mu), strict=True)]
+        M_leaves = [M.lerp(G.to(M.dtype), 1 - mu) for G, M in zip(G_leaves, leaves_of(state.mu), strict=True)]
         U_leaves = [G.lerp(M.to(G.dtype), mu) for G, M in zip(G_leaves, M_leaves)] if nesterov else M_leaves
         O_leaves = _orthogonalize_leaves(U_leaves, ns_steps, eps, ns_dtype)
         # back to the update dtype before scaling: scaling bf16 O would round it again (~1e-4 off torch)
@@ -236,7 +238,7 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int =
         return rebuild(out), ScaleByMuonState(mu, rebuild(M_leaves))
 
     def init(params: Tree) -> ScaleByMuonState:
-        return ScaleByMuonState(_scalar(momentum, _device(params)),
+        return ScaleByMuonState(hyper_tensor(momentum, device_of(params)),
                                 tree_map(lambda p: torch.zeros_like(p, dtype=momentum_dtype), params))
     return GradientTransformation(init, update)
 
@@ -252,6 +254,9 @@ def muon(lr: ScalarOrSchedule, weight_decay: float = 0.1, momentum: float = 0.95
     leaves: lr adamw_lr (None: lr), decay adamw_weight_decay (None: weight_decay) on
     matrices only. Set hyperparameters between steps with optim.set_hyperparams.
     """
+    hyper("muon: learning rate", lr)
+    if adamw_lr is not None:
+        hyper("muon: adamw_lr", adamw_lr)
     return partition({
         "muon": chain(scale_by_muon(momentum, nesterov, ns_steps, adjust_lr, momentum_dtype=momentum_dtype,
                                     ns_dtype=ns_dtype),

@@ -4,9 +4,11 @@ and simulate ranks in one process.
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address; `init_from_env` starts the
 default group from them (gloo on CPU, NCCL on GPU) with --dist.timeout-s and warms it with a
 barrier, because a lazily created communicator can deadlock at the first collective that only
-some ranks reach. `simulate(world)` runs `world` ranks in this process (LocalTensorMode over the
-fake process group): every tensor holds one value per rank and collectives are computed exactly,
-which is how the tests check the mesh matrix without starting processes.
+some ranks reach. Under torchrun's agent-hosted store the ranks first agree on a key prefix of
+their own (`attempt_store`), so a restart (`--max-restarts`) never reads its dead predecessors'
+keys. `simulate(world)` runs `world` ranks in this process (LocalTensorMode over the fake process
+group): every tensor holds one value per rank and collectives are computed exactly, which is how
+the tests check the mesh matrix without starting processes.
 
 A collective that waits longer than --dist.timeout-s, or loses a peer, raises on gloo;
 `failure_report` turns that into a message naming the collective (the last one `entering` named on
@@ -26,6 +28,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 import warnings
 from typing import Callable, Iterator, NoReturn
 
@@ -40,6 +43,8 @@ from fnmoe.config import DistConfig
 # how long ranks whose collective failed wait for the others to say they are alive
 PROBE_S = 10.0
 _PROBE_KEY = "fnmoe/probe/"
+# where the ranks of a torchrun attempt agree on their store's key prefix (attempt_store)
+_ATTEMPT_KEY = "fnmoe/attempt/"
 # The collective this rank entered last. A plain global, not a ContextVar: backward's collectives
 # are named by autograd hooks, which run on autograd's threads on GPUs.
 _entered = ["none named yet"]
@@ -84,14 +89,79 @@ def compute_device(dcfg: DistConfig | None, world: int) -> torch.device:
 
 
 def init_from_env(dcfg: DistConfig) -> None:
-    """Start the default process group from torchrun's environment and warm it with a barrier."""
+    """Start the default process group from torchrun's environment and warm it with a barrier; a
+    failure to start is one CollectiveError naming this rank (no gloo traceback)."""
     if dist.is_initialized():
         return
     backend = backend_for(dcfg)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=dcfg.timeout_s))
-    dist.barrier()
+    timeout = datetime.timedelta(seconds=dcfg.timeout_s)
+    me, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        if agent_store_shared():
+            dist.init_process_group(backend, timeout=timeout, rank=me, world_size=n,
+                                    store=attempt_store(agent_store(timeout), me, n, timeout))
+        else:
+            dist.init_process_group(backend, timeout=timeout)
+        dist.barrier()
+    except (RuntimeError, dist.DistStoreError) as e:  # DistError is a RuntimeError
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CollectiveError(f"rank {me} of {n}: starting the process group ({backend}) failed: {first}") from e
+
+
+def agent_store_shared() -> bool:
+    """True when torchrun's agent hosts the store its workers meet at (its default with the c10d
+    rendezvous): the store outlives the workers, so it holds every earlier attempt's keys."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+
+
+def agent_store(timeout: datetime.timedelta) -> dist.Store:
+    """A client of the store torchrun's agent hosts at MASTER_ADDR:MASTER_PORT."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timeout)
+
+
+def attempt_store(store: dist.Store, me: int, n: int, timeout: datetime.timedelta,
+                  poll_s: float = 0.02) -> dist.Store:
+    """store under a key prefix that no earlier attempt of this torchrun job used, the same on
+    every rank. torchrun's agent keeps one store for all its restarts, so a restarted worker would
+    read the keys of the attempt before (a dead peer's address: gloo's "Connect timeout", NCCL's
+    stale unique id; pytorch/pytorch#135712), and TORCHELASTIC_RESTART_COUNT is no namespace: each
+    node's agent counts its own restarts. So the ranks agree on a fresh one: each rank > 0 says
+    hello with a new random nonce and waits for the key named by it (which no earlier attempt can
+    have written); rank 0 draws the attempt's id, answers every nonce it reads (an earlier
+    attempt's left-over nonce gets an answer no one reads) until all ranks have counted themselves
+    under that id. Every process of an earlier attempt is gone before a restart's begin, so no
+    stale writer races this."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    late = lambda: CollectiveError(  # noqa: E731
+        f"rank {me} of {n}: the ranks did not all arrive within {timeout.total_seconds():g} s (--dist.timeout-s) "
+        f"to start the process group (torchrun attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})")
+    if me != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"{_ATTEMPT_KEY}hello/{me}", nonce)
+        try:
+            store.wait([f"{_ATTEMPT_KEY}answer/{nonce}"], timeout)
+        except dist.DistStoreError:
+            raise late() from None
+        attempt = store.get(f"{_ATTEMPT_KEY}answer/{nonce}").decode()
+        store.add(f"{_ATTEMPT_KEY}{attempt}/arrived", 1)
+    else:
+        attempt, answered = uuid.uuid4().hex, {}
+        hellos = [f"{_ATTEMPT_KEY}hello/{r}" for r in range(1, n)]
+        while store.add(f"{_ATTEMPT_KEY}{attempt}/arrived", 0) < n - 1:
+            if time.monotonic() > deadline:
+                raise late()
+            if store.check(hellos):  # every rank has said hello at least once (in some attempt)
+                for r, nonce in enumerate(store.multi_get(hellos), 1):
+                    if answered.get(r) != nonce:
+                        store.set(f"{_ATTEMPT_KEY}answer/{nonce.decode()}", attempt)
+                        answered[r] = nonce
+            time.sleep(poll_s)
+    return dist.PrefixStore(f"{_ATTEMPT_KEY}{attempt}/", store)
 
 
 def group_options(dcfg: DistConfig):

@@ -35,7 +35,7 @@ from fnmoe.parallel import dist as fdist
 from fnmoe._torch import StridedShard
 from fnmoe.config import DistConfig, MeshConfig
 from fnmoe.parallel.dispatch import all_reduce_sum
-from fnmoe.tree import Tree, map_with_path, tree_flatten
+from fnmoe.tree import Tree, leaf_kind, map_with_path, tree_flatten
 
 MESH_AXES = ("fsdp", "ep")
 DP = "dp"
@@ -81,19 +81,33 @@ def _ranks(mesh: DeviceMesh) -> tuple[int, ...]:
     return tuple(mesh.mesh.flatten().tolist())
 
 
+def position(i: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The index on each dim of a mesh of this shape of its i-th rank (row-major, as DeviceMesh lays
+    ranks out): the one rule from a rank to its mesh coordinates."""
+    out = []
+    for n in reversed(shape):
+        i, c = divmod(i, n)
+        out.append(c)
+    return tuple(reversed(out))
+
+
+def axis_coords(i: int, fsdp: int, ep: int) -> dict[str, int]:
+    """The i-th rank's position on each axis of an (fsdp, ep) mesh, the flattened dp axis included."""
+    return {**dict(zip(MESH_AXES, position(i, (fsdp, ep)))), DP: i}
+
+
 def _coord(mesh: DeviceMesh, rank: int) -> dict[str, int]:
     """rank's position on each axis of the ("fsdp", "ep") mesh."""
-    i = _ranks(mesh).index(rank)
-    return {"fsdp": i // mesh.size(1), "ep": i % mesh.size(1), DP: i}
+    return axis_coords(_ranks(mesh).index(rank), mesh.size(0), mesh.size(1))
 
 
 # ---------------------------------------------------------------- rules and specs
 
 def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
     """The logical axis of each dim of the leaf at path (None: never sharded)."""
-    if path.startswith("buffers.") or ndim == 0:
+    if leaf_kind(path) == "buffer" or ndim == 0:
         return (None,) * ndim
-    if ndim == 3 and ".moe.w_" in path:
+    if ndim == 3 and leaf_kind(path) == "expert":
         return ("expert", "expert_row", None)
     return ("row",) + (None,) * (ndim - 1)
 
@@ -243,10 +257,8 @@ def stored_slice(t: DTensor, rank: int) -> tuple[tuple[slice, ...], bool]:
     """(the slice of t's global value that rank stores, whether rank is the lowest rank storing
     it) for a DTensor placed by `placements`: what a sharded checkpoint writes once."""
     dmesh = t.device_mesh
-    names, i = dmesh.mesh_dim_names, _ranks(dmesh).index(rank)
-    coord = {}
-    for name, n in zip(reversed(names), reversed(dmesh.shape)):
-        coord[name], i = i % n, i // n
+    names = dmesh.mesh_dim_names
+    coord = dict(zip(names, coordinate(dmesh, rank)))
     split = {name: p.dim for name, p in zip(names, t.placements) if isinstance(p, (Shard, StridedShard))}
     # in RULES order: ep splits the expert dim first, then fsdp each ep part (_StridedShard)
     spec = LeafSpec(tuple((axis, split[axis]) for axis in (DP, "ep", "fsdp") if axis in split))
@@ -297,11 +309,7 @@ def split_dims(t: DTensor) -> dict[int, int]:
 
 def coordinate(mesh: DeviceMesh, rank: int) -> tuple[int, ...]:
     """A global rank's index on each dim of mesh (DeviceMesh.get_coordinate knows only its own)."""
-    i, out = _ranks(mesh).index(rank), []
-    for n in reversed(mesh.shape):
-        i, c = divmod(i, n)
-        out.append(c)
-    return tuple(reversed(out))
+    return position(_ranks(mesh).index(rank), tuple(mesh.shape))
 
 
 def chunk_lengths(n: int, parts: int) -> list[int]:

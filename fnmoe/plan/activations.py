@@ -17,7 +17,10 @@ import math
 from functools import lru_cache
 
 from fnmoe.config import ModelConfig, PlanConfig, RunConfig, TrainConfig
-from fnmoe.plan.state import DTYPE_BYTES, block_numels, largest_leaf, reduce_bytes, unsharded_grad_bytes
+from fnmoe.dtypes import DTYPE_BYTES
+from fnmoe.memory.host_pool import pool_bytes_for
+from fnmoe.memory.policies import offloads
+from fnmoe.plan.state import block_numels, largest_leaf, reduce_bytes, unsharded_grad_bytes
 
 
 def norm_bytes(T: int, n: int, s: int) -> int:
@@ -60,8 +63,17 @@ def moe_bytes(cfg: ModelConfig, T: int, s: int, imbalance: float = 1.0, ep: int 
     """Saved bytes of one MoE region on a rank: its tokens' routing, and the rows its experts receive
     (T·K on average over EP ranks, times the imbalance on the busiest)."""
     m, D = cfg.moe, cfg.dim
+    R = int(T * m.top_k * (imbalance if ep > 1 else 1.0))
+    rows = R * 16 + 2 * R * D * s + swiglu_bytes(R, m.expert_hidden, s)
+    shared = swiglu_bytes(T, m.n_shared_experts * m.expert_hidden, s)
+    return moe_unchunked_bytes(cfg, T, s) + rows + shared
+
+
+def moe_unchunked_bytes(cfg: ModelConfig, T: int, s: int) -> int:
+    """The part of moe_bytes that sees all T tokens at once when the region runs in token chunks
+    (fnmoe.moe_chunks): its input norm and the routing (one router matmul over every token)."""
+    m, D = cfg.moe, cfg.dim
     K, E = m.top_k, m.n_experts
-    R = int(T * K * (imbalance if ep > 1 else 1.0))
     # below fp32 the router reads an fp32 copy of the normed tokens, and only a shared expert keeps the
     # weighted norm output that norm_bytes counts; in fp32 the router reads (and keeps) that output itself
     upcast = T * D * 4 - (0 if m.n_shared_experts else T * D * s) if s < 4 else 0
@@ -70,9 +82,21 @@ def moe_bytes(cfg: ModelConfig, T: int, s: int, imbalance: float = 1.0, ep: int 
     # scores and their sum; sigmoid scores' per-token sum for the balance losses
     router = (upcast + T * E * 4 + (T * E * 4 + 4 * T if m.z_loss_coeff else 0) + T * K * (8 + s)
               + (T * K * 4 + 4 * T if m.norm_topk_prob else 0) + (4 * T if m.score_func == "sigmoid" else 0))
-    rows = R * 16 + 2 * R * D * s + swiglu_bytes(R, m.expert_hidden, s)
-    shared = swiglu_bytes(T, m.n_shared_experts * m.expert_hidden, s)
-    return norm_bytes(T, D, s) + router + rows + shared
+    return norm_bytes(T, D, s) + router
+
+
+def weight_grad_bytes(run: RunConfig, i: int) -> int:
+    """Compute-dtype weight gradients of layer i alive at once in its backward: as backward reaches
+    each weight, that one before its reduce-scatter (the largest); a MoE layer in token chunks
+    (fnmoe.moe_chunks) differentiated chunk by chunk holds every chunked weight's gradient, summed
+    over the chunks, beside one chunk's new one."""
+    s, one = DTYPE_BYTES[run.model.compute_dtype], largest_leaf(run, layers=True)
+    m = run.model.moe
+    if not (run.model.is_moe_layer(i) and m.token_chunks > 1 and run.memory.recompute == "full"):
+        return one * s
+    stack = run.model.dim * m.expert_hidden * (m.n_experts // run.mesh.ep)
+    shared = run.model.dim * m.expert_hidden * m.n_shared_experts
+    return (3 * stack + 3 * shared + max(stack, one)) * s
 
 
 def region_bytes(cfg: ModelConfig, i: int, T: int, s: int, imbalance: float = 1.0, ep: int = 1) -> dict:
@@ -129,14 +153,16 @@ def block_activations(run: RunConfig, i: int, T: int) -> dict:
         exchanged = exchange if mem.keep_exchange else 0
         kept = T * cfg.dim * s + exchanged
         host = kept if mem.offload and not last else 0
-        # with token chunks the MoE region is recomputed and differentiated a chunk at a time
+        # with token chunks the MoE region is recomputed and differentiated a chunk at a time, but for
+        # its norm and routing, which see every token at once
         n = cfg.moe.token_chunks if "moe" in regions else 1
-        recomputing = full - regions.get("moe", 0) + regions.get("moe", 0) // n
+        whole = moe_unchunked_bytes(cfg, T, s) if n > 1 else regions.get("moe", 0)
+        recomputing = full - regions.get("moe", 0) + whole + (regions.get("moe", 0) - whole) // n
         recomputing += exchange // n if not exchanged else 0
         # offloaded, what it keeps comes back for its recompute, beside the previous block's (prefetched)
         # and, as backward reaches each weight, that leaf's compute-dtype gradient before its reduce-scatter
         return {"device": kept - host, "host": host, "recomputed": full,
-                "transient": recomputing + exchanged + (2 * kept if host else 0) + largest_leaf(run, layers=True) * s}
+                "transient": recomputing + exchanged + (2 * kept if host else 0) + weight_grad_bytes(run, i)}
     R = int(T * cfg.moe.top_k * (run.plan.imbalance if run.mesh.ep > 1 else 1.0))
     out = {"device": 0, "host": 0, "recomputed": 0, "transient": 0}
     for region, none_bytes in regions.items():
@@ -192,6 +218,16 @@ def _activation_plan(cfg: ModelConfig, T: int, memory, mesh, imbalance: float, c
                     unsharded_grad_bytes(run) + sends[0])
     return {"blocks": blocks, "device": device, "host": sum(b["host"] for b in blocks), "transient": transient,
             "head": head}
+
+
+def pool_bytes(run: RunConfig) -> int:
+    """Host bytes a rank's offload pool pins (0 when nothing is offloaded): the planned offload_host
+    with the pool's margin, in whole segments (fnmoe.memory.host_pool.pool_bytes_for). The size the
+    step's runner is built with (fnmoe.memory.policies.train_runner, where the step is built) and
+    the one fnmoe.plan.host_limit holds against the host."""
+    if not offloads(run.memory):
+        return 0
+    return pool_bytes_for(activation_plan(run)["host"])
 
 
 def logits_bytes(run: RunConfig) -> int:

@@ -14,7 +14,9 @@ from functools import lru_cache
 from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.plan import network as plan_net
 from fnmoe.plan.activations import tokens_per_rank
-from fnmoe.plan.state import DTYPE_BYTES, leaf_kind, leaf_shapes, reduce_bytes
+from fnmoe.dtypes import DTYPE_BYTES
+from fnmoe.plan.state import leaf_shapes, reduce_bytes
+from fnmoe.tree import leaf_kind
 
 
 def comm_bytes(run: RunConfig) -> dict:

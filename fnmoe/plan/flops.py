@@ -10,7 +10,7 @@ import math
 
 from fnmoe.config import ModelConfig
 from fnmoe.params import leaf_inits
-from fnmoe.tree import flatten_dict
+from fnmoe.tree import flatten_dict, leaf_kind
 
 
 def param_counts(cfg: ModelConfig) -> tuple[int, int]:
@@ -18,13 +18,13 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     router bias) are state, not params."""
     total = active = 0
     for path, init in flatten_dict(leaf_inits(cfg)).items():
-        if path.startswith("buffers."):
+        if leaf_kind(path) == "buffer":
             continue
         n = math.prod(init.shape)
         total += n
         if path.startswith("embed.") and not cfg.tie_embeddings:
             continue
-        if path.endswith(("_EDF", "_EFD")):
+        if leaf_kind(path) == "expert":
             n = n * cfg.moe.top_k // cfg.moe.n_experts
         active += n
     return total, active

@@ -17,8 +17,9 @@ is decided when it is made, from the op and the step's phase:
                   activation gradients of the block running, which recompute policies bound)
   phase update    optim (the optimizer's temporaries and its new state)
 
-The phase is set by `mark` (fnmoe.train calls it at each micro-batch and before the update; a
-no-op without a meter). Tensors made before the meter starts are registered with `track`.
+The phase is set by fnmoe.seams.mark (fnmoe.train calls it at each micro-batch and before the update;
+a meter listens while it runs, and without one it does nothing). Tensors made before the meter
+starts are registered with `track`.
 
 CommMeter counts the _c10d_functional collectives (DTensor's redistribute and fnmoe's all-to-alls
 run on them) by kind, mesh axis and dtype: bytes a rank sends under ring accounting (an all-gather
@@ -35,25 +36,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fnmoe import _torch
+from fnmoe import _torch, seams
 from fnmoe.parallel import dist as fdist
 from fnmoe._torch import TorchDispatchMode, is_traceable_wrapper_subclass
 from fnmoe.tree import tree_leaves
 
 PHASE_CATEGORY = {"forward": "activations", "grads": "grads", "update": "optim"}
 CATEGORIES = ("params", "grads", "optim", "gathered", "activations", "backward", "logits", "ep_buffers")
-_active: list = []  # the StorageMeters running, innermost last
-
-
-def mark(phase: str, tree=None) -> None:
-    """The step enters phase ("forward", "grads", "update"; backward is seen from autograd's
-    engine); tree's storages are counted as the phase's category from now on."""
-    for m in _active:
-        m.phase = phase
-        if tree is not None and isinstance(m, StorageMeter):
-            m.track(tree, PHASE_CATEGORY[phase])
-
-
 def plain_tensors(tree) -> list[torch.Tensor]:
     """The plain tensors of tree's leaves, wrapper subclasses (DTensor, AsyncCollectiveTensor) unwrapped."""
     out = []
@@ -79,15 +68,18 @@ def _collective_kind(name: str) -> str | None:
 
 
 class _Meter(TorchDispatchMode):
-    """A dispatch mode that `mark` tells the step's phase while it is active."""
+    """A dispatch mode that the step's phase marks (fnmoe.seams.mark) reach while it is active."""
 
     def __enter__(self):
-        _active.append(self)
+        seams.listen(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        _active.remove(self)
+        seams.unlisten(self)
         return super().__exit__(*exc)
+
+    def marked(self, phase: str, tree) -> None:
+        self.phase = phase
 
 
 class StorageMeter(_Meter):
@@ -105,6 +97,12 @@ class StorageMeter(_Meter):
         self._info: dict[int, list] = {}  # storage -> [bytes, category, weak reference, when made]
         self.at_backward: dict[str, int] | None = None  # live bytes when the first backward began
         self._excluded: set[int] = set()
+
+    def marked(self, phase: str, tree) -> None:
+        """From now on in phase; tree's storages (a phase's gradients) count as the phase's category."""
+        self.phase = phase
+        if tree is not None:
+            self.track(tree, PHASE_CATEGORY[phase])
 
     def track(self, tree, category: str) -> None:
         """Count tree's storages as category from now on (params and optimizer state made before the

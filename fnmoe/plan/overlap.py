@@ -100,6 +100,7 @@ def _record(key: tuple, n_layers: int) -> dict[tuple[str, str], tuple[int, int]]
     from fnmoe.parallel import sharding
     from fnmoe.params import init_params
     from fnmoe.plan.meters import OrderMeter
+    from fnmoe.memory.policies import train_runner
     from fnmoe.train import init_state, make_train_step
 
     run = _proxy(key, n_layers)
@@ -116,7 +117,7 @@ def _record(key: tuple, n_layers: int) -> dict[tuple[str, str], tuple[int, int]]
         tx, _ = optim.from_config(run.optim, 1)
         state = init_state(init_params(run.model, 0, mesh=mesh), tx)
         part = fdist.rank_map(lambda r: tokens_BL[r * (B // n):(r + 1) * (B // n)].clone())
-        step = make_train_step(run, tx)
+        step = make_train_step(run, tx, train_runner(run))  # nothing offloaded: no pool
         with OrderMeter() as order:
             step(state, [(part[:, :-1], part[:, 1:])])
     return order.finish()

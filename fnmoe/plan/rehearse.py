@@ -18,6 +18,7 @@ busiest one, as the planner does).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -27,15 +28,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from fnmoe import _torch, checkpoint, optim
+from fnmoe import _torch, checkpoint, optim, seams
 from fnmoe.parallel import dispatch
 from fnmoe.parallel import sharding
-from fnmoe._torch import FakeStore, FakeTensorMode
+from fnmoe._torch import FakeStore, FakeTensorMode, TorchDispatchMode
 from fnmoe.config import RunConfig, to_toml, validate
+from fnmoe.memory.policies import train_runner
+from fnmoe.plan.activations import pool_bytes
 from fnmoe.plan.meters import CATEGORIES, CommMeter, StorageMeter, plain_tensors
 from fnmoe.params import init_params
 from fnmoe.train import make_device_step
@@ -58,7 +62,7 @@ def _check(run: RunConfig, rank: int | str) -> None:
 
 def held_bytes(run: RunConfig) -> list[int]:
     """Per rank, the bytes of its fp32 param shards (torch.chunk gives leading ranks more), from the
-    mesh's shape alone: rank r sits at (r // ep, r % ep) of ("fsdp", "ep")."""
+    mesh's shape alone (sharding.axis_coords: where rank r sits on ("fsdp", "ep"))."""
     from fnmoe.params import leaf_inits
     fsdp, ep = run.mesh.fsdp, run.mesh.ep
     sizes = {"fsdp": fsdp, "ep": ep, sharding.DP: fsdp * ep}
@@ -66,7 +70,7 @@ def held_bytes(run: RunConfig) -> list[int]:
     for path, init in flatten_dict(leaf_inits(run.model)).items():
         spec = sharding.leaf_spec(path, init.shape, sizes)
         for r in range(run.mesh.world):
-            index = sharding.local_index(spec, init.shape, {"fsdp": r // ep, "ep": r % ep, sharding.DP: r}, sizes)
+            index = sharding.local_index(spec, init.shape, sharding.axis_coords(r, fsdp, ep), sizes)
             out[r] += 4 * math.prod(len(range(*s.indices(n))) for s, n in zip(index, init.shape))
     return out
 
@@ -82,18 +86,68 @@ def _bytes(tree) -> int:
     return sum({_torch.storage_key(t): t.untyped_storage().nbytes() for t in plain_tensors(tree)}.values())
 
 
-def rehearse(run: RunConfig, rank: int | str = "worst", fresh_process: bool = True) -> dict:
+class Clock:
+    """Says each phase of a rehearsal as it begins (say(line)), with the time the one before took."""
+
+    def __init__(self, say: Callable[[str], None]):
+        self.say, self.name, self.t0, self.start = say, "", time.perf_counter(), time.perf_counter()
+
+    def begin(self, name: str) -> None:
+        now = time.perf_counter()
+        took = f" ({self.name} took {now - self.t0:.1f} s)" if self.name else ""
+        self.say(f"rehearse: {name}...{took}")
+        self.name, self.t0 = name.split(":")[0], now
+
+    def end(self) -> None:
+        now = time.perf_counter()
+        self.say(f"rehearse: done in {now - self.start:.1f} s ({self.name} took {now - self.t0:.1f} s)")
+
+
+class Phases(TorchDispatchMode):
+    """The step's phases on a Clock: each micro-batch's forward (fnmoe.seams.mark) and backward (the
+    first op autograd's engine runs after it), and the update. Passes every op on unchanged."""
+
+    def __init__(self, clock: Clock, n_micro: int):
+        super().__init__()
+        self.clock, self.n, self.k, self.waiting = clock, n_micro, 0, False
+
+    def __enter__(self):
+        seams.listen(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        seams.unlisten(self)
+        return super().__exit__(*exc)
+
+    def marked(self, phase: str, tree) -> None:
+        if phase == "forward":
+            self.k += 1
+            self.clock.begin(f"forward of micro-batch {self.k} of {self.n}")
+            self.waiting = True
+        elif phase == "update":
+            self.clock.begin("update: reduce-scatters, optimizer")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.waiting and _torch.in_backward():
+            self.waiting = False
+            self.clock.begin(f"backward of micro-batch {self.k} of {self.n}")
+        return func(*args, **(kwargs or {}))
+
+
+def rehearse(run: RunConfig, rank: int | str = "worst", fresh_process: bool = True,
+             say: Callable[[str], None] | None = None) -> dict:
     """The rehearsal report of one step of run as `rank` (an int, or "worst": the rank holding the
     most param bytes), and the plan beside it (see compare). It runs in a fresh process unless told
     otherwise: DTensor caches its plans by mesh value across process groups, so a second rehearsal
-    of another rank in one process would reuse the first one's local shapes."""
+    of another rank in one process would reuse the first one's local shapes. say(line), in this
+    process, hears each phase as it begins (init, forward, backward, update, index)."""
     _check(run, rank)
     validate(run)
     if rank == "worst":
         held = held_bytes(run)
         rank = max(range(run.mesh.world), key=held.__getitem__)
     if not fresh_process:
-        return _rehearse(run, rank)
+        return _rehearse(run, rank, Clock(say) if say else None)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{run.name}.toml"
         path.write_text(to_toml(run))
@@ -106,51 +160,62 @@ def rehearse(run: RunConfig, rank: int | str = "worst", fresh_process: bool = Tr
     return report
 
 
-def _rehearse(run: RunConfig, rank: int) -> dict:
+def _rehearse(run: RunConfig, rank: int, clock: Clock | None = None) -> dict:
     from fnmoe.plan.summary import plan
     t0 = time.perf_counter()
     run = dataclasses.replace(run, model=dataclasses.replace(run.model, compile=False))
     _torch.clear_dtensor_caches()
     dist.init_process_group("fake", world_size=run.mesh.world, rank=rank, store=FakeStore())
     try:
-        out = _step(run, sharding.make_mesh(run.mesh, run.dist), rank)
+        out = _step(run, sharding.make_mesh(run.mesh, run.dist), rank, clock)
     finally:
         dist.destroy_process_group()
+    if clock:
+        clock.end()
     out.update(rank=rank, world=run.mesh.world, config=run.name, wall_s=time.perf_counter() - t0,
                host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     out["plan"] = plan(run)
     return out
 
 
-def _step(run: RunConfig, mesh, rank: int) -> dict:
+def _step(run: RunConfig, mesh, rank: int, clock: Clock | None = None) -> dict:
     cfg = run.model
     tx, _ = optim.from_config(run.optim, run.train.steps)
     T = run.micro_batch * run.data.seq_len
+    if clock:
+        clock.begin(f"init: rank {rank} of {run.mesh.world} (fsdp {run.mesh.fsdp} x ep {run.mesh.ep}), its "
+                    "param shards and optimizer state (fake tensors)")
     with FakeTensorMode(allow_non_fake_inputs=True):
         params = init_params(cfg, run.train.seed, mesh=mesh)
         tokens = torch.zeros(run.micro_batch, run.data.seq_len, dtype=torch.int64)
         batches, n_global = [(tokens, tokens)] * run.train.grad_accum, T * run.train.grad_accum * run.mesh.world
         with dispatch.pinned_splits(_routing(run.plan.imbalance, run.mesh.ep)):
-            out, new = measure_step(run, mesh, TrainState(params, tx.init(params), 0), tx, batches, n_global)
+            out, new = measure_step(run, mesh, TrainState(params, tx.init(params), 0), tx, batches, n_global,
+                                    Phases(clock, len(batches)) if clock else None)
+        if clock:
+            clock.begin("index: the checkpoint's index.json of every rank's shards")
         out["index_json_bytes"] = len(checkpoint.index_only(new, run, range(run.mesh.world)))
     out["routing"] = (f"pinned: every exchange sends T*K={T * cfg.moe.top_k} rows evenly over the ep ranks and "
                       f"receives plan.imbalance={run.plan.imbalance} times that (fake tensors hold no routing)")
     return out
 
 
-def measure_step(run: RunConfig, mesh, state: TrainState, tx, micro_batches: list, n_global: int):
+def measure_step(run: RunConfig, mesh, state: TrainState, tx, micro_batches: list, n_global: int,
+                 phases: Phases | None = None):
     """(what one step of this rank holds and sends, the new state), measured by fnmoe.plan.meters: on
-    fake tensors here, on real ones in tests/test_mesh_memory.py (the same numbers, checked)."""
+    fake tensors here, on real ones in tests/test_mesh_memory.py (the same numbers, checked). phases,
+    when given, says the step's phases as they begin."""
     T = run.micro_batch * run.data.seq_len
     storage = StorageMeter((math.ceil(T / run.train.ce_chunks), run.model.vocab_size))
     comm = CommMeter(sharding.group_axes(mesh))
-    device_step = make_device_step(run, tx)  # under fake tensors its host pool is fake: bookkeeping only
-    pool = getattr(device_step.runner, "pool", None)
+    # the step's runner, its host pool sized here (under fake tensors the pool is fake: bookkeeping only)
+    runner = train_runner(run, pool_bytes(run))
+    device_step, pool = make_device_step(run, tx, runner), runner.pool
     if pool is not None:
         storage.exclude(pool.buffers)  # host memory: what the pool holds is reported on its own
     storage.track(state.params, "params")
     storage.track(state.opt_state, "optim")
-    with storage, comm:
+    with storage, comm, (phases or contextlib.nullcontext()):
         new, _ = device_step(state, micro_batches, n_global)
     mem = storage.report()
     end = {"params": _bytes(new.params), "optim": _bytes(new.opt_state)}

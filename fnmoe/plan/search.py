@@ -28,6 +28,7 @@ import dataclasses
 from fnmoe.config import RunConfig
 from fnmoe.config.check import validate
 from fnmoe.config.hardware import hardware
+from fnmoe.dtypes import DTYPE_SHORT
 from fnmoe.plan.activations import logits_bytes
 from fnmoe.plan.state import GB
 from fnmoe.plan.summary import fits, per_rank_bytes, plan
@@ -35,7 +36,6 @@ from fnmoe.plan.summary import fits, per_rank_bytes, plan
 MAX_GLOBAL_TOKENS = 67_000_000  # Kimi K2's published global batch (~67M tokens)
 CHUNKS = (1, 2, 4, 8, 16, 32, 64)
 MAX_ACCUM = 8  # micro-batches a step: more regathers every block's weights again for each
-DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 CE_CHUNKS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LOGITS_BYTES = 2 * 10**9
 # name -> MemoryConfig fields (the others from the config; region fields not named are "none")

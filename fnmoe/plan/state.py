@@ -10,10 +10,11 @@ import math
 from functools import lru_cache
 
 from fnmoe.config import ModelConfig, RunConfig
+from fnmoe.dtypes import DTYPE_BYTES
 from fnmoe.params import leaf_inits
-from fnmoe.tree import flatten_dict
+from fnmoe.optim.base import default_label
+from fnmoe.tree import flatten_dict, leaf_kind
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
 MASTER_BYTES = GRAD_BYTES = 4  # fp32 master params and fp32 reduce-scattered gradients
 GB = 1e9
 
@@ -23,17 +24,6 @@ def leaf_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(dotted path, shape) of every leaf; cached, since flattening a 1T tree takes milliseconds and
     `fnmoe plan --search` plans hundreds of layouts of one model."""
     return tuple((path, tuple(init.shape)) for path, init in flatten_dict(leaf_inits(cfg)).items())
-
-
-def leaf_kind(path: str) -> str:
-    if path.startswith("buffers."):
-        return "buffer"
-    return "expert" if path.endswith(("_EDF", "_EFD")) else "dense"
-
-
-def on_muon(path: str, shape: tuple[int, ...]) -> bool:
-    """fnmoe.optim.muon's default labels: matrices that are not the embedding or the output head."""
-    return len(shape) >= 2 and not path.startswith(("embed.", "head.", "buffers."))
 
 
 def state_bytes(run: RunConfig) -> dict:
@@ -56,7 +46,7 @@ def _state_elems(cfg: ModelConfig, world: int, muon: bool) -> tuple[int, int, in
         if leaf_kind(path) == "buffer":
             continue
         grads += n
-        optim += n * (1 if muon and on_muon(path, shape) else 2)
+        optim += n * (1 if default_label(path, len(shape), muon) == "muon" else 2)
     return params, grads, optim
 
 
@@ -72,10 +62,10 @@ def block_numels(cfg: ModelConfig, ep: int) -> list[int]:
     blocks = [0] * (cfg.n_layers + 2)  # embedding, layers, final norm and head
     for path, shape in leaf_shapes(cfg):
         head, _, rest = path.partition(".")
-        if head == "buffers":
+        if leaf_kind(path) == "buffer":
             continue
         i = 0 if head == "embed" else int(rest.partition(".")[0]) + 1 if head == "layers" else cfg.n_layers + 1
-        blocks[i] += math.prod(shape) // (ep if path.endswith(("_EDF", "_EFD")) else 1)
+        blocks[i] += math.prod(shape) // (ep if leaf_kind(path) == "expert" else 1)
     return blocks
 
 

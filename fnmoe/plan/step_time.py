@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from fnmoe.config import ModelConfig, RunConfig
+from fnmoe.config import REGIONS, ModelConfig, RunConfig
 from fnmoe.config.hardware import hardware
+from fnmoe.tree import leaf_kind
 from fnmoe.plan.activations import tokens_per_rank
 from fnmoe.plan.comm import ep_link_bytes
 from fnmoe.plan.state import GB, leaf_shapes
@@ -26,7 +27,7 @@ def _region_flops(cfg: ModelConfig, seq_len: int) -> tuple:
         parts = path.split(".")
         if parts[0] != "layers" or len(shape) < 2:
             continue
-        n = math.prod(shape) * (cfg.moe.top_k / cfg.moe.n_experts if path.endswith(("_EDF", "_EFD")) else 1)
+        n = math.prod(shape) * (cfg.moe.top_k / cfg.moe.n_experts if leaf_kind(path) == "expert" else 1)
         out["attention" if parts[2] == "attn" else parts[2]] += 2.0 * n
     out["attention_core"] = 1.0 * cfg.n_layers * seq_len * cfg.n_heads * (cfg.qk_head_dim_ + cfg.v_head_dim_)
     return tuple(out.items())
@@ -39,7 +40,7 @@ def recompute_flops(run: RunConfig) -> tuple[float, float]:
     f, mem = region_flops(run), run.memory
     if mem.recompute == "full":
         return f["attention"] + f["moe"] + f["mlp"], f["attention_core"]
-    gemm = sum(f[r] for r in ("attention", "moe", "mlp") if getattr(mem, r) == "full")
+    gemm = sum(f[r] for r in REGIONS if getattr(mem, r) == "full")
     return gemm, f["attention_core"] if mem.attention == "full" else 0.0
 
 

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import torch.distributed as dist
 
-from fnmoe.config import ModelConfig, RunConfig
+from fnmoe.config import REGIONS, ModelConfig, RunConfig
 from fnmoe.config.hardware import hardware
 from fnmoe.memory.host_pool import pool_bytes_for
 from fnmoe.plan.activations import activation_plan, ep_buffer_bytes, logits_bytes, tokens_per_rank
@@ -57,7 +57,7 @@ def per_rank_bytes(run: RunConfig) -> dict:
     # the rank at once: 1.5 times the params' bytes more (rehearsed on the 1T and 671B presets)
     per_rank["update_transient"] = states["optim"] + int((3.5 if run.optim.name == "muon" else 2) * states["params"])
     per_rank["total_device"] = max(step, sum(states.values()) + per_rank["update_transient"])
-    # what the run pins for it: fnmoe.memory.host_limit stops a run before step 1 past the profile
+    # what the run pins for it: fnmoe.plan.host_limit stops a run before step 1 past the profile
     per_rank["host_pool"] = pool_bytes_for(per_rank["offload_host"])
     return per_rank
 
@@ -100,7 +100,7 @@ def _policy(run: RunConfig) -> str:
     m = run.memory
     if m.recompute == "full":
         return "full recompute" + (" + offload" if m.offload else "")
-    regions = ", ".join(f"{r}={getattr(m, r)}" for r in ("attention", "moe", "mlp"))
+    regions = ", ".join(f"{r}={getattr(m, r)}" for r in REGIONS)
     return regions + (" + offload" if m.offload else "")
 
 
@@ -120,8 +120,12 @@ def format_plan(p: dict) -> str:
     for key in ("params", "grads", "optim", "gathered", "activations", "recompute_transient", "logits", "ep_buffers",
                 "update_transient"):
         lines.append(f"    {key:<20}{gb(r[key])}")
+    step = sum(r[k] for k in ("params", "grads", "optim", "gathered", "activations", "recompute_transient", "logits",
+                              "ep_buffers"))
+    update = sum(r[k] for k in ("params", "grads", "optim", "update_transient"))
     lines += [f"    {'total':<20}{gb(r['total_device'])}   fits {p['fits']['hbm_gb']:g} GB: {p['fits']['device']} "
-              f"(the larger of the step's peak, the rows above but update_transient, and the update's)",
+              f"(not the sum of the rows: the larger of the step's peak, {step / GB:.2f} GB = the rows above but "
+              f"update_transient, and the update's, {update / GB:.2f} GB = params + grads + optim + update_transient)",
               f"  host, offloaded       {gb(r['offload_host'])} a GPU, {gb(p['per_host_offload_bytes'])} a node; "
               f"its pool pins {r['host_pool'] / GB:.2f} GB, fits {p['fits']['host_gb']:g} GB a GPU: "
               f"{p['fits']['host']}",

@@ -29,11 +29,21 @@ worker) and waits until it arrives, so the run stops after exactly this step (te
 SIGNAL_ENV = "FNMOE_TEST_SIGNAL"
 SIGNAL_TO_ENV = "FNMOE_TEST_SIGNAL_TO"
 SIGNAL_RANK_ENV = "FNMOE_TEST_SIGNAL_RANK"
+PART_DELAY_ENV = "FNMOE_TEST_PART_DELAY_S"
+"""seconds `fnmoe prepare`'s workers wait before tokenising each part, so a test can stop it midway"""
+CRASH_AFTER_STOP_ENV = "FNMOE_TEST_CRASH_AFTER_STOP_RANK"
+"""this rank dies (SIGKILL) once a signal's stop is complete, on torchrun's first attempt: a crash on the
+way out that makes torchrun restart a stopped run (tests/test_process_tree.py)"""
 
 
 def save_delay() -> None:
     """Wait SAVE_DELAY_ENV seconds, so a test can kill the process while a save is half written."""
     time.sleep(float(os.environ.get(SAVE_DELAY_ENV, 0)))
+
+
+def part_delay() -> None:
+    """Wait PART_DELAY_ENV seconds (a prepare worker, before each part)."""
+    time.sleep(float(os.environ.get(PART_DELAY_ENV, 0)))
 
 
 def before_step(step: int, rank: int) -> None:
@@ -66,3 +76,12 @@ def signal_after(step: int, rank: int, arrived: Callable[[], bool]) -> None:
     deadline = time.monotonic() + 30
     while not arrived() and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def after_stop(rank: int) -> None:
+    """Dies like a worker that crashes on its way out (SIGKILL) after a signal's stop was saved and
+    recorded, on rank CRASH_AFTER_STOP_ENV, on torchrun's first attempt only."""
+    if (os.environ.get(CRASH_AFTER_STOP_ENV) == str(rank)
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        log.warning("test hook: rank %d (pid %d) dies after the stop", rank, os.getpid())
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -4,12 +4,17 @@ Charts: loss.png (train loss and held-out loss over steps; for a data mixture al
 curve per source), tokens_per_s.png, mfu.png (only
 when the run had a peak configured), expert_load.png (per-MoE-layer busiest-expert load over the
 mean, a heatmap over steps). Each returns the series it drew so tests can check them against the
-file.
+file. A file that cannot be read or written is one error naming it and the reason; a chart is written
+to a temporary name and renamed, so a failure (a full disk) leaves no partial PNG behind.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
+
+from fnmoe.run.rundir import os_reason
 
 
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
@@ -19,7 +24,10 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
     steps: dict[int, dict] = {}
     vals: dict[int, dict] = {}
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -66,8 +74,22 @@ def _line_chart(plt, path: Path, title: str, ylabel: str, series: dict[str, tupl
     if len(series) > 1:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save(plt, fig, path)
+
+
+def _save(plt, fig, path: Path) -> None:
+    """fig as a PNG at path, via a temporary name; an OSError (a full disk) removes it and is one line
+    naming path and the OS's reason (matplotlib's names no file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ValueError(f"writing {path} failed: {os_reason(e)}") from None
+    finally:
+        plt.close(fig)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, dict]:
@@ -103,7 +125,6 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str
         ax.set(title="busiest expert / mean load per MoE layer", xlabel="step", ylabel="MoE layer")
         fig.colorbar(im, ax=ax, label="max / mean")
         fig.tight_layout()
-        fig.savefig(out / "expert_load.png")
-        plt.close(fig)
+        _save(plt, fig, out / "expert_load.png")
         drawn["expert_load.png"] = {f"layer {k}": (steps, [l[k] for l in loads]) for k in range(len(loads[0]))}
     return drawn

@@ -1,6 +1,9 @@
-"""Stopping a run on request: SIGINT (Ctrl-C), SIGTERM (`timeout`, SLURM preemption, Kubernetes)
-and SIGUSR1 (SLURM's `--signal`, ahead of a time limit) ask the run to stop after the step in
-progress, save a checkpoint and exit; a second signal aborts, removing a save in progress.
+"""Stopping a run on request: SIGINT (Ctrl-C), SIGTERM (`timeout`, SLURM preemption, Kubernetes),
+SIGHUP (a closed terminal or ssh session) and SIGUSR1 (SLURM's `--signal`, ahead of a time limit)
+ask the run to stop after the step in progress, save a checkpoint and exit; a second signal
+aborts, removing a save in progress. A signal within FOLLOW_UP_S of the first is the same request:
+a launcher may pass one on twice (SLURM signals every process of a job step, and torchrun or
+tools/slurm_train.sh forwards it again) or follow SIGINT with SIGTERM.
 
 On several ranks the signal reaches each rank at its own moment (torchrun forwards what it gets
 to every worker, each in its own session), so the ranks agree where to stop: at each step
@@ -8,25 +11,39 @@ boundary they all-reduce (MAX) one integer, 0 or the signal a rank got, and ever
 the first boundary where any rank has one (`agreed`). The same integer carries a write failure of
 rank 0's files (metrics.jsonl), which stops every rank there too. One 4-byte all-reduce a step,
 after the host has read the step's loss anyway.
+
+A completed stop is recorded (`record`): `<run-dir>/stopped.json`, and a key in the store of
+torchrun's agent, which lives as long as that torchrun. A worker that torchrun restarts after the
+stop finds it (`honoured`) and ends at once instead of undoing the stop; a new launch trains on.
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
+import json
+import logging
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from fnmoe.parallel import dist as fdist
+from fnmoe.run import rundir
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 FOLLOW_UP_S = 2.0
-"""a different signal this soon after the first is the same request (a launcher's SIGINT then
-SIGTERM), not a second one that aborts"""
+"""a signal this soon after the first is the same request (a launcher's SIGINT then SIGTERM, or one
+signal delivered twice: directly and forwarded), not a second one that aborts"""
+STOPPED = "stopped.json"
+"""in the run directory: the last stop a signal asked for and the run completed (`record`)"""
+_STORE_KEY = "fnmoe/stopped"
+
+log = logging.getLogger("fnmoe")
 WRITE_FAILED = 1 << 10
 """the agreed value when a rank could not write its files: above every signal number"""
 
@@ -54,7 +71,7 @@ class Request:
             self._say(f"fnmoe: {name(signum)}: stopping after this step to save a checkpoint "
                       "(a second signal aborts)\n")
             return
-        if signum != self.signum and time.monotonic() - self._at < FOLLOW_UP_S:
+        if time.monotonic() - self._at < FOLLOW_UP_S:
             return
         self.aborted_by = signum
         raise Aborted(f"{name(signum)} while stopping: aborted")
@@ -73,7 +90,7 @@ def name(signum: int) -> str:
 
 @contextlib.contextmanager
 def on_signals(speak: bool) -> Iterator[Request]:
-    """SIGINT, SIGTERM and SIGUSR1 set the Request while the body runs; the previous handlers
+    """SIGINT, SIGTERM, SIGHUP and SIGUSR1 set the Request while the body runs; the previous handlers
     are restored after it. Only the main thread can take signals: elsewhere the Request stays
     unset and Ctrl-C raises KeyboardInterrupt as usual."""
     request = Request(speak)
@@ -102,3 +119,65 @@ def agreed(request: Request, write_failed: bool = False) -> int:
     flag = torch.tensor([mine], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item())
+
+
+def under_torchrun() -> bool:
+    """True in a worker torchrun started (TORCHELASTIC_RUN_ID), one process or many."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def _agent_store():
+    """A client of the store torchrun's agent keeps across its restarts, or None (not torchrun's,
+    or the agent does not share its store: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)."""
+    if not fdist.agent_store_shared():
+        return None
+    return fdist.agent_store(datetime.timedelta(seconds=10))
+
+
+def record(run_dir: Path, signum: int, step: int, where: str) -> None:
+    """Rank 0, once every rank has saved (or found saved) the stop's step: the stop, for a restart
+    to find. Not written, a warning says so; the stop stands either way."""
+    where = where.removesuffix("; continue with --resume auto")
+    stopped = {"signal": name(signum), "step": step, "where": where, "time": time.time(),
+               "torchrun_run": os.environ.get("TORCHELASTIC_RUN_ID"),
+               "torchrun_attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+    text = json.dumps(stopped)
+    try:
+        rundir.write_text(run_dir / STOPPED, text + "\n")
+    except rundir.RunDirError as e:
+        log.warning("%s; a restart by torchrun may not know the run stopped", e)
+    if under_torchrun():
+        try:
+            store = _agent_store()
+            if store is not None:
+                store.set(_STORE_KEY, text)
+        except (RuntimeError, ValueError) as e:  # the agent's store is gone: torchrun is ending too
+            log.warning("could not tell torchrun's store the run stopped (%s)", str(e).splitlines()[0])
+
+
+def honoured(run_dir: Path) -> dict | None:
+    """Rank 0: the stop an earlier attempt of this torchrun job completed (a restart must not train
+    past it), or None. Under the agent's shared store its key decides, which a new launch does not
+    have; otherwise stopped.json of this TORCHELASTIC_RUN_ID on a restart (attempt > 0)."""
+    if not under_torchrun():
+        return None
+    store = _agent_store()
+    if store is not None:
+        if not store.check([_STORE_KEY]):
+            return None
+        return json.loads(store.get(_STORE_KEY))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    try:
+        stopped = json.loads((run_dir / STOPPED).read_text())
+    except (OSError, ValueError):
+        return None
+    if (isinstance(stopped, dict) and stopped.get("torchrun_run") == os.environ["TORCHELASTIC_RUN_ID"]
+            and isinstance(stopped.get("torchrun_attempt"), int) and attempt > stopped["torchrun_attempt"]):
+        return stopped
+    return None
+
+
+def forget(run_dir: Path) -> None:
+    """Rank 0, as a run starts training: an earlier run's stopped.json no longer says how it ends."""
+    with contextlib.suppress(OSError):
+        (run_dir / STOPPED).unlink()

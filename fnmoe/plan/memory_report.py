@@ -29,11 +29,13 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fnmoe._torch import TorchDispatchMode
-from fnmoe.config import MemoryConfig, RunConfig
+from fnmoe.config import REGIONS, MemoryConfig, RunConfig
 from fnmoe.memory.host_pool import HostPool
-from fnmoe.memory.policies import Runner
-from fnmoe.plan.meters import plain_tensors
+from fnmoe.memory.policies import Runner, regathers
 from fnmoe.model import hidden_states
+from fnmoe.parallel.fsdp import params_source
+from fnmoe.plan.activations import pool_bytes
+from fnmoe.plan.meters import plain_tensors
 from fnmoe.tree import Tree, tree_leaves, tree_map
 
 COLUMNS = ("saved", "kept", "offloaded", "recomputed")
@@ -87,14 +89,14 @@ def _measure(run: RunConfig, params: Tree, batch: tuple, mem: MemoryConfig) -> l
     """Per block: kept and offloaded bytes of its forward under mem."""
     inputs_BL, _, *positions = batch
     # on the params' device: a pool without one has no side stream, and its CUDA copies fail
-    pool = HostPool(_pool_bytes(run), tree_leaves(params)[0].device, run.memory.max_inflight_bytes)
+    pool = HostPool(pool_bytes(run), tree_leaves(params)[0].device, run.memory.max_inflight_bytes)
     # as memory.train_runner: on a mesh with resharding, gathered weights are gathered again in backward
-    regather = run.mesh.world > 1 and run.mesh.reshard_after_forward
-    measured = _Measured(Runner(mem, run.model.n_layers, pool, reshard=regather))
+    measured = _Measured(Runner(mem, run.model.n_layers, pool, reshard=regathers(run)))
     # the params as value_and_grad gives them to the training loss: requiring grad, so each matmul
     # saves its input for the weight's gradient (without, a block's saved bytes were a third short)
     params = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), params)
-    hidden_states(params, inputs_BL, run.model, measured, positions_BL=positions[0] if positions else None)
+    hidden_states(params, inputs_BL, run.model, measured, positions_BL=positions[0] if positions else None,
+                  source=params_source(params))
     return measured.rows
 
 
@@ -105,7 +107,8 @@ class _Measured:
 
     def __init__(self, runner: Runner):
         self.runner, self.rows = runner, []
-        self.offloads, self.region, self.chunk_recompute = runner.offloads, runner.region, runner.chunk_recompute
+        self.offloads, self.begin, self.region = runner.offloads, runner.begin, runner.region
+        self.chunk_recompute = runner.chunk_recompute
 
     def __call__(self, i: int, fn: Callable, p: dict, x_BLD: torch.Tensor, *rest):
         x_BLD = x_BLD.detach().requires_grad_().clone()  # not a leaf: offload may move it
@@ -120,11 +123,6 @@ class _Measured:
         kept = settled(lambda: torch.cuda.memory_allocated() - before if cuda else mode.live_bytes()) - out
         self.rows.append({"kept": max(kept, 0), "offloaded": pool.used - used})
         return y_BLD.detach(), None
-
-
-def _pool_bytes(run: RunConfig) -> int:
-    from fnmoe.plan.activations import activation_plan
-    return int(activation_plan(run)["host"] * 1.25) + (1 << 20)
 
 
 def measure(run: RunConfig, params: Tree, batch: tuple) -> list[dict[str, int]]:
@@ -160,7 +158,7 @@ def eager_note(run: RunConfig) -> str:
 
 def table(rows: list[dict[str, int]], mem: MemoryConfig, note: str = "") -> str:
     policy = f"recompute={mem.recompute} offload={mem.offload} " + \
-        " ".join(f"{r}={getattr(mem, r)}" for r in ("attention", "moe", "mlp"))
+        " ".join(f"{r}={getattr(mem, r)}" for r in REGIONS)
     lines = [f"memory report ({policy}), MB per block of one micro-batch, measured{note}:",
              f"{'block':>6} " + " ".join(f"{c:>11}" for c in COLUMNS)]
     for i, row in enumerate(rows):

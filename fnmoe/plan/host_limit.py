@@ -2,7 +2,7 @@
 plan.host_gb (the hardware profile's usable host memory a GPU, or the figure given) or what this
 machine has available stops, naming the figures and the flags that change them.
 
-The pool's bytes are fnmoe.memory.policies.pool_bytes (the planner's offload_host plus the pool's
+The pool's bytes are fnmoe.plan.activations.pool_bytes (the planner's offload_host plus the pool's
 margin) rounded up to its pinned segments: what the run would pin, not an estimate beside it. The
 machine's side is /proc/meminfo's MemAvailable (else sysconf's available pages), shared by the
 training processes of this host (torchrun's LOCAL_WORLD_SIZE) and the ranks each one runs (a
@@ -15,8 +15,8 @@ import os
 from fnmoe.config import RunConfig
 from fnmoe.config.hardware import hardware
 from fnmoe.memory.host_pool import POOL_MARGIN
-from fnmoe.memory.policies import pool_bytes
 from fnmoe.parallel import dist as fdist
+from fnmoe.plan.activations import activation_plan, pool_bytes
 
 GB = 1e9  # plan.host_gb is in GB, as the planner's tables
 
@@ -65,8 +65,6 @@ def _levers(run: RunConfig) -> str:
 def host_memory_error(run: RunConfig, available: int | None = None) -> str | None:
     """Why run's offload pool does not fit (None when it does, or nothing is offloaded); available:
     this host's free bytes (default available_bytes())."""
-    from fnmoe.plan.activations import activation_plan  # the planner's offload_host, as pool_bytes reads it
-
     asked = pool_bytes(run)
     if not asked:
         return None

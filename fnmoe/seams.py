@@ -1,0 +1,150 @@
+"""The two seams the model runs through, each chosen once by its caller and passed in, so the model
+knows neither the memory policies nor FSDP:
+
+  BlockRunner   how each block, and each of its regions, runs: what it keeps for backward
+                (fnmoe.memory.policies.Runner: recompute, offload, resharding). PLAIN runs
+                everything as it is, which is what a plain forward does.
+  ParamsSource  how params reach compute. CAST (one process): every leaf cast to the compute dtype.
+                For sharded (DTensor) params, FSDP's gathers with one block of lookahead
+                (fnmoe.parallel.fsdp.GATHER; fnmoe.parallel.fsdp.params_source picks by the leaves).
+
+and one the step reports through: `mark(phase, tree)`, the step's phase for whatever listens
+(fnmoe.plan.meters' meters, while they run; nothing otherwise).
+
+hidden_states takes layer i's params from the source's feed (`feed.outside(i)`), then calls
+`runner(i, fn, p, x_BLD, *rest)` for block i, where fn(p, x_BLD, *rest) is the block (p its params
+as the feed gave them, x_BLD its input); inside, the block takes its compute params from the feed
+(`feed.inside(p, i)`: again when backward recomputes it) and runs each of its regions (attention,
+MoE, dense MLP) through `runner.region(i, name, fn, compile, *args)`.
+
+Legend: B batch, L sequence, D model.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fnmoe import compile as fcompile
+from fnmoe.tree import Tree, tree_map
+
+
+class BlockRunner(Protocol):
+    offloads: bool
+    """blocks take their params already cast to the compute dtype: offload tells a block's params
+    from its activations by their storages, and casts inside a compiled region would be saved
+    (and copied to the host) as activations"""
+
+    def begin(self) -> None:
+        """A micro-batch's forward begins (the step calls it): what the previous one kept is over."""
+
+    def __call__(self, i: int, fn: Callable, p: dict, x_BLD, *rest) -> Any:
+        """Block i: fn(p, x_BLD, *rest) under this runner's policy for blocks."""
+
+    def region(self, i: int, name: str, fn: Callable, compile: bool, *args) -> Any:
+        """Region `name` of block i: fn(*args), compiled when compile, under its region policy."""
+
+    def chunk_recompute(self, i: int) -> str | None:
+        """How backward recomputes block i's MoE token chunks (fnmoe.moe_chunks): None when it keeps
+        what they save; "keep" when it recomputes them, keeping the expert-parallel exchange's outputs
+        (the recompute around the region replays them); "replay" when the chunks send their rows again."""
+
+
+class Plain:
+    """Every block and region as it is (regions compiled when asked)."""
+    offloads = False
+
+    def begin(self) -> None:
+        pass
+
+    def __call__(self, i: int, fn: Callable, p: dict, x_BLD, *rest):
+        return fn(p, x_BLD, *rest)
+
+    def region(self, i: int, name: str, fn: Callable, compile: bool, *args):
+        return (fcompile.compiled(fn) if compile else fn)(*args)
+
+    def chunk_recompute(self, i: int) -> str | None:
+        return None
+
+
+PLAIN: BlockRunner = Plain()
+
+
+class LayerFeed(Protocol):
+    """One forward's layers from a ParamsSource, taken in order."""
+
+    def outside(self, i: int) -> dict:
+        """Layer i's params as block i's runner takes them (once, before block i runs)."""
+
+    def inside(self, p: dict, i: int) -> dict:
+        """Block i's params in the compute dtype from what `outside` gave, inside the runner (so a
+        recompute in backward takes them again)."""
+
+
+class ParamsSource(Protocol):
+    def __call__(self, tree: Tree, dtype: torch.dtype) -> Tree:
+        """A subtree's leaves in dtype, now, as plain tensors (the embedding, the final norm, the
+        head, a layer's copy outside its block)."""
+
+    def layers(self, layers: list[dict], dtype: torch.dtype, cast_inside: bool) -> LayerFeed:
+        """The feed of one forward over layers (the stored params of each, in order). cast_inside:
+        compiled regions cast their own params (one process, nothing offloaded)."""
+
+
+def _unsharded(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, DTensor):
+        raise ValueError("sharded (DTensor) params reach compute through FSDP's gathers: pass "
+                         "source=fnmoe.parallel.fsdp.params_source(params) (the train step and eval_loss choose it)")
+    return t
+
+
+def cast(tree: Tree, dtype: torch.dtype) -> Tree:
+    """The gather of one process: every leaf in dtype."""
+    return tree_map(lambda t: _unsharded(t).to(dtype), tree)
+
+
+class _CastLayers:
+    def __init__(self, layers: list[dict], dtype: torch.dtype, cast_inside: bool):
+        self.layers, self.dtype, self.cast_inside = layers, dtype, cast_inside
+
+    def outside(self, i: int) -> dict:
+        # compiled regions cast their params inside (model.in_compute_dtype); else cast here, before
+        # the runner: offload tells params from activations by their storages
+        return self.layers[i] if self.cast_inside else cast(self.layers[i], self.dtype)
+
+    def inside(self, p: dict, i: int) -> dict:
+        return p
+
+
+class Cast:
+    """The params source of one process: leaves cast to the compute dtype."""
+
+    def __call__(self, tree: Tree, dtype: torch.dtype) -> Tree:
+        return cast(tree, dtype)
+
+    def layers(self, layers: list[dict], dtype: torch.dtype, cast_inside: bool) -> LayerFeed:
+        return _CastLayers(layers, dtype, cast_inside)
+
+
+CAST: ParamsSource = Cast()
+
+
+_listeners: list = []
+"""what the step's phase marks reach: fnmoe.plan.meters' meters while they run, innermost last"""
+
+
+def listen(listener) -> None:
+    """listener.marked(phase, tree) is called at each mark until unlisten(listener)."""
+    _listeners.append(listener)
+
+
+def unlisten(listener) -> None:
+    _listeners.remove(listener)
+
+
+def mark(phase: str, tree: Tree = None) -> None:
+    """The step enters phase ("forward", "grads", "update"; backward is seen from autograd's
+    engine); tree is what the phase made (the micro-batch's gradients). A no-op without a listener."""
+    for listener in _listeners:
+        listener.marked(phase, tree)

@@ -1,0 +1,56 @@
+"""The fnmoe command's CPU threading (fnmoe/threads.py): OpenMP threads wait passively unless the
+user says otherwise, set before torch loads OpenMP; a library import changes nothing."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fnmoe.threads import describe, is_command, wait_policy
+from conftest import tiny_flags
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_command_waits_passively_unless_told():
+    assert wait_policy({}, torch_loaded=False, command=True) == "PASSIVE"
+    assert wait_policy({"OMP_WAIT_POLICY": "active"}, False, True) is None  # the user's choice is kept
+    assert wait_policy({"GOMP_SPINCOUNT": "300000"}, False, True) is None
+    assert wait_policy({}, torch_loaded=True, command=True) is None  # too late: OpenMP has read its variables
+    assert wait_policy({}, torch_loaded=False, command=False) is None  # a library import sets nothing
+    assert is_command("-m") and is_command("/venv/bin/fnmoe") and not is_command("/venv/bin/pytest")
+    assert not is_command("-c")
+    assert "waiting threads sleep (OMP_WAIT_POLICY=PASSIVE" in describe({"OMP_WAIT_POLICY": "PASSIVE"})
+    assert "as GOMP_SPINCOUNT=300000 says" in describe({"GOMP_SPINCOUNT": "300000"})
+
+
+def _env(**more) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    return dict(env, OMP_DISPLAY_ENV="VERBOSE", PYTHONPATH=str(ROOT), **more)  # libgomp prints what it read
+
+
+@pytest.mark.launch
+def test_a_fresh_train_process_waits_passively(tmp_path):
+    """`python -m fnmoe train` with no OpenMP variable set: libgomp itself reports it read the passive
+    policy (spin count 0), and the run's header says so."""
+    r = subprocess.run([sys.executable, "-m", "fnmoe", "train", "--train.steps", "1", "--train.run-dir",
+                        str(tmp_path / "run"), *tiny_flags(1)], cwd=tmp_path, env=_env(), capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "OMP_WAIT_POLICY = 'PASSIVE'" in r.stderr and "GOMP_SPINCOUNT = '0'" in r.stderr, r.stderr[-3000:]
+    assert re.search(r"^threads: \d+ intra-op \(--train.threads\); waiting threads sleep \(OMP_WAIT_POLICY=PASSIVE",
+                     r.stdout, re.M), r.stdout
+
+
+@pytest.mark.launch
+def test_the_users_choice_and_a_library_import_keep_libgomps_settings(tmp_path):
+    def spin_count(args: list[str], **env) -> str:
+        r = subprocess.run([sys.executable, *args], cwd=tmp_path, env=_env(**env), capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return next(line.split("=")[1].strip() for line in r.stderr.splitlines() if "GOMP_SPINCOUNT =" in line)
+    assert spin_count(["-m", "fnmoe", "--help"], OMP_WAIT_POLICY="ACTIVE") == "'30000000000'"
+    assert spin_count(["-m", "fnmoe", "--help"], GOMP_SPINCOUNT="300000") == "'300000'"
+    assert spin_count(["-c", "import fnmoe, torch; torch.ones(4).sum()"]) == "'300000'"  # libgomp's default
