@@ -14,6 +14,7 @@ Choices (torch's OpenMP is GNU libgomp):
   passive     OMP_WAIT_POLICY=PASSIVE: waiting threads sleep at once
   1 spin      --train.threads 1, libgomp's default waiting
   1 passive   --train.threads 1 and OMP_WAIT_POLICY=PASSIVE
+  spin=N      GOMP_SPINCOUNT=N: a waiting thread spins N times, then sleeps (not run unless named)
 
 A load of N starts N busy-loop processes (one Python `while True` each) before the choice's runs
 and stops them after. tokens/s is a run's tokens over its step time, steps 3..N (step 1 and 2
@@ -72,10 +73,17 @@ def stop(procs: list[subprocess.Popen]) -> None:
         p.wait(timeout=30)
 
 
+def choice(name: str) -> tuple[dict, list]:
+    """(environment, flags) of a choice: one of CHOICES or spin=N."""
+    if name.startswith("spin=") and name[5:].isdigit():
+        return {"GOMP_SPINCOUNT": name[5:]}, []
+    return CHOICES[name]
+
+
 def run_choice(name: str, steps: int, timeout: float, extra: list[str]) -> dict:
     """One `fnmoe train` of `steps` steps under choice `name`: tokens/s over steps 3.., the slowest
     step, the process's wall time, and the threads line it logged."""
-    env_set, flags = CHOICES[name]
+    env_set, flags = choice(name)
     env = {k: v for k, v in os.environ.items() if k not in OMP_VARS}
     env.update(env_set)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -101,13 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--loads", default="0,2", help="busy-loop processes per condition, comma-separated")
-    parser.add_argument("--choices", default=",".join(CHOICES), help=f"of {', '.join(CHOICES)}")
+    parser.add_argument("--choices", default=",".join(CHOICES), help=f"of {', '.join(CHOICES)}, spin=N")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each choice per condition (interleaved)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one training process may take")
     parser.add_argument("extra", nargs="*", help="more `fnmoe train` flags (after --)")
     args = parser.parse_args(argv)
     choices = [c.strip() for c in args.choices.split(",")]
-    unknown = [c for c in choices if c not in CHOICES]
+    unknown = [c for c in choices if c not in CHOICES and not (c.startswith("spin=") and c[5:].isdigit())]
     if unknown:
         parser.error(f"unknown choices {unknown}; known: {list(CHOICES)}")
     loads = [int(x) for x in args.loads.split(",")]

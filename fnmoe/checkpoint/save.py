@@ -108,13 +108,14 @@ def index_only(state: TrainState, run: RunConfig, ranks) -> bytes:
         snap = snap or part
         entries.append(part.entries)
         for name, tensors in part.files.items():
-            n = sum(math.prod(t.shape) * t.element_size() for t in tensors.values())
+            n = sum(math.prod(shape) * itemsize for shape, itemsize in tensors.values())
             files[name] = {"writer_rank": rank, "bytes": n, "sha256": "0" * 64}
     return index_text(snap, entries, files)
 
 
-def _shape_only(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+def _shape_only(t) -> tuple[torch.Size, int]:
+    # what the index needs of a file's tensor (a ShapeOnly here): no tensor is made
+    return t.shape, t.element_size()
 
 
 def _commit(snap: Snapshot, parts: list[tuple[dict, dict, str | None]], tmp: Path, final: Path) -> str | None:
