@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from fnmoe import checkpoint, optim
+from fnmoe import checkpoint, optim, threads
 from fnmoe.compile import cache_stats, save_artifacts
 from fnmoe.config import RunConfig
 from fnmoe.data.loader import Loader
@@ -167,7 +167,7 @@ def _after_step(s: Session, step: int, first: int) -> None:
     if step == first or step % t.log_every == 0 or step == t.steps:
         if step == first:
             log.info(progress_note(t.log_every))
-        log.info(progress_line(s.window, t.steps, s.window_s))
+        log.info(progress_line(s.window, t.steps, s.window_s, first=step == first))
         s.window, s.window_s = [], s.row["time_s"]
     _warn_if_slow(s, step)
 
@@ -178,7 +178,7 @@ def _warn_if_slow(s: Session, step: int, window: int = 5) -> None:
     del s.step_s[:-(window + 202)]  # all slow_steps reads: 2 warmup steps, 200 earlier ones and the window
     got = slow_steps(s.step_s, window)
     if got and not s.slow and s.rank == 0:
-        log.warning(slow_warning(step, *got, window, cpu=s.device.type == "cpu"))
+        log.warning(slow_warning(step, *got, window, cpu=s.device.type == "cpu", passive=threads.passive()))
     s.slow = got is not None
 
 

@@ -1,22 +1,26 @@
-"""How the `fnmoe` command runs torch's CPU threads: OpenMP threads that wait passively.
+"""How the `fnmoe` command runs torch's CPU threads: OpenMP threads spin briefly, then sleep.
 
 Legend: no tensors here.
 
-torch's CPU ops run on OpenMP (GNU libgomp in the PyPI wheels). Between parallel regions libgomp's
-threads spin by default (GOMP_SPINCOUNT 300,000 turns before they sleep): free when the cores are
-the run's alone, ruinous when other processes share them, as each spinning thread holds a core the
-thread it waits for needs. `python tools/bench_threads.py` measures it (README "Threads"): on a
-shared 2-core machine passive waiting (OMP_WAIT_POLICY=PASSIVE) ran the tiny default model 4x
-faster than spinning, as fast as one thread, and within a few percent of spinning when the
-cores were free. Fewer threads would have served too, but chosen from the machine's load they
-would make a run's numerics depend on it (reductions split by thread); the wait policy changes
-no result.
+torch's CPU ops run on OpenMP (GNU libgomp in the Linux wheels). Between parallel regions a waiting
+libgomp thread spins GOMP_SPINCOUNT turns (300,000 by default, ~3 ms by libgomp's own estimate)
+before it sleeps: the fastest when the cores are the run's alone, ruinous when other processes share
+them, as each spinning thread holds a core the thread it waits for needs. The command sets
+GOMP_SPINCOUNT=1000 (~10 us): long enough to catch the next region of a run of small ops, short
+enough to give a shared core back. Measured with `python tools/bench_threads.py` on a 2-core AMD EPYC
+(the numbers and their loads: README "Threads"): with one to four busy processes beside the run,
+libgomp's default ran 12-25x slower than this; passive waiting (OMP_WAIT_POLICY=PASSIVE) holds up
+best under load (9-27% over this) but gives up 28% of a quiet machine's speed, where this keeps
+93%. One thread was slower than either, and fewer threads chosen from the machine's load would make
+a run's numerics depend on it (reductions split by thread); the wait changes no result.
 
-libgomp reads its variables once, when torch loads it, so the choice is made while the fnmoe
-package loads (fnmoe/__init__.py calls `before_torch` before anything imports torch), and only for
-the `fnmoe` command (`fnmoe ...`, `python -m fnmoe ...`, torchrun's `-m fnmoe` workers): a program
-that imports fnmoe as a library keeps its own OpenMP settings. A user's OMP_WAIT_POLICY or
-GOMP_SPINCOUNT is kept. This module imports nothing (torch only inside `describe`).
+libgomp reads its variables once, when torch loads it, so the choice is made while the fnmoe package
+loads (fnmoe/__init__.py calls `before_torch` before anything imports torch), and only for the
+`fnmoe` command (`fnmoe ...`, `python -m fnmoe ...`, torchrun's `-m fnmoe` workers): a program that
+imports fnmoe as a library keeps its own OpenMP settings. A user's OMP_WAIT_POLICY or
+GOMP_SPINCOUNT is kept (OMP_WAIT_POLICY=PASSIVE is the choice for a machine that stays busy). Other
+OpenMP runtimes (LLVM's libomp, Intel's) ignore GOMP_SPINCOUNT. This module imports nothing (torch
+only inside `describe`).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import sys
 from typing import Mapping
 
 WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # a user who sets either has chosen how threads wait
-DEFAULT_POLICY = "PASSIVE"
+DEFAULT = {"GOMP_SPINCOUNT": "1000"}  # spin ~10 us, then sleep
 
 
 def is_command(argv0: str) -> bool:
@@ -34,19 +38,24 @@ def is_command(argv0: str) -> bool:
     return argv0 == "-m" or os.path.basename(argv0) in ("fnmoe", "fnmoe.exe")
 
 
-def wait_policy(environ: Mapping[str, str], torch_loaded: bool, command: bool) -> str | None:
-    """The OMP_WAIT_POLICY the fnmoe command sets, or None to set nothing: the environment sets one of
-    WAIT_VARS (the user's choice), or torch, hence libgomp, is loaded already (it has read them)."""
+def wait_settings(environ: Mapping[str, str], torch_loaded: bool, command: bool) -> dict[str, str]:
+    """The OpenMP variables the fnmoe command sets (DEFAULT), or none: not the command, the environment
+    sets one of WAIT_VARS (the user's choice), or torch, hence libgomp, is loaded already (it has read
+    them)."""
     if not command or torch_loaded or any(var in environ for var in WAIT_VARS):
-        return None
-    return DEFAULT_POLICY
+        return {}
+    return dict(DEFAULT)
 
 
 def before_torch() -> None:
-    """Set the command's wait policy in this process's environment (before torch loads)."""
-    policy = wait_policy(os.environ, "torch" in sys.modules, is_command(sys.argv[0]))
-    if policy:
-        os.environ["OMP_WAIT_POLICY"] = policy
+    """Set the command's OpenMP waiting in this process's environment (before torch loads)."""
+    os.environ.update(wait_settings(os.environ, "torch" in sys.modules, is_command(sys.argv[0])))
+
+
+def passive(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether OpenMP's threads sleep at once here (OMP_WAIT_POLICY=PASSIVE or GOMP_SPINCOUNT=0)."""
+    env = os.environ if environ is None else environ
+    return env.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" or env.get("GOMP_SPINCOUNT", "").strip() == "0"
 
 
 def describe(environ: Mapping[str, str] | None = None) -> str:
@@ -55,10 +64,12 @@ def describe(environ: Mapping[str, str] | None = None) -> str:
 
     env = os.environ if environ is None else environ
     policy, spin = env.get("OMP_WAIT_POLICY", "").upper(), env.get("GOMP_SPINCOUNT")
-    if policy == "PASSIVE" and spin is None:
-        wait = "waiting threads sleep (OMP_WAIT_POLICY=PASSIVE: other work on the cores slows this run least)"
+    if passive(env):
+        wait = "waiting threads sleep at once (passive: the best while other work keeps the cores busy)"
     elif policy == "ACTIVE" and spin is None:
         wait = "waiting threads spin (OMP_WAIT_POLICY=ACTIVE: many times slower when other work shares the cores)"
+    elif spin is not None and not policy:
+        wait = f"waiting threads spin {spin} turns, then sleep (GOMP_SPINCOUNT={spin})"
     else:
         got = ", ".join(f"{var}={env[var]}" for var in WAIT_VARS if var in env) or "libgomp's default"
         wait = f"waiting threads as {got} says"

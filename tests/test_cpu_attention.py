@@ -160,3 +160,16 @@ def test_causal_attention_resolves_auto_when_called_directly(monkeypatch):
         monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
         assert torch.equal(causal_attention(q, k, v, cfg), want), threads
 
+
+
+def test_a_build_is_foreseen_so_the_log_can_say_so(tmp_path):
+    """needs_build: the extension's library missing, or older than a file of csrc/, means cpp_extension
+    builds it (~17 s): build_error then says so in the log before and after."""
+    import os
+
+    assert cpu_gemm.needs_build(tmp_path)
+    lib = tmp_path / f"{cpu_gemm.NAME}.so"
+    lib.write_bytes(b"")
+    assert not cpu_gemm.needs_build(tmp_path)
+    os.utime(lib, (0, 0))  # older than every source
+    assert cpu_gemm.needs_build(tmp_path)

@@ -254,6 +254,9 @@ def test_sharpness_tool_on_a_checkpoint(tmp_path, capsys):
     val_loss = [json.loads(row)["val_loss"] for row in (tmp_path / "metrics.jsonl").read_text().splitlines()
                 if "val_loss" in json.loads(row)][-1]
     assert abs(got["loss"] - val_loss) < 1e-5
-    assert tool.main(["--from", str(tmp_path), "--batch-size", "2", "--iters", "2"]) == 0
-    assert "top Hessian eigenvalue" in capsys.readouterr().out
+    assert tool.main(["--from", str(tmp_path), "--batch-size", "2", "--iters", "2", "--every", "2"]) == 0
+    got = capsys.readouterr()
+    assert "top Hessian eigenvalue" in got.out
+    # progress on stderr: the first iteration, then every --every-th
+    assert "iteration 1 (at most 2 a run): eigenvalue " in got.err and "iteration 2 (at most 2" in got.err, got.err
     assert tool.main(["--from", str(tmp_path / "nowhere")]) == 2

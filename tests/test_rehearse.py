@@ -96,8 +96,9 @@ def test_cli_json_and_exit_code(capsys):
     out = json.loads(got.out)  # stdout is the report alone; the phases are said on stderr as they begin
     assert code == 0 and out["compare"]["ok"] and out["world"] == 4
     phases = [line.split("...")[0] for line in got.err.splitlines() if line.startswith("rehearse: ")]
-    assert phases == ["rehearse: init: rank 0 of 4 (fsdp 2 x ep 2), its param shards and optimizer state (fake tensors)",
-                      "rehearse: forward of micro-batch 1 of 1", "rehearse: backward of micro-batch 1 of 1",
+    assert phases == ["rehearse: init: rank 0 of 4 (fsdp 2 x ep 2), its param shards and optimizer state "
+                      "(fake tensors)", "rehearse: forward of micro-batch 1 of 1",
+                      "rehearse: backward of micro-batch 1 of 1",
                       "rehearse: update: reduce-scatters, optimizer",
                       "rehearse: index: the checkpoint's index.json of every rank's shards"] + phases[-1:], got.err
     assert phases[-1].startswith("rehearse: done in ") and "(index took " in phases[-1]

@@ -1,5 +1,5 @@
-"""The fnmoe command's CPU threading (fnmoe/threads.py): OpenMP threads wait passively unless the
-user says otherwise, set before torch loads OpenMP; a library import changes nothing."""
+"""The fnmoe command's CPU threading (fnmoe/threads.py): OpenMP threads spin briefly, then sleep,
+unless the user says otherwise, set before torch loads OpenMP; a library import changes nothing."""
 import os
 import re
 import subprocess
@@ -8,22 +8,23 @@ from pathlib import Path
 
 import pytest
 
-from fnmoe.threads import describe, is_command, wait_policy
+from fnmoe.threads import describe, is_command, passive, wait_settings
 from conftest import tiny_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_command_waits_passively_unless_told():
-    assert wait_policy({}, torch_loaded=False, command=True) == "PASSIVE"
-    assert wait_policy({"OMP_WAIT_POLICY": "active"}, False, True) is None  # the user's choice is kept
-    assert wait_policy({"GOMP_SPINCOUNT": "300000"}, False, True) is None
-    assert wait_policy({}, torch_loaded=True, command=True) is None  # too late: OpenMP has read its variables
-    assert wait_policy({}, torch_loaded=False, command=False) is None  # a library import sets nothing
+def test_the_command_spins_briefly_unless_told():
+    assert wait_settings({}, torch_loaded=False, command=True) == {"GOMP_SPINCOUNT": "1000"}
+    assert wait_settings({"OMP_WAIT_POLICY": "active"}, False, True) == {}  # the user's choice is kept
+    assert wait_settings({"GOMP_SPINCOUNT": "300000"}, False, True) == {}
+    assert wait_settings({}, torch_loaded=True, command=True) == {}  # too late: OpenMP has read its variables
+    assert wait_settings({}, torch_loaded=False, command=False) == {}  # a library import sets nothing
     assert is_command("-m") and is_command("/venv/bin/fnmoe") and not is_command("/venv/bin/pytest")
     assert not is_command("-c")
-    assert "waiting threads sleep (OMP_WAIT_POLICY=PASSIVE" in describe({"OMP_WAIT_POLICY": "PASSIVE"})
-    assert "as GOMP_SPINCOUNT=300000 says" in describe({"GOMP_SPINCOUNT": "300000"})
+    assert "waiting threads spin 1000 turns, then sleep" in describe({"GOMP_SPINCOUNT": "1000"})
+    assert "sleep at once" in describe({"OMP_WAIT_POLICY": "passive"}) and passive({"GOMP_SPINCOUNT": "0"})
+    assert not passive({"GOMP_SPINCOUNT": "1000"}) and not passive({})
 
 
 def _env(**more) -> dict:
@@ -32,16 +33,16 @@ def _env(**more) -> dict:
 
 
 @pytest.mark.launch
-def test_a_fresh_train_process_waits_passively(tmp_path):
-    """`python -m fnmoe train` with no OpenMP variable set: libgomp itself reports it read the passive
-    policy (spin count 0), and the run's header says so."""
+def test_a_fresh_train_process_spins_briefly(tmp_path):
+    """`python -m fnmoe train` with no OpenMP variable set: libgomp itself reports the spin count it
+    read, 1000, and the run's header says so."""
     r = subprocess.run([sys.executable, "-m", "fnmoe", "train", "--train.steps", "1", "--train.run-dir",
                         str(tmp_path / "run"), *tiny_flags(1)], cwd=tmp_path, env=_env(), capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "OMP_WAIT_POLICY = 'PASSIVE'" in r.stderr and "GOMP_SPINCOUNT = '0'" in r.stderr, r.stderr[-3000:]
-    assert re.search(r"^threads: \d+ intra-op \(--train.threads\); waiting threads sleep \(OMP_WAIT_POLICY=PASSIVE",
-                     r.stdout, re.M), r.stdout
+    assert "GOMP_SPINCOUNT = '1000'" in r.stderr, r.stderr[-3000:]
+    assert re.search(r"^threads: \d+ intra-op \(--train.threads\); waiting threads spin 1000 turns, then sleep "
+                     r"\(GOMP_SPINCOUNT=1000\)$", r.stdout, re.M), r.stdout
 
 
 @pytest.mark.launch

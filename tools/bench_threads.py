@@ -7,9 +7,10 @@ for each way of running its OpenMP threads, each choice in a fresh `python -m fn
 
 Choices (torch's OpenMP is GNU libgomp):
 
-  auto        what `fnmoe train` does with no flag and no OpenMP variable set (fnmoe.threads)
-  spin        libgomp's own default: a waiting thread spins 300,000 times before it sleeps
-              (GOMP_SPINCOUNT=300000: what fnmoe did before it chose; also what a user who sets it keeps)
+  auto        what `fnmoe train` does with no flag and no OpenMP variable set (fnmoe/threads.py:
+              GOMP_SPINCOUNT=1000, a waiting thread spins ~10 us, then sleeps)
+  spin        libgomp's own default: a waiting thread spins 300,000 times (~3 ms) before it sleeps
+              (GOMP_SPINCOUNT=300000: what fnmoe did before it chose)
   active      OMP_WAIT_POLICY=ACTIVE: waiting threads never sleep
   passive     OMP_WAIT_POLICY=PASSIVE: waiting threads sleep at once
   1 spin      --train.threads 1, libgomp's default waiting

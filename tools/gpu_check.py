@@ -222,7 +222,10 @@ def tiny_run(dry: bool, memory: MemoryConfig | None = None) -> RunConfig:
     """The tiny preset, fp32 eager; the dry run takes a quarter of its batch and half its sequence."""
     run = load_config(ROOT / "configs" / "tiny.toml")
     model = dataclasses.replace(run.model, compute_dtype="float32", compile=False)
-    run = dataclasses.replace(run, model=model, memory=memory or run.memory)
+    # a run of the 3 steps every check takes: the direct steps and fnmoe's own loop (check_train_loop)
+    # then follow one schedule (a run shorter than the preset's warmup clamps it)
+    run = dataclasses.replace(run, model=model, memory=memory or run.memory,
+                              train=dataclasses.replace(run.train, steps=3))
     if dry:
         run = dataclasses.replace(run, train=dataclasses.replace(run.train, batch_size=4),
                                   data=dataclasses.replace(run.data, seq_len=64))

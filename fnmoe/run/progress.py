@@ -45,12 +45,13 @@ def window_means(rows: list[dict]) -> dict:
             "skipped": len(rows) - len(losses)}
 
 
-def progress_line(rows: list[dict], total: int, before_s: float = 0.0) -> str:
+def progress_line(rows: list[dict], total: int, before_s: float = 0.0, first: bool = False) -> str:
     """The steps since the last progress line (their metrics rows, in order) as one log line: the
     last step's number, lr, gradient norm and expert load; the window's mean loss and tokens/s
     (window_means); the time since training began (the last row's time_s) and the time left at the
     window's pace (wall time per step, evals and saves included; before_s: time_s when the window
-    began)."""
+    began), except after a run's first step (first), whose compiles and first touches say nothing of
+    the pace."""
     row, means = rows[-1], window_means(rows)
     m = "n/a" if means["mfu"] is None else f"{100 * means['mfu']:.1f}%"
     load = "n/a" if row["expert_load_max_over_mean"] is None else f"{row['expert_load_max_over_mean']:.2f}"
@@ -59,15 +60,16 @@ def progress_line(rows: list[dict], total: int, before_s: float = 0.0) -> str:
     if means["skipped"] > row["skipped"]:
         skip += f" ({means['skipped']} of the last {len(rows)} steps skipped)"
     left = (total - row["step"]) * (row["time_s"] - before_s) / len(rows)
+    eta = "" if first else f", {duration(left)} left"
     return (f"step {row['step']:>{len(str(total))}}/{total} {bar(row['step'], total)} loss {loss} "
             f"| lr {row['lr']:.2e} | gnorm {row['grad_norm']:.3f} | {means['tokens_per_s']:,.0f} tok/s "
-            f"| mfu {m} | load max/mean {load} | {duration(row['time_s'])} elapsed, {duration(left)} left{skip}")
+            f"| mfu {m} | load max/mean {load} | {duration(row['time_s'])} elapsed{eta}{skip}")
 
 
 def progress_note(log_every: int) -> str:
     """The line before the first progress line: what its figures are."""
     return (f"progress: the first step, then every {log_every} steps (--train.log-every); loss and tok/s are "
-            "means over the steps since the line before, the time left at their pace")
+            "means over the steps since the line before, the time left at their pace (from the second line)")
 
 
 def slow_steps(times_s: list[float], window: int = 5, factor: float = 3.0, warmup: int = 2,
@@ -83,11 +85,16 @@ def slow_steps(times_s: list[float], window: int = 5, factor: float = 3.0, warmu
     return (recent, before) if recent > factor * before else None
 
 
-def slow_warning(step: int, recent: float, before: float, window: int, cpu: bool) -> str:
-    """The warning when slow_steps says the steps have slowed down, with what to try."""
-    what = ("other processes may be sharing the CPU cores (`uptime` shows the load): close them, or run "
-            "with --train.threads 1, which loses least when the cores are shared" if cpu else
-            "other work may be sharing the device or the host")
+def slow_warning(step: int, recent: float, before: float, window: int, cpu: bool, passive: bool = False) -> str:
+    """The warning when slow_steps says the steps have slowed down, with what to try: on CPU, other
+    work on the cores; unless OpenMP's threads wait passively already (passive), the next run with
+    OMP_WAIT_POLICY=PASSIVE, the fastest choice while the cores stay shared (tools/bench_threads.py)."""
+    what = "other work may be sharing the device or the host"
+    if cpu:
+        what = ("other processes may be sharing the CPU cores (`uptime` shows the load): close them" +
+                ("" if passive else ", or stop the run (Ctrl-C saves a checkpoint) and continue it with "
+                 "`OMP_WAIT_POLICY=PASSIVE fnmoe train ... --resume auto`: threads that sleep at once run "
+                 "fastest while the cores stay shared"))
     return (f"step {step}: steps are {recent / before:.1f}x slower than earlier in this run (median "
             f"{recent:.3f} s over the last {window} steps against {before:.3f} s before); {what}")
 
