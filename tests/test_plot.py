@@ -33,6 +33,8 @@ def test_plots_match_the_metrics_file(tmp_path):
     assert drawn["mfu.png"]["MFU %"][1] == [100 * r["mfu"] for r in steps]
     n_moe = len(steps[0]["expert_load_by_layer"])
     assert n_moe == 3 and len(drawn["expert_load.png"]) == n_moe
+    # named by model layer: the tiny preset's first layer is dense, so its MoE layers are 1, 2, 3
+    assert list(drawn["expert_load.png"]) == ["layer 1", "layer 2", "layer 3"]
     assert all(len(x) == len(steps) for x, _ in drawn["expert_load.png"].values())
 
 

@@ -200,3 +200,23 @@ def test_bench_compile_harness(capsys):
         shutil.rmtree(kept)
     assert 0 < res["cold"] <= res["process_cold"] and 0 < res["warm"] <= res["process_warm"]
     assert res["ratio"] == res["warm"] / res["cold"]
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(300)
+def test_bench_threads_tiny(capsys):
+    """A choice trains in a fresh process with its own OpenMP settings and flags (the run's threads
+    line says which), quiet and beside a busy loop the tool starts and stops; the table has its
+    tokens/s per load and their ratio."""
+    from conftest import tiny_flags
+
+    bt = load_tool("bench_threads")
+    assert bt.main(["--steps", "3", "--loads", "0,1", "--choices", "1 passive", "--timeout", "120", "--",
+                    *tiny_flags(1)]) == 0
+    out = capsys.readouterr().out
+    for n in (0, 1):
+        assert re.search(rf"load \+{n}  1 passive .* tok/s .*threads: 1 intra-op .*sleep at once", out), out
+    row = re.search(r"^1 passive +([\d,. ]+)$", out, re.M)
+    tps = [float(x.replace(",", "")) for x in row.group(1).split()]
+    assert len(tps) == 3 and tps[2] == pytest.approx(tps[1] / tps[0], abs=0.01), out
+    assert bt.choice("spin=5") == ({"GOMP_SPINCOUNT": "5"}, [])

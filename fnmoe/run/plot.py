@@ -92,6 +92,19 @@ def _save(plt, fig, path: Path) -> None:
             tmp.unlink()
 
 
+def moe_layers(run_dir: str | Path, n: int) -> list[int]:
+    """The model layer of each of the n MoE layers the metrics list, from the run's config.toml (the
+    dense layers, e.g. a dense first layer, are not in the metrics); 0..n-1 when it cannot be read."""
+    from fnmoe.config import load_config
+
+    try:
+        cfg = load_config(Path(run_dir) / "config.toml", validate_config=False).model
+    except (OSError, ValueError):
+        return list(range(n))
+    layers = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+    return layers if len(layers) == n else list(range(n))
+
+
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, dict]:
     """Write the PNGs; returns {file name: {series label: (x, y)}} of what was drawn."""
     plt = _pyplot()
@@ -122,9 +135,11 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str
         fig, ax = plt.subplots(figsize=(8, 3 + 0.25 * len(loads[0])), dpi=100)
         im = ax.imshow(list(map(list, zip(*loads))), aspect="auto", cmap="magma", interpolation="nearest",
                        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(loads[0]) - 0.5, -0.5))
-        ax.set(title="busiest expert / mean load per MoE layer", xlabel="step", ylabel="MoE layer")
+        layers = moe_layers(run_dir, len(loads[0]))
+        ax.set(title="busiest expert / mean load per MoE layer", xlabel="step", ylabel="layer")
+        ax.set_yticks(range(len(layers)), [str(i) for i in layers])  # whole rows, named by model layer
         fig.colorbar(im, ax=ax, label="max / mean")
         fig.tight_layout()
         _save(plt, fig, out / "expert_load.png")
-        drawn["expert_load.png"] = {f"layer {k}": (steps, [l[k] for l in loads]) for k in range(len(loads[0]))}
+        drawn["expert_load.png"] = {f"layer {i}": (steps, [l[k] for l in loads]) for k, i in enumerate(layers)}
     return drawn
