@@ -1,5 +1,6 @@
 """Shared test setup: one inductor cache per test run, so only the first compile of a graph is cold."""
 import os
+import socket
 import tempfile
 
 import pytest
@@ -58,3 +59,10 @@ def pin_routing(monkeypatch) -> None:
         pin_TE = (torch.arange(T, device=x_TD.device)[:, None] * 5 + torch.arange(E, device=x_TD.device) * 3) % E
         return route(x_TD, w_router_DE, cfg, pin_TE.float() * 10)
     monkeypatch.setattr(moe, "route", pinned)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous endpoint a test launches against)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -6,7 +6,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from fnmoe.run.faults import CRASH_AFTER_STOP_ENV, KILL_AT_STEP_ENV, KILL_RANK_E
 from fnmoe.run.rundir import LOCK
 
 from test_checkpoint import args, ckpts, losses, one_thread, rows, spawn_env, train_here  # noqa: F401 (a fixture)
+from conftest import free_port
 from test_signals import _close
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,12 +37,6 @@ while :; do status=0; wait $task || status=$?; kill -0 $task 2>/dev/null || brea
 exit $status
 """
 FAKE_SCONTROL = "#!/bin/bash\necho localhost\n"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.launch
@@ -62,7 +56,7 @@ def test_slurm_warning_stops_every_worker_after_one_step_and_a_restart_keeps_the
         (bin_dir / name).chmod(0o755)
     env = spawn_env(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHONPATH=str(ROOT),
                     SLURM_JOB_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="4242",
-                    NPROC_PER_NODE="2", RDZV_PORT=str(_free_port()), MAX_RESTARTS="1",
+                    NPROC_PER_NODE="2", RDZV_PORT=str(free_port()), MAX_RESTARTS="1",
                     **{CRASH_AFTER_STOP_ENV: "1"})
     cmd = ["bash", str(ROOT / "tools" / "slurm_train.sh"),
            *args(run_dir, 200, "--mesh.fsdp", "2", "--dist.timeout-s", "10")]

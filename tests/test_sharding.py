@@ -9,7 +9,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ from fnmoe.plan.meters import CommMeter
 from fnmoe.train import IGNORE, init_state, loss_fn, make_train_step
 from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict, tree_flatten, tree_map, value_and_grad
-from conftest import rel
+from conftest import free_port, rel
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=48, max_seq_len=16,
@@ -382,12 +381,6 @@ def assert_same_metrics(run_a: Path, run_b: Path, rel: float = 1e-4) -> None:
                 assert abs(a[key] - b[key]) <= rel * abs(a[key]), (key, a, b)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.launch
 @pytest.mark.slow
 @pytest.mark.timeout(240)
@@ -402,7 +395,7 @@ def test_torchrun_two_nodes_2x2_matches_one_process(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert one.returncode == 0, one.stderr[-3000:]
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "fnmoe-test",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "fnmoe-test",
              "-m", "fnmoe", "train", *common, "--mesh.fsdp", "2", "--mesh.ep", "2",
              "--train.run-dir", str(tmp_path / "four")]
     nodes = [subprocess.Popen(agent, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -67,7 +67,7 @@ def _collective_kind(name: str) -> str | None:
     return None
 
 
-class _Meter(TorchDispatchMode):
+class PhaseMeter(TorchDispatchMode):
     """A dispatch mode that the step's phase marks (fnmoe.seams.mark) reach while it is active."""
 
     def __enter__(self):
@@ -82,7 +82,7 @@ class _Meter(TorchDispatchMode):
         self.phase = phase
 
 
-class StorageMeter(_Meter):
+class StorageMeter(PhaseMeter):
     """Live and peak bytes by category of the storages made while active (and those tracked)."""
 
     def __init__(self, logits_shape: tuple[int, ...] = ()):
@@ -184,7 +184,7 @@ class StorageMeter(_Meter):
                 "end": {c: self.live[c] for c in CATEGORIES}}
 
 
-class CommMeter(_Meter):
+class CommMeter(PhaseMeter):
     """Bytes sent and calls of each (kind, axis, dtype) of collective; axes: {group name: axis}."""
 
     def __init__(self, axes: dict[str, str] | None = None):
@@ -244,7 +244,7 @@ COLLECTIVES = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_c
                "all_reduce": "all_reduce"}
 
 
-class OrderMeter(_Meter):
+class OrderMeter(PhaseMeter):
     """Which collectives of a step overlap compute as fnmoe issues them: a collective overlaps when
     a matmul or an attention kernel (or one of fnmoe's own C++ ops) runs between its issue and the
     first wait for its output; one waited for at issue, or never waited for before the step ends

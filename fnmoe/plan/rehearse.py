@@ -33,14 +33,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fnmoe import _torch, checkpoint, optim, seams
+from fnmoe import _torch, checkpoint, optim
 from fnmoe.parallel import dispatch
 from fnmoe.parallel import sharding
-from fnmoe._torch import FakeStore, FakeTensorMode, TorchDispatchMode
+from fnmoe._torch import FakeStore, FakeTensorMode
 from fnmoe.config import RunConfig, to_toml, validate
 from fnmoe.memory.policies import train_runner
 from fnmoe.plan.activations import pool_bytes
-from fnmoe.plan.meters import CATEGORIES, CommMeter, StorageMeter, plain_tensors
+from fnmoe.plan.meters import CATEGORIES, CommMeter, PhaseMeter, StorageMeter, plain_tensors
 from fnmoe.params import init_params
 from fnmoe.train import make_device_step
 from fnmoe.train_state import TrainState
@@ -103,21 +103,13 @@ class Clock:
         self.say(f"rehearse: done in {now - self.start:.1f} s ({self.name} took {now - self.t0:.1f} s)")
 
 
-class Phases(TorchDispatchMode):
+class Phases(PhaseMeter):
     """The step's phases on a Clock: each micro-batch's forward (fnmoe.seams.mark) and backward (the
     first op autograd's engine runs after it), and the update. Passes every op on unchanged."""
 
     def __init__(self, clock: Clock, n_micro: int):
         super().__init__()
         self.clock, self.n, self.k, self.waiting = clock, n_micro, 0, False
-
-    def __enter__(self):
-        seams.listen(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        seams.unlisten(self)
-        return super().__exit__(*exc)
 
     def marked(self, phase: str, tree) -> None:
         if phase == "forward":
