@@ -20,7 +20,8 @@ from fnmoe.config import ModelConfig, PlanConfig, RunConfig, TrainConfig
 from fnmoe.dtypes import DTYPE_BYTES
 from fnmoe.memory.host_pool import pool_bytes_for
 from fnmoe.memory.policies import offloads
-from fnmoe.plan.state import block_numels, largest_leaf, reduce_bytes, unsharded_grad_bytes
+from fnmoe.plan.state import block_numels, largest_leaf, leaf_shapes, reduce_bytes, unsharded_grad_bytes
+from fnmoe.tree import leaf_kind
 
 
 def norm_bytes(T: int, n: int, s: int) -> int:
@@ -94,9 +95,11 @@ def weight_grad_bytes(run: RunConfig, i: int) -> int:
     m = run.model.moe
     if not (run.model.is_moe_layer(i) and m.token_chunks > 1 and run.memory.recompute == "full"):
         return one * s
-    stack = run.model.dim * m.expert_hidden * (m.n_experts // run.mesh.ep)
-    shared = run.model.dim * m.expert_hidden * m.n_shared_experts
-    return (3 * stack + 3 * shared + max(stack, one)) * s
+    # the chunks' weights (moe_chunks._weights): the expert stacks (a rank's E/ep) and the shared experts'
+    chunked = [math.prod(shape) // (run.mesh.ep if leaf_kind(path) == "expert" else 1)
+               for path, shape in leaf_shapes(run.model)
+               if path.startswith(f"layers.{i}.moe.") and (leaf_kind(path) == "expert" or ".moe.shared." in path)]
+    return (sum(chunked) + max(max(chunked), one)) * s
 
 
 def region_bytes(cfg: ModelConfig, i: int, T: int, s: int, imbalance: float = 1.0, ep: int = 1) -> dict:
