@@ -2,39 +2,47 @@
 
 Parameters are a plain tree of tensors; the model, the optimizer and the training step are
 pure functions over it. The names below are the public API (docs/design.md §3).
+
+Each is loaded on first use (PEP 562), so `import fnmoe` and the `fnmoe` command's help load
+no torch (~3 s of CPU: torch, dynamo, DTensor). A missing private torch API still fails on
+first use naming the supported range: fnmoe/_torch.py, the one module that reaches them, is
+loaded before any name below.
 """
 # before anything loads torch, hence OpenMP: the fnmoe command's threads wait passively (fnmoe/threads.py)
 from fnmoe import threads as _threads
 
 _threads.before_torch()
 
-from fnmoe import _torch  # noqa: F401, E402  first: a missing private torch API fails there, naming the range
-from fnmoe import checkpoint, func, hf, optim  # noqa: E402
-from fnmoe.caches import clear_caches  # noqa: E402
-from fnmoe.config import (  # noqa: E402
-    CheckpointConfig,
-    DataConfig,
-    DistConfig,
-    MemoryConfig,
-    MeshConfig,
-    ModelConfig,
-    MoEConfig,
-    OptimConfig,
-    PlanConfig,
-    ProfileConfig,
-    RunConfig,
-    TrainConfig,
-    load_config,
-)
-from fnmoe.model import forward  # noqa: E402
-from fnmoe.params import init_params  # noqa: E402
-from fnmoe.train import init_state, loss_fn, make_train_step  # noqa: E402
-from fnmoe.train_state import TrainState  # noqa: E402
-from fnmoe.tree import value_and_grad  # noqa: E402
+import importlib as _importlib  # noqa: E402
 
-__all__ = [
-    "CheckpointConfig", "DataConfig", "DistConfig", "MemoryConfig", "MeshConfig", "ModelConfig",
-    "MoEConfig", "OptimConfig", "PlanConfig", "ProfileConfig", "RunConfig", "TrainConfig",
-    "TrainState", "forward", "init_params", "init_state", "load_config", "loss_fn",
-    "checkpoint", "clear_caches", "func", "hf", "make_train_step", "optim", "value_and_grad",
-]
+# public name -> the module that defines it (a submodule when the two are equal)
+_EXPORTS = {
+    **{name: "fnmoe.config" for name in (
+        "CheckpointConfig", "DataConfig", "DistConfig", "MemoryConfig", "MeshConfig", "ModelConfig",
+        "MoEConfig", "OptimConfig", "PlanConfig", "ProfileConfig", "RunConfig", "TrainConfig", "load_config")},
+    **{name: f"fnmoe.{name}" for name in ("checkpoint", "func", "hf", "optim")},
+    "clear_caches": "fnmoe.caches",
+    "forward": "fnmoe.model",
+    "init_params": "fnmoe.params",
+    "init_state": "fnmoe.train",
+    "loss_fn": "fnmoe.train",
+    "make_train_step": "fnmoe.train",
+    "TrainState": "fnmoe.train_state",
+    "value_and_grad": "fnmoe.tree",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'fnmoe' has no attribute {name!r}")
+    _importlib.import_module("fnmoe._torch")  # first: a missing private torch API fails there, naming the range
+    module = _importlib.import_module(_EXPORTS[name])
+    value = module if module.__name__ == f"fnmoe.{name}" else getattr(module, name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -17,7 +17,6 @@ from typing import Annotated, Callable
 
 import tyro
 
-from fnmoe.parallel import dist as fdist
 from fnmoe.cli_checks import out_dir
 from fnmoe.cli_models import checkpoint_of, cmd_convert, cmd_generate, is_checkpoint, load_model, write_stdout
 from fnmoe.cli_prepare import cmd_prepare
@@ -303,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fnmoe: unknown subcommand {sub!r}\n\n{TOP_HELP}", file=sys.stderr)
         return 2
     code = _run(sub, rest)
+    from fnmoe.parallel import dist as fdist  # here, not at the top: help and bad flags load no torch
+
     if fdist.launched():
         fdist.exit_worker(code)
     return code

@@ -127,12 +127,32 @@ def test_a_missing_private_attribute_names_the_installed_torch_and_the_supported
 
 
 @pytest.mark.launch
-def test_a_missing_private_module_fails_the_import_naming_the_range():
+@pytest.mark.parametrize("use", ["from fnmoe import forward", "import fnmoe.train", "import fnmoe.loop"])
+def test_a_missing_private_module_fails_the_import_naming_the_range(use):
+    """Whichever way a program reaches fnmoe's torch code: a public name of the lazy package, or a
+    module imported directly (fnmoe/_torch.py is the only one that reaches a private torch module)."""
     code = ("import sys; sys.modules['torch.distributed._local_tensor'] = None\n"
-            "try:\n    import fnmoe\nexcept ImportError as e:\n    print(e)\n")
+            f"try:\n    {use}\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert "torch.distributed._local_tensor" in out.stdout, out.stdout + out.stderr
     assert _torch.SUPPORTED in out.stdout and torch.__version__ in out.stdout
+
+
+@pytest.mark.launch
+def test_the_package_and_the_commands_help_load_no_torch():
+    """`import fnmoe`, `fnmoe --help` and `fnmoe train --help` answer without torch (~3 s of CPU);
+    the public names load it on first use, all of them there."""
+    code = ("import contextlib, io, sys\n"
+            "import fnmoe, fnmoe.cli\n"
+            "for argv in ([], ['--help'], ['train', '--help']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "        fnmoe.cli.main(argv)\n"
+            "print('torch' in sys.modules)\n"
+            "missing = [n for n in fnmoe.__all__ if getattr(fnmoe, n, None) is None]\n"
+            "listed = set(fnmoe.__all__) <= set(dir(fnmoe))\n"
+            "print('torch' in sys.modules, missing, listed)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.stdout.splitlines() == ["False", "True [] True"], out.stdout + out.stderr
 
 
 # ---------------------------------------------------------------- clear_caches
