@@ -11,6 +11,7 @@ and `DeviceMesh._flatten` / the process-group timeout (attributes of objects mad
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import sys
@@ -120,8 +121,23 @@ def view_base(t: torch.Tensor) -> torch.Tensor | None:
 
 
 # -- dispatch modes: see every op, unwrap tensor subclasses (fnmoe.plan.memory_report)
-TorchDispatchMode, is_traceable_wrapper_subclass = _names(
-    "torch.utils._python_dispatch", "TorchDispatchMode", "is_traceable_wrapper_subclass")
+TorchDispatchMode, is_traceable_wrapper_subclass, _top_mode, _pop_mode_temporarily = _names(
+    "torch.utils._python_dispatch", "TorchDispatchMode", "is_traceable_wrapper_subclass",
+    "_get_current_dispatch_mode", "_pop_mode_temporarily")
+_sac_modes = _names("torch.utils.checkpoint", "_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
+
+
+@contextlib.contextmanager
+def outside_checkpoint_log():
+    """Ops run here bypass the selective checkpoint whose forward or recompute is running (its
+    dispatch mode, on top of the stack, is lifted for the block; modes beneath it, e.g. simulated
+    ranks', stay). torch >= 2.13's recompute requires every op to have run in the forward: an
+    FSDP gather that only the recompute issues must be outside its log (fnmoe.memory.policies)."""
+    if not isinstance(_top_mode(), _sac_modes):
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
 
 # -- ops: CUDA's grouped GEMM (None where absent), size facts for compile (fnmoe.moe, fnmoe.parallel.dispatch)
 grouped_mm: Callable | None = getattr(torch, "_grouped_mm", None)

@@ -27,6 +27,13 @@ def seeded():
     torch.manual_seed(0)
 
 
+def whole(t):
+    """A whole plain tensor out of a DTensor (gathered) or a simulated per-rank value (equal on every
+    rank: reconciled into one)."""
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.reconcile() if hasattr(t, "reconcile") else t
+
+
 def rel(a, b) -> float:
     """max |a - b| relative to the largest |b|: the tests' one measure of closeness."""
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from torch.distributed.tensor import DTensor
 
 from fnmoe import checkpoint, optim
 from fnmoe.parallel import sharding
@@ -26,6 +25,7 @@ from fnmoe.params import init_params
 from fnmoe.train import init_state
 from fnmoe.train_state import TrainState
 from fnmoe.tree import tree_flatten_with_paths, tree_map
+from conftest import whole
 from test_checkpoint import SMALL, losses, rows, spawn_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,12 +58,9 @@ def _updated(state: TrainState, tx) -> TrainState:
 
 
 def _whole(tree) -> dict[str, torch.Tensor]:
-    """Every leaf whole and plain (a DTensor gathered; a simulated value, equal on all ranks, reconciled)."""
-    def plain(t):
-        t = t.full_tensor() if isinstance(t, DTensor) else t
-        return t.reconcile() if hasattr(t, "reconcile") else t
+    """Every leaf whole and plain (conftest.whole), by path."""
     paths, leaves, _ = tree_flatten_with_paths(tree)
-    return {p: plain(x) for p, x in zip(paths, leaves)}
+    return {p: whole(x) for p, x in zip(paths, leaves)}
 
 
 def _state_whole(state) -> dict[str, torch.Tensor]:

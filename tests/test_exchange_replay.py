@@ -26,7 +26,7 @@ from fnmoe.plan.meters import CommMeter
 from fnmoe.train import loss_fn
 from fnmoe.tree import flatten_dict, tree_map
 
-from conftest import pin_routing
+from conftest import pin_routing, whole
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_hidden=48, max_seq_len=16,
@@ -35,11 +35,6 @@ CFG = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ff
 B, L, WORLD = 8, 16, 4
 N_MOE = CFG.n_layers - CFG.moe.first_k_dense
 TOKENS_BL = torch.randint(0, CFG.vocab_size, (B, L + 1), generator=torch.Generator().manual_seed(0))
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    t = t.full_tensor() if hasattr(t, "full_tensor") else t
-    return t.reconcile() if hasattr(t, "reconcile") else t
 
 
 def _a2a(meter: CommMeter) -> dict[str, int]:
@@ -62,8 +57,8 @@ def _step(keep: bool) -> dict:
             live_bytes = live.live_bytes()  # every rank's, summed
         with CommMeter(sharding.group_axes(mesh)) as backward:
             loss.backward()
-        grads = {k: _plain(v.grad) for k, v in flatten_dict(params).items() if v.grad is not None}
-        return {"loss": _plain(sharding.all_sum(loss)), "grads": grads, "forward": _a2a(forward),
+        grads = {k: whole(v.grad) for k, v in flatten_dict(params).items() if v.grad is not None}
+        return {"loss": whole(sharding.all_sum(loss)), "grads": grads, "forward": _a2a(forward),
                 "backward": _a2a(backward), "live": live_bytes}
 
 

@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 from fnmoe import moe
 from fnmoe import compile as fcompile
@@ -25,7 +24,7 @@ from fnmoe.plan.meters import StorageMeter
 from fnmoe.train import loss_fn
 from fnmoe.tree import flatten_dict, tree_map, value_and_grad
 from fnmoe._torch import TorchDispatchMode, all_to_all_ops, c10d_ops
-from conftest import pin_routing, rel
+from conftest import pin_routing, rel, whole
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_hidden=48, max_seq_len=16,
                   moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, first_k_dense=1))
@@ -52,11 +51,6 @@ def _one_process(cfg: ModelConfig, mem: MemoryConfig = MemoryConfig()):
     return loss, aux, flatten_dict(grads)
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    t = t.full_tensor() if isinstance(t, DTensor) else t
-    return t.reconcile() if hasattr(t, "reconcile") else t
-
-
 def _mesh(cfg: ModelConfig, mem: MemoryConfig = MemoryConfig()):
     """(loss, grads), whole, of the same step on a simulated 2x2 mesh (fsdp 2 x ep 2), resharding."""
     with fdist.simulate(4):
@@ -67,7 +61,7 @@ def _mesh(cfg: ModelConfig, mem: MemoryConfig = MemoryConfig()):
         (loss, _), grads = value_and_grad(loss_fn, has_aux=True)(init_params(cfg, 0, mesh=mesh), part[:, :-1],
                                                                  part[:, 1:], cfg, B * L, runner=runner,
                                                                  source=GATHER)
-        return _whole(sharding.all_sum(loss)), {k: _whole(g) for k, g in flatten_dict(grads).items()}
+        return whole(sharding.all_sum(loss)), {k: whole(g) for k, g in flatten_dict(grads).items()}
 
 
 def _assert_same(got, want, tol: float = 1e-5) -> None:

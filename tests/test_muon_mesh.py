@@ -30,7 +30,7 @@ from fnmoe.params import init_params
 from fnmoe.train import init_state, make_train_step
 from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict, map_with_path, tree_flatten, unflatten_dict
-from conftest import rel
+from conftest import rel, whole
 
 from test_sharding import B, CFG, MESHES, TOKENS, assert_same_metrics  # tests/ is on sys.path: pytest's rootdir import
 
@@ -49,13 +49,6 @@ def layouts() -> dict:
               "layers.0.attn.w_k_DM": (30, 20), "layers.0.attn.w_v_DM": (3, 40),
               "layers.1.moe.w_up_EDF": (4, 16, 8), "layers.1.moe.w_down_EFD": (2, 8, 16)}
     return {path: _randn(*shape, seed=i) for i, (path, shape) in enumerate(shapes.items())}
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A whole tensor out of a DTensor or a simulated (per-rank, all equal) tensor."""
-    t = t.full_tensor() if isinstance(t, DTensor) else t
-    return t.reconcile() if hasattr(t, "reconcile") else t
-
 
 
 class CollectiveBytes(TorchDispatchMode):
@@ -102,8 +95,8 @@ def test_update_on_every_mesh_equals_one_process_bitwise(mesh_shape):
     with fdist.simulate(f * e):
         updates, mu, _, _ = _sharded_updates(flat, grads, sharding.make_mesh(MeshConfig(fsdp=f, ep=e)))
         for path, want in ref_updates.items():
-            assert torch.equal(_plain(updates[path]), want), path
-            assert torch.equal(_plain(mu[path]), ref_mu[path]), path
+            assert torch.equal(whole(updates[path]), want), path
+            assert torch.equal(whole(mu[path]), ref_mu[path]), path
 
 
 @pytest.mark.parametrize("paths, all_to_alls", [
@@ -132,7 +125,7 @@ def test_qk_clip_on_a_mesh_equals_one_process():
         mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
         got = flatten_dict(optim.qk_clip(sharding.shard_params(params, mesh), max_logits_NH, CFG, 4.0))
         for path, w in want.items():
-            assert torch.equal(_plain(got[path]), w), path
+            assert torch.equal(whole(got[path]), w), path
 
 
 # ---------------------------------------------------------------- training: the Muon rows of the mesh matrix
@@ -161,7 +154,7 @@ def _train(mesh_shape, steps: int):
         state, metrics = train_step(state, [(x_BL[:, :-1], x_BL[:, 1:])])
         losses.append(metrics["loss"])
         if s == 0:
-            first = {k: _plain(v) for k, v in flatten_dict(state.params).items()}
+            first = {k: whole(v) for k, v in flatten_dict(state.params).items()}
     return losses, first
 
 
@@ -228,7 +221,7 @@ def _worker(out: Path) -> None:
     for f, e in [(2, 2), (4, 1), (1, 4)]:
         mesh = sharding.make_mesh(MeshConfig(fsdp=f, ep=e), DistConfig(timeout_s=10))
         updates, _, comm, moved = _sharded_updates(flat, grads, mesh)
-        equal = torch.tensor(all(torch.equal(_plain(updates[p]), w) for p, w in ref_updates.items()))
+        equal = torch.tensor(all(torch.equal(whole(updates[p]), w) for p, w in ref_updates.items()))
         stats = torch.tensor([moved.bytes, sum(comm.get_comm_counts().values())])
         dist.all_reduce(stats)  # bytes: all ranks; counts: every rank makes the same calls
         dist.all_reduce(equal, op=dist.ReduceOp.MIN)

@@ -38,7 +38,7 @@ from fnmoe.plan.meters import CommMeter
 from fnmoe.train import IGNORE, init_state, loss_fn, make_train_step
 from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict, tree_flatten, tree_map, value_and_grad
-from conftest import free_port, rel
+from conftest import free_port, rel, whole
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=48, max_seq_len=16,
@@ -60,13 +60,6 @@ def _rank_part(x_BL: torch.Tensor, n: int) -> torch.Tensor:
     """Each simulated rank's contiguous part of the global batch (as Loader lays it out)."""
     b = x_BL.shape[0] // n
     return fdist.rank_map(lambda r: x_BL[r * b:(r + 1) * b].clone())
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A whole tensor out of a DTensor or a simulated (per-rank, all equal) tensor."""
-    t = t.full_tensor() if isinstance(t, DTensor) else t
-    return t.reconcile() if hasattr(t, "reconcile") else t
-
 
 
 # ---------------------------------------------------------------- rules (no process group)
@@ -123,7 +116,7 @@ def test_sharded_init_gives_each_rank_its_slice():
             for r in range(4):
                 idx = sharding.local_index(spec, tuple(ref[path].shape), sharding._coord(mesh, r), sizes)
                 assert torch.equal(local._local_tensors[r], ref[path][idx]), (path, r)
-            assert torch.equal(_plain(leaf), ref[path]), path
+            assert torch.equal(whole(leaf), ref[path]), path
 
 
 def _first_step(mesh_shape, cfg: ModelConfig = CFG):
@@ -138,7 +131,7 @@ def _first_step(mesh_shape, cfg: ModelConfig = CFG):
         mesh = sharding.make_mesh(MeshConfig(fsdp=f, ep=e))
         x = _rank_part(x_BL, f * e)
         (loss, _), grads = grad_fn(init_params(cfg, 0, mesh=mesh), x[:, :-1], x[:, 1:], cfg, B * L, source=GATHER)
-        return _plain(sharding.all_sum(loss)), {k: _plain(g) for k, g in flatten_dict(grads).items()}
+        return whole(sharding.all_sum(loss)), {k: whole(g) for k, g in flatten_dict(grads).items()}
 
 
 def test_first_step_loss_and_grads_match_one_process_on_every_mesh():
@@ -203,7 +196,7 @@ def test_bf16_reduce_scatter_sends_half_the_bytes_and_returns_float32_gradients(
             with fgather.reducing(DTYPE[reduce]):
                 _, g = value_and_grad(loss_fn, has_aux=True)(init_params(CFG, 0, mesh=mesh), x[:, :-1], x[:, 1:],
                                                              CFG, B * L, source=GATHER)
-            grads[reduce] = {k: (v.dtype, _plain(v)) for k, v in flatten_dict(g).items()}
+            grads[reduce] = {k: (v.dtype, whole(v)) for k, v in flatten_dict(g).items()}
     fp32, bf16 = sent.values()
     gathers = [{k: v for k, v in rows.items() if k[0] == "all_gather"} for rows in (fp32, bf16)]
     assert gathers[0] == gathers[1]
@@ -235,7 +228,7 @@ def _train(mesh_shape, steps: int, grad_accum: int = 1, reshard: bool = True,
         parts = [_rank_part(m, n) if n > 1 else m for m in micro]
         state, metrics = train_step(state, [(p[:, :-1], p[:, 1:]) for p in parts])
         losses.append(metrics["loss"])
-    return losses, {k: _plain(v) for k, v in flatten_dict(state.params).items()}
+    return losses, {k: whole(v) for k, v in flatten_dict(state.params).items()}
 
 
 def test_grad_accumulation_on_2x2_equals_one_big_batch():
@@ -256,11 +249,11 @@ def test_grad_accumulation_on_2x2_equals_one_big_batch():
                                   runner=memory.block_runner(MemoryConfig(), cfg.n_layers, reshard=True))
             acc, g = acc + loss, flatten_dict(g)
             g_acc = g if g_acc is None else {k: g_acc[k] + g[k] for k in g}
-        big, acc = _plain(sharding.all_sum(big)), _plain(sharding.all_sum(acc))
+        big, acc = whole(sharding.all_sum(big)), whole(sharding.all_sum(acc))
         g_big = flatten_dict(g_big)
         assert abs(big.item() - acc.item()) <= 1e-6 * abs(big.item())
         for path, g in g_big.items():
-            assert rel(_plain(g_acc[path]), _plain(g)) <= 1e-6, path
+            assert rel(whole(g_acc[path]), whole(g)) <= 1e-6, path
 
 
 def test_ignored_labels_count_globally():
@@ -275,7 +268,7 @@ def test_ignored_labels_count_globally():
         x, y = _rank_part(x_BL[:, :-1], 2), _rank_part(y_BL, 2)
         n = int(sharding.all_sum((y != IGNORE).sum()))
         (loss, _), _ = grad_fn(init_params(CFG, 0, mesh=mesh), x, y, CFG, n, source=GATHER)
-        total = _plain(sharding.all_sum(loss))
+        total = whole(sharding.all_sum(loss))
     assert n == B // 2 * L and abs(total.item() - ref.item()) <= 1e-6 * ref.item()
 
 

@@ -78,8 +78,15 @@ def recompute(fn: Callable, *args, save_ops: frozenset = ROUTING_OPS | EXCHANGE_
     context_fn = functools.partial(create_selective_checkpoint_contexts, _policy(save_ops))
     held = None if torch.compiler.is_compiling() else reshard.weak_args(args)
     if held is not None:
-        return checkpoint(lambda *a: fn(*reshard.strong_args(a)), *held, use_reentrant=False, context_fn=context_fn)
+        return checkpoint(lambda *a: fn(*_strong(a)), *held, use_reentrant=False, context_fn=context_fn)
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
+
+
+def _strong(held: tuple) -> tuple:
+    """reshard.strong_args outside the checkpoint's op log: a gathered weight freed since the
+    forward is gathered again by the recompute alone, and is the region's input, not its work."""
+    with _torch.outside_checkpoint_log():
+        return reshard.strong_args(held)
 
 
 class _Kept:
@@ -217,15 +224,18 @@ def _offload_hooks(pool: HostPool, keep: set[int], min_bytes: int, stats: dict, 
                 or not _dense(t)):
             stats["kept"] += n
             return t
-        key = (_torch.storage_key(t), t.storage_offset(), t.shape, t.stride(), t.dtype,
-               _torch.tensor_version(t))
+        # a size that differs by rank (simulated ranks: a symbolic int) has no hash: no dedup then
+        sized = not any(isinstance(d, torch.SymInt) for d in (*t.shape, *t.stride()))
+        key = (_torch.storage_key(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+               _torch.tensor_version(t)) if sized else None
         seen = copies.get(key)
         if seen is not None and not seen[0].expired():  # the same storage, still alive: the same values
             seen[1].uses += 1
             return seen[1]
         stats["offloaded"] += n
         handle = pool.store(t)  # the handle holds no reference to t: its memory is freed
-        copies[key] = (StorageWeakRef(t.untyped_storage()), handle)
+        if sized:
+            copies[key] = (StorageWeakRef(t.untyped_storage()), handle)
         handles.append(handle)
         return handle
 

@@ -141,10 +141,17 @@ class _Ref:
     gathered again (as a saved one would be)."""
     tensor: weakref.ref
     handle: _Regather
+    requires_grad: bool
 
     def get(self) -> torch.Tensor:
         t = self.tensor()
-        return t if t is not None else _unpack(self.handle, None)
+        if t is not None:
+            return t
+        # the recompute only refills the forward's saved tensors (its graph carries the gradient to
+        # the shards): the gather again builds no graph, and autograd saves for the weight what it did
+        with torch.no_grad():
+            again = _unpack(self.handle, None)
+        return again.detach().requires_grad_(self.requires_grad)
 
 
 def weak_args(args: tuple) -> tuple | None:
@@ -160,7 +167,7 @@ def weak_args(args: tuple) -> tuple | None:
         if not isinstance(handle, _Regather):
             return t
         found.append(t)
-        return _Ref(weakref.ref(t), handle)
+        return _Ref(weakref.ref(t), handle, t.requires_grad)
     out = tree_map(weak, args)
     return out if found else None
 
