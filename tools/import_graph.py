@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1] / "fnmoe"
 # Units low to high: a unit imports its own layer and those below. "" is fnmoe/__init__.py (the
 # public API, which re-exports from anywhere).
 LAYERS: list[tuple[str, ...]] = [
-    ("_torch", "caches", "cli_checks", "dtypes", "threads"),  # private torch behind names; the cache registry;
-                                                            # dtype names; how the command's threads wait
+    ("_torch", "caches", "dtypes", "threads"),  # private torch behind names; the cache registry; dtype
+                                                # names; how the command's threads wait
     ("tree", "config"),                         # trees of tensors; the run configuration
     ("compile", "seams"),                       # the one torch.compile site; the model's seams (runner, params source)
     ("parallel",),                              # process groups, the mesh, gathers, the EP exchange
@@ -43,9 +43,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("memory",),                                # what a block keeps for backward: runs the model's blocks
     ("train",),                                 # the step
     ("plan",),                                  # plans the step and rehearses it
-    ("func", "generate", "inspect_compile", "sampling", "evaluate", "loop", "loop_steps", "cli_prepare",
-     "cli_tokenizer", "cli_models"),
-    ("cli",),
+    ("func", "generate", "inspect_compile", "sampling", "evaluate", "loop", "loop_steps"),
+    ("cli",),                                   # the command: its subcommands import what they run
     ("", "__main__"),
 ]
 

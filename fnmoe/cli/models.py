@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from fnmoe.cli_checks import check_range, out_dir
+from fnmoe.cli.checks import check_range, out_dir
 from fnmoe.config import RunConfig, load_config, to_toml
 from fnmoe.config.types import read_json
 

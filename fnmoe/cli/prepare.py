@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fnmoe.cli_checks import check_range, out_dir
+from fnmoe.cli.checks import check_range, out_dir
 
 
 def cmd_prepare(argv: list[str]) -> int:

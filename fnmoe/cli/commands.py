@@ -1,4 +1,4 @@
-"""The `fnmoe` command (also `python -m fnmoe`): tyro-typed subcommands over RunConfig.
+"""The `fnmoe` command's subcommands (`main` dispatches): tyro-typed flags over RunConfig.
 
 `--config FILE` names a TOML preset whose values become the defaults; every other flag is a
 dotted override of the config tree (`--train.steps 50`, `--model.compute-dtype bfloat16`).
@@ -17,10 +17,10 @@ from typing import Annotated, Callable
 
 import tyro
 
-from fnmoe.cli_checks import out_dir
-from fnmoe.cli_models import checkpoint_of, cmd_convert, cmd_generate, is_checkpoint, load_model, write_stdout
-from fnmoe.cli_prepare import cmd_prepare
-from fnmoe.cli_tokenizer import cmd_tokenizer
+from fnmoe.cli.checks import out_dir
+from fnmoe.cli.models import checkpoint_of, cmd_convert, cmd_generate, is_checkpoint, load_model, write_stdout
+from fnmoe.cli.prepare import cmd_prepare
+from fnmoe.cli.tokenizer import cmd_tokenizer
 from fnmoe.config import RunConfig, load_config, validate, with_token_steps
 
 TOP_HELP = """usage: fnmoe SUBCOMMAND [--config FILE] [OVERRIDES]
@@ -331,7 +331,3 @@ def _said(e: Exception) -> str:
         paths = f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 is not None else "")
         return f"{paths}: {e.strerror}"
     return str(e)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
