@@ -4,7 +4,8 @@ A `RunConfig` is the whole run; `forward` and `hf` take only its `ModelConfig`. 
 TOML files whose tables mirror the dataclass tree; `load_config` reads one and validates it.
 
   ranges.py   Range (a number field's bounds) and the bounded types the fields use
-  schema.py   the dataclasses (their fields, defaults, help and derived properties)
+  model.py    ModelConfig and MoEConfig, the model's shape (what forward and hf take), and Dtype
+  schema.py   the run's other dataclasses and RunConfig (fields, defaults, help, derived properties)
   types.py    each field's own check from its annotation: type, choices, range, finiteness
   check.py    validate_model, validate: every problem at once, by field name
   toml.py     from_dict, to_dict, to_toml, load_config
@@ -12,17 +13,15 @@ TOML files whose tables mirror the dataclass tree; `load_config` reads one and v
 Modules import one way, in that order; this file only re-exports.
 """
 from fnmoe.config.check import validate, validate_model
+from fnmoe.config.model import Dtype, ModelConfig, MoEConfig
 from fnmoe.config.schema import (
     CheckpointConfig,
     DataConfig,
     DistConfig,
-    Dtype,
     MemoryConfig,
     MeshConfig,
     MixSource,
-    ModelConfig,
     REGIONS,
-    MoEConfig,
     OptimConfig,
     PlanConfig,
     ProfileConfig,

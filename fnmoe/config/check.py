@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 
 from fnmoe.config.hardware import hardware
-from fnmoe.config.schema import REGIONS, MemoryConfig, ModelConfig, MoEConfig, RunConfig
+from fnmoe.config.model import ModelConfig, MoEConfig
+from fnmoe.config.schema import REGIONS, MemoryConfig, RunConfig
 from fnmoe.config.types import field_errors
 
 
