@@ -41,7 +41,8 @@ from fnmoe.config import DistConfig, MeshConfig, OptimConfig, load_config
 from fnmoe.params import init_params
 from fnmoe.tree import flatten_dict
 
-from test_sharding import _plain, _train  # tests/ is on sys.path: pytest's rootdir import, a script's own dir
+from conftest import whole
+from test_sharding import _train  # tests/ is on sys.path: pytest's rootdir import, a script's own dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = dataclasses.replace(load_config(ROOT / "configs" / "tiny.toml").model, compute_dtype="float32", compile=False)
@@ -73,7 +74,7 @@ def _worker(out: Path) -> None:
     results, inits = {}, {}
     for shape, opts in RUNS[world].items():
         mesh = sharding.make_mesh(MeshConfig(fsdp=shape[0], ep=shape[1]), DIST)
-        inits[_name(shape)] = {k: _plain(v) for k, v in flatten_dict(init_params(CFG, 0, mesh=mesh)).items()}
+        inits[_name(shape)] = {k: whole(v) for k, v in flatten_dict(init_params(CFG, 0, mesh=mesh)).items()}
         for opt in opts:
             start = time.perf_counter()
             losses, _ = _train(shape, STEPS, optim_cfg=OPTIMS[opt.split()[0]], cfg=CFG,  # its own mesh (new groups)
