@@ -279,9 +279,10 @@ def _prepare(run: RunConfig, rank: int) -> tuple[Path | None, tuple[Path, dict] 
     if run.train.threads:
         torch.set_num_threads(run.train.threads)
     artifacts = warm_start(run.compile_cache, to_toml(run.model)) if run.model.compile else None
-    found = _resume_point(run, run_dir_of(run) / "checkpoints")
     guards.preflight(run, run_dir_of(run), rank, artifacts)  # what the run writes later is writable now
-    return artifacts, found
+    # after the preflight, whose rank 0 makes and removes the checkpoints directory while the other
+    # ranks wait: listing it beside that removal raised FileNotFoundError on rank 1 (seen in the suite)
+    return artifacts, _resume_point(run, run_dir_of(run) / "checkpoints")
 
 
 def _first_state(run: RunConfig, found, loader, tx, mesh, device: torch.device) -> TrainState:

@@ -62,6 +62,20 @@ def test_the_check_makes_no_directory_it_does_not_leave(tmp_path):
     assert list((tmp_path / "run" / "checkpoints").iterdir()) == []
 
 
+def test_the_checkpoints_are_listed_only_after_the_check_that_removes_what_it_made(tmp_path, monkeypatch):
+    """Rank 0's check makes the checkpoints directory and removes it while the other ranks wait in
+    its gather; a rank listing the directory before that check raced the removal (FileNotFoundError
+    on rank 1, once in a suite run). Every rank runs the check first, then looks for a checkpoint."""
+    from fnmoe import loop
+
+    calls = []
+    monkeypatch.setattr(loop.guards, "preflight", lambda *a: calls.append("preflight"))
+    monkeypatch.setattr(loop, "_resume_point", lambda *a: calls.append("resume point"))
+    run = parse_run([*tiny_flags(), "--train.run-dir", str(tmp_path / "run")], "fnmoe train")
+    loop._prepare(run, rank=1)
+    assert calls == ["preflight", "resume point"]
+
+
 def test_a_run_whose_every_step_is_skipped_fails_and_saves_nothing(tmp_path, capsys):
     """--optim.eps 0: Adam divides 0 by 0 on untouched rows, every update is non-finite and skipped.
     The run used to end "done" with exit 0 and a checkpoint of the untrained weights."""

@@ -175,14 +175,16 @@ print(hwm_kb, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_peak_memory_does_not_grow_with_the_input(tmp_path, fmt):
-    """Peak RSS of the prepare process and of its tokeniser workers, for inputs of 12 and 48 MB of
-    text (Parquet: one row group, pyarrow's default up to 1M rows): the larger may cost a little
-    (allocator noise), far less than its extra 36 MB."""
+    """Peak RSS of the prepare process and of its tokeniser workers, for inputs of 16 and 112 MB of
+    text (Parquet: one row group, pyarrow's default up to 1M rows): the larger may cost a little,
+    far less than half its extra 96 MB. The prepare process's peak moves by up to ~25 MB from run
+    to run whatever the input (allocator and reader batches: 12 vs 48 MB grew 23 MB once under load,
+    24 vs 72 MB 24 MB on a quiet machine), so the inputs differ by far more than that."""
     rng = np.random.default_rng(5)
     letters = np.frombuffer("abcdefghijklmnopqrstuvwxyzé    \n".encode(), np.uint8)
-    block = letters[rng.integers(0, len(letters), 48 << 20)].tobytes()  # incompressible-ish text
+    block = letters[rng.integers(0, len(letters), 112 << 20)].tobytes()  # incompressible-ish text
     peaks, sizes = [], []
-    for mb in (12, 48):
+    for mb in (16, 112):
         texts = [block[i:i + 4096].decode("utf-8", errors="ignore") for i in range(0, mb << 20, 4096)]
         src = tmp_path / f"in{mb}.{fmt}"
         if fmt == "jsonl":
@@ -199,4 +201,4 @@ def test_peak_memory_does_not_grow_with_the_input(tmp_path, fmt):
         peaks.append([int(kb) * 1024 for kb in r.stdout.split()[-2:]])
         src.unlink()
     grown = max(big - small for small, big in zip(*peaks))
-    assert grown < (sizes[1] - sizes[0]) / 4, (peaks, sizes)
+    assert grown < (sizes[1] - sizes[0]) / 2, (peaks, sizes)
