@@ -111,3 +111,22 @@ def test_sample_every_logs_the_greedy_continuation(tmp_path, capsys):
     prompt = tok.encode("The ")
     out = generate(params, torch.tensor([prompt]), run.model, 12, stop_id=EOS_ID)
     assert samples[-1] == f"sample at step 4: {'The ' + tok.decode(out[0, len(prompt):].tolist())!r}"
+
+
+def test_a_sample_on_a_mesh_is_one_process_sample(caplog):
+    """--train.sample-every on a sharded run (a simulated 2x2 mesh, experts over ep): every rank
+    takes part in gathering the params, rank 0 logs what one process's greedy sample of the same
+    weights is (sharded init draws each rank's slice of the one-process tensors)."""
+    from fnmoe.config import MeshConfig, RunConfig, TrainConfig
+    from fnmoe.params import init_params
+    from fnmoe.parallel import dist as fdist
+    from fnmoe.parallel import sharding
+    from fnmoe.sampling import log_sample, run_codec, sample_text
+
+    run = RunConfig(train=TrainConfig(sample_prompt="The ", sample_tokens=12))
+    want = sample_text(init_params(run.model, 0), run, run_codec(run.data))
+    with fdist.simulate(4), caplog.at_level("INFO", logger="fnmoe"):
+        mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
+        log_sample(3, init_params(run.model, 0, mesh=mesh), run, rank=0)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("sample")] == [
+        f"sample at step 3: {want!r}"]

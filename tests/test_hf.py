@@ -496,14 +496,20 @@ def test_convert_refuses_a_corrupt_training_checkpoint(tmp_path, capsys):
     assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
 
 
-def test_load_on_a_mesh_reads_only_each_ranks_experts(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["qwen3", "ernie"])
+def test_load_on_a_mesh_reads_only_each_ranks_experts(tmp_path, monkeypatch, kind):
+    """Every leaf on a simulated 2x2 mesh equal to one process's load, bitwise; each expert read
+    by the one rank that holds it. Ernie: a dense first layer, a shared expert, moe_statics."""
     from torch.distributed.tensor import DTensor
 
     from fnmoe.parallel import dist as fdist
     from fnmoe.parallel import sharding
     from fnmoe.config import MeshConfig
 
-    qwen3(seed=7, num_experts=8, num_hidden_layers=2).save_pretrained(tmp_path)
+    if kind == "qwen3":
+        qwen3(seed=7, num_experts=8, num_hidden_layers=2).save_pretrained(tmp_path)
+    else:
+        ernie(seed=7, moe_num_experts=8, num_hidden_layers=3).save_pretrained(tmp_path)
     cfg, ref = hf.load(tmp_path)
     reads: dict[str, int] = {}
     read = hf.HFReader.read
