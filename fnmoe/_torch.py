@@ -132,7 +132,7 @@ def outside_checkpoint_log():
     """Ops run here bypass the selective checkpoint whose forward or recompute is running (its
     dispatch mode, on top of the stack, is lifted for the block; modes beneath it, e.g. simulated
     ranks', stay). torch >= 2.13's recompute requires every op to have run in the forward: an
-    FSDP gather that only the recompute issues must be outside its log (fnmoe.memory.policies)."""
+    FSDP gather that only the recompute issues must be outside its log (fnmoe.parallel.reshard)."""
     if not isinstance(_top_mode(), _sac_modes):
         yield
         return

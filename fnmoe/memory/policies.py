@@ -78,15 +78,8 @@ def recompute(fn: Callable, *args, save_ops: frozenset = ROUTING_OPS | EXCHANGE_
     context_fn = functools.partial(create_selective_checkpoint_contexts, _policy(save_ops))
     held = None if torch.compiler.is_compiling() else reshard.weak_args(args)
     if held is not None:
-        return checkpoint(lambda *a: fn(*_strong(a)), *held, use_reentrant=False, context_fn=context_fn)
+        return checkpoint(lambda *a: fn(*reshard.strong_args(a)), *held, use_reentrant=False, context_fn=context_fn)
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
-
-
-def _strong(held: tuple) -> tuple:
-    """reshard.strong_args outside the checkpoint's op log: a gathered weight freed since the
-    forward is gathered again by the recompute alone, and is the region's input, not its work."""
-    with _torch.outside_checkpoint_log():
-        return reshard.strong_args(held)
 
 
 class _Kept:

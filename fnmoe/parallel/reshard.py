@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from fnmoe import caches
-from fnmoe._torch import in_backward, view_base
+from fnmoe._torch import in_backward, outside_checkpoint_log, view_base
 from fnmoe.tree import Tree, flatten_dict, tree_map
 
 
@@ -147,9 +147,11 @@ class _Ref:
         t = self.tensor()
         if t is not None:
             return t
-        # the recompute only refills the forward's saved tensors (its graph carries the gradient to
-        # the shards): the gather again builds no graph, and autograd saves for the weight what it did
-        with torch.no_grad():
+        # the region's input, not its work: outside the checkpoint's op log (torch 2.13 refuses an op
+        # the forward did not run), and without a graph (the recompute only refills the forward's
+        # saved tensors; the forward's graph carries the gradient to the shards), a leaf for which
+        # autograd saves what it did in the forward
+        with outside_checkpoint_log(), torch.no_grad():
             again = _unpack(self.handle, None)
         return again.detach().requires_grad_(self.requires_grad)
 
