@@ -245,7 +245,7 @@ def _open_outputs(run: RunConfig, run_dir: Path, state: TrainState, resumed: boo
         try:
             rundir.write_text(run_dir / "config.toml", to_toml(run))
             # alone: the other ranks reach their first save only after rank 0 is past this (a step's collectives)
-            checkpoint.discard_after(run_dir / "checkpoints", state.step)
+            checkpoint.set_aside_after(run_dir / "checkpoints", state.step)
             mirrors = [TensorBoardWriter(run_dir / "tensorboard")] if run.train.tensorboard else []
             if run.train.wandb:  # imported only when asked: the core never imports wandb
                 from fnmoe.run.wandb_log import WandbWriter

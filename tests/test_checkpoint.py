@@ -355,10 +355,12 @@ def test_corrupt_or_truncated_files_are_named_and_auto_falls_back(tmp_path, warn
     assert "ok:" in capsys.readouterr().out
 
     train_here(*args(tmp_path, 4, "--checkpoint.every", "1", "--checkpoint.keep-last", "2", "--resume", "auto"))
-    assert f"skipping checkpoint step_4: {bad}" in warnings_text()
+    assert "resuming from step_3, the newest checkpoint that verifies" in warnings_text()
+    assert f"step_4: {bad}" in warnings_text()
     assert losses(tmp_path) == first
     assert [r.get("from_step") for r in rows(tmp_path) if "event" in r] == [3]
     verify(root / "step_4")
+    assert (root / "set_aside" / "step_4" / PARAMS).read_bytes() == bytes(data)  # set aside, not deleted
 
 
 @pytest.mark.launch

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 from pathlib import Path
 from typing import Any, Callable
@@ -15,9 +16,11 @@ from safetensors import SafetensorError, safe_open
 from fnmoe.parallel import dist as fdist
 from fnmoe.checkpoint.format import CONFIG, INDEX, SECTIONS, ST_DTYPES, CheckpointError, whole_slices, parts, read_index
 from fnmoe.checkpoint.procs import first_error, rank_in_job
-from fnmoe.config import RunConfig, load_config
+from fnmoe.config import RunConfig, config_from_tables, drop_unknown, read_toml
 from fnmoe.params import current_path, shape_mismatches
 from fnmoe.tree import Tree, unflatten_dict
+
+log = logging.getLogger("fnmoe")
 
 
 def _sha256(path: Path) -> str:
@@ -169,12 +172,27 @@ def _read_section(ckpt: Path, index: dict, section: str) -> dict[str, torch.Tens
 
 def saved_config(ckpt: Path) -> RunConfig:
     """The RunConfig a checkpoint was saved with (validated when it was written; each value's type
-    is checked as it is read)."""
+    is checked as it is read). Fields this release does not know (a newer release wrote it) are
+    ignored with a warning outside the model; in the model they could change its shape or numerics,
+    so the checkpoint is refused naming them."""
     path = Path(ckpt) / CONFIG
     try:
-        return load_config(path, validate_config=False)
+        tables, unknown = drop_unknown(RunConfig, read_toml(path))
+        model = [k for k in unknown if k.startswith("model.")]
+        if model:
+            raise CheckpointError(f"{path}: model fields this fnmoe does not know: {', '.join(model)} (a newer "
+                                  "release wrote it?); read it with that release")
+        if unknown and rank_in_job()[0] == 0 and path not in _WARNED:
+            _WARNED.add(path)
+            log.warning("%s: ignoring fields this fnmoe does not know, none of the model's: %s", path,
+                        ", ".join(unknown))
+        return config_from_tables(tables, path, validate_config=False)
     except (FileNotFoundError, ValueError) as e:  # each names the file
         raise CheckpointError(str(e)) from None
+
+
+_WARNED: set[Path] = set()
+"""config files whose unknown fields were reported: verify and resume read each one more than once"""
 
 
 def load_params(ckpt: str | Path) -> tuple[RunConfig, Tree]:

@@ -169,24 +169,52 @@ def load_state(ckpt: Path, index: dict, run: RunConfig, tx: optim.GradientTransf
     return TrainState(params, opt_state, index["step"])
 
 
+def _newest_verified(root: Path) -> tuple[tuple[Path, dict] | None, list[tuple[Path, str]]]:
+    """(the newest checkpoint under root that verifies and its index, or None; the newer ones that
+    did not, each with why)."""
+    failed = []
+    for _, path in list_checkpoints(root):
+        try:
+            return (path, verify_together(path)), failed
+        except CheckpointError as e:
+            failed.append((path, str(e)))
+    return None, failed
+
+
 def find_latest(root: Path) -> tuple[Path, dict] | None:
     """The newest complete checkpoint under root and its verified index; None if there is none.
     Corrupt or partial ones are passed over with a warning naming the bad file."""
-    for _, path in list_checkpoints(root):
-        try:
-            return path, verify_together(path)
-        except CheckpointError as e:
-            if rank_in_job()[0] == 0:  # every rank has the same verdict
-                log.warning("skipping checkpoint %s: %s; falling back to an older one", path.name, e)
-    return None
+    found, failed = _newest_verified(root)
+    if rank_in_job()[0] == 0:  # every rank has the same verdict
+        for path, why in failed:
+            log.warning("skipping checkpoint %s: %s; falling back to an older one", path.name, why)
+    return found
+
+
+def _auto(root: Path) -> tuple[Path, dict] | None:
+    """--resume auto: the newest checkpoint that verifies; None when root holds none at all. A run
+    whose checkpoints all fail to verify is refused, never started over: they may be one transient
+    fault (a file server's hiccup) or one release's difference away from readable."""
+    found, failed = _newest_verified(root)
+    if found is None and failed:
+        why = "; ".join(f"{path.name}: {e}" for path, e in failed)
+        raise CheckpointError(f"--resume auto: none of the {len(failed)} checkpoints in {root} verifies, so the run "
+                              f"is not resumed and nothing was removed ({why}); fix or restore one, resume from one "
+                              "by path with --resume PATH, or start a new run on purpose with another "
+                              "--train.run-dir")
+    if failed and rank_in_job()[0] == 0:
+        log.warning("--resume auto: resuming from %s, the newest checkpoint that verifies; newer ones that do not "
+                    "are set aside, not removed: %s", found[0].name,
+                    "; ".join(f"{path.name}: {e}" for path, e in failed))
+    return found
 
 
 def resume_point(resume: str, root: Path) -> tuple[Path, dict] | None:
     """The checkpoint `--resume` names, with its verified index: none -> None, auto -> the newest
-    complete one under root (None if there is none), else the directory PATH. On several ranks every
-    rank calls this, and all get the same answer."""
+    one under root that verifies (None if root holds none; refused if none verifies), else the
+    directory PATH. On several ranks every rank calls this, and all get the same answer."""
     if resume == "none":
         return None
     if resume == "auto":
-        return find_latest(root)
+        return _auto(root)
     return Path(resume), verify_together(Path(resume))

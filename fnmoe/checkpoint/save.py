@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import logging
+import itertools
 import math
 import os
 import shutil
@@ -197,9 +198,15 @@ def prune(root: Path, keep_last: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def discard_after(root: Path, step: int) -> None:
-    """Remove temp directories of interrupted saves and the checkpoints of steps after `step`: the
-    run continues from `step`, so later ones belong to an abandoned future, as metrics rows do."""
+SET_ASIDE = "set_aside"
+"""the folder under a run's checkpoints where those after its resume point are kept"""
+
+
+def set_aside_after(root: Path, step: int) -> None:
+    """Remove temp directories of interrupted saves, and move the checkpoints of steps after `step`
+    into root/set_aside: the run continues from `step`, so they belong to an abandoned future (as
+    its metrics rows do) and their names are about to be saved again, but they may be all that is
+    left of a run a fault made unreadable, so they are never deleted."""
     root = Path(root)
     if not root.is_dir():
         return
@@ -209,8 +216,12 @@ def discard_after(root: Path, step: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
     for s, p in list_checkpoints(root):
         if s > step:
-            log.warning("removing %s: the run continues from step %d", p, step)
-            shutil.rmtree(p, ignore_errors=True)
+            (root / SET_ASIDE).mkdir(exist_ok=True)
+            dest = next(d for i in itertools.count() if not (d := root / SET_ASIDE / f"{p.name}{f'.{i}' if i else ''}")
+                        .exists())
+            log.warning("moving %s to %s: the run continues from step %d (delete it when it is not needed)", p, dest,
+                        step)
+            os.rename(p, dest)
 
 
 class Saver:

@@ -8,7 +8,7 @@ TOML files whose tables mirror the dataclass tree; `load_config` reads one and v
   schema.py   the run's other dataclasses and RunConfig (fields, defaults, help, derived properties)
   types.py    each field's own check from its annotation: type, choices, range, finiteness
   check.py    validate_model, validate: every problem at once, by field name
-  toml.py     from_dict, to_dict, to_toml, load_config
+  toml.py     read_toml, from_dict, drop_unknown, to_dict, to_toml, load_config
 
 Modules import one way, in that order; this file only re-exports.
 """
@@ -29,10 +29,11 @@ from fnmoe.config.schema import (
     RunConfig,
     TrainConfig,
 )
-from fnmoe.config.toml import from_dict, load_config, to_dict, to_toml, with_token_steps
+from fnmoe.config.toml import (config_from_tables, drop_unknown, from_dict, load_config, read_toml, to_dict, to_toml,
+                               with_token_steps)
 
 __all__ = [
     "CheckpointConfig", "DataConfig", "DistConfig", "Dtype", "MemoryConfig", "MeshConfig", "MixSource", "ModelConfig",
     "MoEConfig", "OptimConfig", "PlanConfig", "ProfileConfig", "REGIONS", "RegionPolicy", "RunConfig", "TrainConfig",
-    "from_dict", "load_config", "to_dict", "to_toml", "validate", "validate_model", "with_token_steps",
+    "config_from_tables", "drop_unknown", "from_dict", "load_config", "read_toml", "to_dict", "to_toml", "validate", "validate_model", "with_token_steps",
 ]

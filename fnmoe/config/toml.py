@@ -117,25 +117,51 @@ def with_token_steps(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=cfg.token_steps))
 
 
-def load_config(path: str | Path, validate_config: bool = True) -> RunConfig:
-    """Read a TOML preset into a RunConfig (named after the file's stem), every value checked
-    against its field's type, and validate it."""
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The tables of a TOML file, with one line naming the file when it is missing or not TOML."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"config {path} is a directory; it must name a TOML file")
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     try:
-        d = tomllib.loads(path.read_bytes().decode("utf-8"))
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ValueError(f"config {path}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config {path}: invalid TOML: {e}") from None
     except OSError as e:
         raise ValueError(f"config {path}: cannot read ({e.strerror})") from None
-    d.setdefault("name", path.stem)
-    cfg = from_dict(RunConfig, d, source=str(path))
+
+
+def drop_unknown(cls: type, d: dict[str, Any], where: str = "") -> tuple[dict[str, Any], list[str]]:
+    """(d without the keys that no field of cls has, at any depth; those keys' dotted names): a
+    config written by a release with more fields, read by this one."""
+    fields, kept, unknown = types.hints(cls), {}, []
+    for key, value in d.items():
+        hint = fields.get(key.replace("-", "_"))
+        if hint is None:
+            unknown.append(f"{where}{key}")
+        elif dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            kept[key], deeper = drop_unknown(hint, value, f"{where}{key}.")
+            unknown += deeper
+        else:
+            kept[key] = value
+    return kept, unknown
+
+
+def config_from_tables(d: dict[str, Any], source: Path, validate_config: bool = True) -> RunConfig:
+    """A RunConfig from a TOML file's tables (named after the file's stem), every value checked
+    against its field's type, and validated."""
+    d = {"name": source.stem, **d}
+    cfg = from_dict(RunConfig, d, source=str(source))
     train = d.get("train")
     if isinstance(train, dict) and "steps" not in train:  # a preset that states its budget in tokens
         cfg = with_token_steps(cfg)
     return validate(cfg) if validate_config else cfg
+
+
+def load_config(path: str | Path, validate_config: bool = True) -> RunConfig:
+    """Read a TOML preset into a RunConfig (named after the file's stem), every value checked
+    against its field's type, and validate it."""
+    return config_from_tables(read_toml(path), Path(path), validate_config)
