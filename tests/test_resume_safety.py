@@ -144,3 +144,16 @@ def test_unknown_model_fields_are_refused_by_name(run_dir, capsys):
     err = capsys.readouterr().err
     assert "none of the 2 checkpoints" in err and "model.newer_norm" in err
     assert digest(run_dir) == before
+
+
+def test_a_resume_with_another_batch_size_is_refused_naming_both(run_dir, capsys):
+    """Step N's samples follow from N and the batch size: a resume with another size would skip or
+    repeat samples of the epoch, so it is refused naming both sizes; grad-accum may change."""
+    before = digest(run_dir)
+    capsys.readouterr()
+    assert train(run_dir, 5, "--resume", "auto", "--train.batch-size", "8") == 2
+    err = capsys.readouterr().err
+    assert "with --train.batch-size 8: it was saved at step 3 with batch size 4" in err, err
+    assert "resume with --train.batch-size 4" in err and len(err.strip().splitlines()) == 1
+    assert digest(run_dir) == before
+    assert train(run_dir, 4, "--resume", "auto", "--train.grad-accum", "2") == 0

@@ -46,6 +46,13 @@ def check_resume_config(saved: RunConfig, run: RunConfig, ckpt: Path, step: int)
     if model:
         raise CheckpointError(f"cannot resume from {ckpt}: model fields differ from the checkpoint's: "
                               f"{shown(model)}; use the checkpoint's values (its {CONFIG}) or start a new run")
+    if saved.train.batch_size != run.train.batch_size:
+        # the data order is a function of the step (Loader.batch_at): step N of another size is another sample
+        raise CheckpointError(
+            f"cannot resume from {ckpt} with --train.batch-size {run.train.batch_size}: it was saved at step {step} "
+            f"with batch size {saved.train.batch_size}, and the samples of a step follow from the step and the "
+            f"batch size, so the rest of the epoch would be skipped or repeated; resume with --train.batch-size "
+            f"{saved.train.batch_size} (--train.grad-accum and the mesh may change) or start a new run")
     if diffs and rank_in_job()[0] == 0:  # every rank finds the same: rank 0 says it
         log.warning("resuming from %s with settings that differ from the checkpoint's: %s; the new values "
                     "apply after step %d", ckpt, shown(diffs), step)
