@@ -35,5 +35,6 @@ from fnmoe.config.toml import (config_from_tables, drop_unknown, from_dict, load
 __all__ = [
     "CheckpointConfig", "DataConfig", "DistConfig", "Dtype", "MemoryConfig", "MeshConfig", "MixSource", "ModelConfig",
     "MoEConfig", "OptimConfig", "PlanConfig", "ProfileConfig", "REGIONS", "RegionPolicy", "RunConfig", "TrainConfig",
-    "config_from_tables", "drop_unknown", "from_dict", "load_config", "read_toml", "to_dict", "to_toml", "validate", "validate_model", "with_token_steps",
+    "config_from_tables", "drop_unknown", "from_dict", "load_config", "read_toml", "to_dict", "to_toml", "validate",
+    "validate_model", "with_token_steps",
 ]

@@ -45,7 +45,7 @@ class HFReader:
         self.used.add(key)
         if key + "_scale_inv" in self.files:
             return self._dequantized(key, want)[index]
-        t = self.files[key].get_slice(key)[index] if index else self.files[key].get_tensor(key)
+        t = _floating(key, self.files[key].get_slice(key)[index] if index else self.files[key].get_tensor(key))
         if t.dtype in FP8_DTYPES:
             raise ValueError(f"tensor '{key}' is {t.dtype} without '{key}_scale_inv'")
         return t.float()
@@ -59,7 +59,16 @@ class HFReader:
         if self.shape(scale_key) != want_s:
             raise ValueError(f"tensor '{scale_key}' has shape {list(self.shape(scale_key))}, expected {list(want_s)}")
         self.used.add(scale_key)
-        return dequantize_fp8(self.files[key].get_tensor(key), self.files[scale_key].get_tensor(scale_key), self.block)
+        return dequantize_fp8(_floating(key, self.files[key].get_tensor(key)),
+                              _floating(scale_key, self.files[scale_key].get_tensor(scale_key)), self.block)
+
+
+def _floating(key: str, t: torch.Tensor) -> torch.Tensor:
+    """t, refused unless floating point: cast to fp32, an integer or bool tensor (a q_proj stored as
+    int32) would load without a word as weights the checkpoint does not mean."""
+    if not t.is_floating_point():
+        raise ValueError(f"tensor '{key}' is {t.dtype}, not a floating-point dtype: fnmoe reads weights as floats")
+    return t
 
 
 def read_leaf(reader: HFReader, how: str, keys: tuple[str, ...], shape: tuple[int, ...],

@@ -13,11 +13,21 @@ The extension builds with torch's cpp_extension (a C++ compiler and ninja; ~17 s
 build_dir(): the checkout's compile_cache/cpu_gemm/torch-<version>-<SIMD level>. When it cannot
 build, `available()` is False and says why once; model.moe.impl='auto' then runs the padded path
 and model.attention_impl='auto' SDPA.
+
+Builds and loads take turns on a flock of build_dir()/fnmoe-build.lock (`build_lock`), which the
+kernel releases however its holder ends. torch's own lock beside it (a file `lock` made with
+O_EXCL, removed by its maker) outlives a builder killed with kill -9, and every later load would
+wait for it forever; under our flock no one else builds, so one found there is such a leftover
+and is removed, with a line.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import functools
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -28,6 +38,9 @@ from fnmoe.compile import default_cache_dir, say_once
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("grouped_gemm.cpp", "attention.cpp")]
 NAME = "fnmoe_cpu_gemm"
+LOCK = "fnmoe-build.lock"
+TORCH_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 log = logging.getLogger("fnmoe")
 
 
@@ -45,16 +58,17 @@ def build_error() -> str | None:
         isa_flags = vector_isa()[1]
         build = build_dir()
         build.mkdir(parents=True, exist_ok=True)
-        building = needs_build(build)
-        if building:  # ~17 s of silence otherwise
-            log.info("building fnmoe's C++ CPU kernels in %s (once per checkout and torch version; ~17 s on 2 "
-                     "quiet cores)...", build)
-        t0 = time.perf_counter()
-        cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], build_directory=str(build),
-                           extra_cflags=["-O3", "-fopenmp", *isa_flags], extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
-        if building:
-            log.info("built fnmoe's C++ CPU kernels in %.1f s", time.perf_counter() - t0)
+        with build_lock(build):
+            building = needs_build(build)
+            if building:  # ~17 s of silence otherwise
+                log.info("building fnmoe's C++ CPU kernels in %s (once per checkout and torch version; ~17 s on 2 "
+                         "quiet cores)...", build)
+            t0 = time.perf_counter()
+            cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], build_directory=str(build),
+                               extra_cflags=["-O3", "-fopenmp", *isa_flags], extra_ldflags=["-fopenmp"],
+                               is_python_module=False, verbose=False)
+            if building:
+                log.info("built fnmoe's C++ CPU kernels in %.1f s", time.perf_counter() - t0)
     except Exception as e:  # no compiler, no ninja, a read-only cache: the padded path serves
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     torch.library.register_fake("fnmoe_cpu::grouped_mm")(
@@ -68,6 +82,39 @@ def build_error() -> str | None:
         lambda dy, q, k, v, y, lse, scale: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
     _loaded = True
     return None
+
+
+@contextlib.contextmanager
+def build_lock(build: Path):
+    """Held around a build and load of the extension in build: our flock (waited for while another
+    process builds or loads), then torch's lock file removed if a killed builder left it. Where the
+    file system has no flock, torch's lock file alone, as cpp_extension takes it."""
+    fd = os.open(build / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if _flock(fd):
+            _remove_stale_torch_lock(build)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _flock(fd: int) -> bool:
+    """Take the flock on fd, waiting while another process holds it; False where there is none."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as e:
+        if e.errno in _NO_FLOCK:
+            return False
+        raise
+    return True
+
+
+def _remove_stale_torch_lock(build: Path) -> None:
+    """torch's lock file, found while we hold the flock: its maker died mid-build (kill -9)."""
+    with contextlib.suppress(FileNotFoundError):
+        (build / TORCH_LOCK).unlink()
+        log.warning("removed %s, left by a process killed while it built or loaded fnmoe's C++ CPU kernels",
+                    build / TORCH_LOCK)
 
 
 def needs_build(build: Path) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from fnmoe.run.rundir import RunDirError, failure
+from fnmoe.run.rundir import RunDirError, failure, open_file
 
 
 def load_by_layer(expert_counts_NE: torch.Tensor | None) -> list[float] | None:
@@ -55,9 +55,9 @@ class JsonlWriter:
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0), 0o644)
         except OSError as e:
             raise failure("opening", self.path, e) from None
+        self.fd = open_file(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0), "opening")
         self.size = os.fstat(self.fd).st_size
 
     def write(self, row: dict) -> None:
@@ -82,7 +82,8 @@ class JsonlWriter:
 def drop_rows_after(path: Path, step: int) -> None:
     """Rewrite a metrics.jsonl without the rows of steps after `step` (resume events from after it
     included), atomically: a temp file, fsynced, renamed over it. A line torn by a crash mid-write
-    is dropped too. No file: nothing to do."""
+    is dropped too. No file: nothing to do. Neither file is read or written through a symlink
+    (fnmoe.run.rundir.open_file)."""
     path = Path(path)
     try:
         _drop_rows_after(path, step)
@@ -94,7 +95,9 @@ def _drop_rows_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    with os.fdopen(open_file(path, os.O_RDONLY, "rewriting")) as f:
+        lines = f.read().splitlines()
+    for line in lines:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
@@ -102,7 +105,7 @@ def _drop_rows_after(path: Path, step: int) -> None:
         if row.get("step", row.get("from_step", 0)) <= step:
             kept.append(line + "\n")
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with os.fdopen(open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "rewriting"), "w") as f:
         f.writelines(kept)
         f.flush()
         os.fsync(f.fileno())

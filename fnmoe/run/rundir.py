@@ -7,6 +7,10 @@ included), so a lock file whose flock is free was left by a run that ended witho
 the next run takes it over with a warning naming that holder. Where the file system has no flock,
 the file's content decides: a holder on this host whose process is gone is stale; any other is
 taken to be running. A second run is refused with a RunDirError naming the holder.
+
+Every file the run writes in its directory is opened by `open_file`, which follows no symlink
+there: a link planted in the run directory (metrics.jsonl -> a file elsewhere) would have the run
+write over what it names, so it is refused with a RunDirError instead.
 """
 from __future__ import annotations
 
@@ -54,11 +58,26 @@ def make_dir(path: Path) -> bool:
         raise failure("creating the run directory", path, e) from None
 
 
-def write_text(path: Path, text: str) -> None:
-    """path's new content, whole or not at all: a temp file renamed over it."""
-    tmp = path.with_name(path.name + ".tmp")
+def open_file(path: Path, flags: int, what: str) -> int:
+    """os.open(path, flags) of a file in the run directory, refused with a RunDirError (naming what
+    was being done) where path is a symlink, which would lead the run's writes out of its directory."""
     try:
-        tmp.write_text(text)
+        return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP and path.is_symlink():  # ELOOP is also a loop of links further up
+            raise RunDirError(f"{what} {path} refused: it is a symbolic link, and a run writes only its own files; "
+                              "remove the link") from None
+        raise failure(what, path, e) from None
+
+
+def write_text(path: Path, text: str) -> None:
+    """path's new content, whole or not at all: a temp file renamed over it (which replaces a
+    symlink at path rather than writing through it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "writing")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         os.replace(tmp, path)
     except OSError as e:
         with contextlib.suppress(OSError):
@@ -142,10 +161,11 @@ def acquire(run_dir: Path) -> Lock:
     created = make_dir(run_dir)
     path = run_dir / LOCK
     for _ in range(10):  # again only when a holder removed the file between our open and flock
+        fd = open_file(path, os.O_RDWR | os.O_CREAT, "creating the lock file")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             locked = _try_flock(fd)
         except OSError as e:
+            os.close(fd)
             raise failure("creating the lock file", path, e) from None
         try:
             if os.stat(path).st_ino != os.fstat(fd).st_ino:
