@@ -188,10 +188,13 @@ def _oom_report(run: RunConfig, rank: int, e: RuntimeError) -> str:
     else:  # Linux reports ru_maxrss in KiB
         peak = f"peak host memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (max RSS)"
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    found = checkpoint.list_checkpoints(run_dir_of(run) / "checkpoints")
+    kept = (f"the newest complete one, {found[0][1]}, is kept (continue with --resume auto)" if found
+            else "the run has no checkpoint yet")
     return (f"out of memory on rank {rank}: {first}\nmeasured: {peak}\n"
             f"the plan for this config (fnmoe plan; try --memory.recompute full, --memory.offload, "
             f"a smaller --train.batch-size or more --train.grad-accum):\n{format_plan(plan(run))}\n"
-            "no checkpoint was written for the failed step; the last complete one is kept")
+            f"no checkpoint was written for the failed step; {kept}")
 
 
 def _memory_report(run: RunConfig, params, batch: tuple, rank: int) -> None:

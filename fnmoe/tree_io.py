@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fnmoe.config import ModelConfig, from_dict, to_dict, validate_model
-from fnmoe.config.types import read_json
+from fnmoe.config.types import kind, read_json, show
 from fnmoe.params import current_path, shape_mismatches
 from fnmoe.run.rundir import os_reason
 from fnmoe.tree import Tree, flatten_dict, unflatten_dict
@@ -75,6 +75,12 @@ def new_dir(out_dir: str | Path):
     os.replace(tmp, out_dir)
 
 
+def plain_name(name) -> bool:
+    """Whether name, read from an index, is a file name in the index's own directory: an index that
+    names "../x" or "/x" would have its reader open a file outside it."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name and Path(name).name == name
+
+
 def save_safetensors(tensors: dict, path: Path) -> None:
     """safetensors' save_file (metadata format "pt"), its failure an OSError naming path: safetensors
     raises its own error, which names no file ("I/O error: File too large (os error 27)")."""
@@ -119,6 +125,9 @@ def load_tree(tree_dir: str | Path) -> tuple[ModelConfig, Tree]:
     flat = {}
     files: dict[str, object] = {}
     for path, meta in index["tensors"].items():
+        problem = _entry_problem(meta)
+        if problem:
+            raise ValueError(f"{tree_dir / INDEX}: tensors['{path}'] {problem}")
         if meta["file"] not in files:
             files[meta["file"]] = read_safetensors(tree_dir / meta["file"])
         stored = files[meta["file"]]
@@ -130,6 +139,24 @@ def load_tree(tree_dir: str | Path) -> tuple[ModelConfig, Tree]:
     if diff:  # a tree that does not hold the model its index describes would run, wrongly
         raise ValueError(f"{tree_dir}: its tensors do not fit the model in {INDEX}: {'; '.join(diff)}")
     return cfg, params
+
+
+def _entry_problem(meta: object) -> str | None:
+    """How an index's tensor entry differs from what save_tree writes ({"file": a file name in the
+    tree directory, "dtype": str, "shape": [int]}); None when it does not."""
+    if not isinstance(meta, dict):
+        return f"= {show(meta)} is {kind(meta)}, expected an object"
+    missing = [k for k in ("file", "dtype", "shape") if k not in meta]
+    if missing:
+        return f"has no field '{missing[0]}'"
+    file, dtype, shape = meta["file"], meta["dtype"], meta["shape"]
+    if not isinstance(file, str) or file in ("", ".", "..") or Path(file).name != file:
+        return f"file = {show(file)} is not the name of a file in the tree directory"
+    if not isinstance(dtype, str):
+        return f"dtype = {show(dtype)} is {kind(dtype)}, expected a str"
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        return f"shape = {show(shape)} is not a list of sizes (ints >= 0)"
+    return None
 
 
 def read_safetensors(path: Path) -> dict:

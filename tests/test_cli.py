@@ -102,7 +102,7 @@ def test_train_writes_the_run_files_in_a_fresh_process(tmp_path):
     (["--plan.matmul-tflops", "0"], "plan.matmul_tflops must be > 0"),
     (["--plan.network-gbps", "-1"], "plan.network_gbps must be > 0"),
     (["--optim.ns-steps", "0"], "optim.ns_steps must be >= 1"),
-    (["--train.threads", "-1"], "invalid config: train.threads must be >= 0, got -1"),
+    (["--train.threads", "-1"], "invalid config: train.threads must be in [0, 1024], got -1"),
     (["--optim.lr", "inf"], "invalid config: optim.lr must be finite, got inf"),
     (["--optim.beta2", "nan"], "invalid config: optim.beta2 must be finite, got nan"),
     (["--config", "."], "config . is a directory; it must name a TOML file"),

@@ -38,6 +38,11 @@ leaf (the flattened fsdp x ep axis), {"fsdp": "_StridedShard(dim=0, sf=2)", "ep"
 for an expert stack, {"fsdp": "Replicate()", "ep": "Replicate()"} for plain tensors; RNG states
 are "rank-local". Expert stacks keep the expert dim first: a shard's offset[0] + k is the global
 id of its k-th expert, never a rank-local one. Checksums are taken of the bytes as they are written.
+The index is a contract its readers check (read_index, and tiling_problem in `verify`) before they
+size a loop or a buffer by it: its file names are plain names in its directory, its step (and
+train.step) the N of a directory named step_<N>, each tensor's parts no more than its files and its
+values no more than their bytes, and the parts tile each tensor: inside its shape, each value in
+exactly one part (else a reader returns memory it never wrote).
 A directory without index.json (a save in progress or cut short, `.tmp-*` beside the checkpoints)
 is not a checkpoint.
 
@@ -46,7 +51,10 @@ loads any checkpoint) is described in docs/architecture.md, section "Checkpoints
 """
 from __future__ import annotations
 
+import heapq
 import itertools
+import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -55,6 +63,7 @@ import torch
 
 from fnmoe.config import types
 from fnmoe.parallel.sharding import MESH_AXES  # index.json's mesh sizes are the mesh's axes
+from fnmoe.tree_io import plain_name
 
 FORMAT, VERSION = "fnmoe-checkpoint", 2
 READABLE = (1, 2)
@@ -67,6 +76,8 @@ STEP_DIR = re.compile(r"step_(\d+)")
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
              torch.uint8: "U8", torch.bool: "BOOL"}
+DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in ST_DTYPES}
+"""index.json's dtype names -> torch dtypes"""
 
 
 class CheckpointError(ValueError):
@@ -117,8 +128,10 @@ def type_problem(value: Any, spec: Any, where: str) -> str | None:
 
 
 def read_index(ckpt: Path) -> dict[str, Any]:
-    """The index.json of ckpt, checked to be of this format and version and its fields of their types
-    (INDEX_TYPES; the files are not checked)."""
+    """The index.json of ckpt, checked to be of this format and version, its fields of their types
+    (INDEX_TYPES), its file names plain names in ckpt, its step ckpt's, and its numbers of parts and
+    values bounded by its files (the files are not read; how the parts tile each tensor is
+    `tiling_problem`'s)."""
     path = Path(ckpt) / INDEX
     if not Path(ckpt).is_dir():
         raise CheckpointError(f"{ckpt} {'is not a directory' if Path(ckpt).exists() else 'does not exist'}")
@@ -128,7 +141,8 @@ def read_index(ckpt: Path) -> dict[str, Any]:
     index = types.read_json(path, CheckpointError)
     if index.get("format") != FORMAT or index.get("version") not in READABLE:
         raise CheckpointError(f"{path} is not an fnmoe checkpoint index of version {' or '.join(map(str, READABLE))}")
-    problem = type_problem(index, INDEX_TYPES, "") or _grid_problem(index)
+    problem = type_problem(index, INDEX_TYPES, "") or _grid_problem(index) or _name_problem(index) or \
+        _step_problem(index, ckpt) or _size_problem(index)
     if problem:
         raise CheckpointError(f"{path}: {problem}")
     return index
@@ -152,6 +166,118 @@ def _grid_problem(index: dict) -> str | None:
                 if any(len(row["offset_step"]) != len(shard["offset"]) or row["count"] < 1 for row in shard["grid"]):
                     return f"{where}.grid: a row's count is below 1 or its offset_step is not one step per dim"
     return None
+
+
+def _name_problem(index: dict) -> str | None:
+    """The first file name, among the files or the shards', that is not a plain name in the checkpoint's
+    directory (a {rank} in it stands for digits); None if none."""
+    bad = next((name for name in index["files"] if not plain_name(name)), None)
+    if bad is not None:
+        return f"files[{bad!r}] is not a file name in the checkpoint's directory"
+    for section in SECTIONS:
+        for path, e in index[section].items():
+            for i, shard in enumerate(e["shards"]):
+                if not plain_name(shard["file"]):
+                    return (f"{section}['{path}'].shards[{i}].file = {shard['file']!r} is not a file name in the "
+                            "checkpoint's directory")
+    return None
+
+
+def _step_problem(index: dict, ckpt: Path) -> str | None:
+    """Where the index's step disagrees with train.step or with the N of a directory named step_N
+    (another name is a copy, taken at its word): a resume continues from the index's step and sets
+    aside the checkpoints after it, which would take this one."""
+    named = STEP_DIR.fullmatch(Path(os.path.abspath(ckpt)).name)
+    if named and int(named[1]) != index["step"]:
+        return f"step = {index['step']} differs from the step of its directory, {named[0]}"
+    if index["train"]["step"] != index["step"]:
+        return f"train.step = {index['train']['step']} differs from step = {index['step']}"
+    return None
+
+
+def _part_count(shards: list[dict], most: int) -> int:
+    """How many parts the shards stand for, counted no further than most + 1 (a grid's counts are
+    never multiplied out past it)."""
+    n = 0
+    for shard in shards:
+        k = 1
+        for row in shard.get("grid", ()):
+            k = min(k * row["count"], most + 1)
+        n = min(n + k, most + 1)
+    return n
+
+
+def _size_problem(index: dict) -> str | None:
+    """The first entry with a dtype not of ST_DTYPES, a negative size, more parts than the checkpoint
+    has files (each part is in its writer's file) or more bytes than they hold; None if none. Every
+    loop over parts and every buffer a reader makes is bounded by the files before it is made."""
+    files = index["files"]
+    held = sum(meta["bytes"] for meta in files.values())
+    for section in SECTIONS:
+        for path, e in index[section].items():
+            where = f"{section}['{path}']"
+            if e["dtype"] not in DTYPES:
+                return f"{where}.dtype = {e['dtype']!r} is not one of {', '.join(DTYPES)}"
+            if any(n < 0 for n in e["shape"]):
+                return f"{where}.shape = {e['shape']} has a negative size"
+            if _part_count(e["shards"], len(files)) > len(files):
+                return f"{where}.shards stand for more parts than the {len(files)} files of the checkpoint"
+            if math.prod(e["shape"]) * DTYPES[e["dtype"]].itemsize > held:
+                return f"{where}.shape = {e['shape']} is more {e['dtype']} values than its files' {held} bytes hold"
+    return None
+
+
+def overlap(boxes: list[dict]) -> tuple[dict, dict] | None:
+    """Two of the boxes ({"offset", "shape"}, of one tensor's dims) that share a value, or None. A
+    sweep along the dim where their offsets differ most compares each box only with those still open
+    where it starts: none for parts split along one dim, so 384 ranks' parts cost a sort."""
+    boxes = [b for b in boxes if all(b["shape"])]  # an empty box shares nothing
+    if len(boxes) < 2:
+        return None
+    ndim = len(boxes[0]["shape"])
+    if ndim == 0:  # each holds the one value
+        return boxes[0], boxes[1]
+    d = max(range(ndim), key=lambda k: len({b["offset"][k] for b in boxes}))
+    open_ends: list[tuple[int, int]] = []  # a heap of (end along d, box) of the boxes passed
+    for i in sorted(range(len(boxes)), key=lambda i: boxes[i]["offset"][d]):
+        b = boxes[i]
+        while open_ends and open_ends[0][0] <= b["offset"][d]:
+            heapq.heappop(open_ends)
+        for _, j in open_ends:
+            c = boxes[j]
+            if all(co < bo + bn and bo < co + cn
+                   for co, cn, bo, bn in zip(c["offset"], c["shape"], b["offset"], b["shape"])):
+                return c, b
+        heapq.heappush(open_ends, (b["offset"][d] + b["shape"][d], i))
+    return None
+
+
+def cover_problem(boxes: list[dict], n: int) -> str | None:
+    """Why boxes ({"file", "offset", "shape"}, each inside a region of n values) do not hold each value of
+    the region exactly once (a reader would leave the others as the memory it got); None if they do."""
+    pair = overlap(boxes)
+    if pair:
+        a, b = pair
+        return f"overlap: the parts in {a['file']} at {a['offset']} and in {b['file']} at {b['offset']}"
+    covered = sum(math.prod(b["shape"]) for b in boxes)
+    return None if covered == n else f"hold {covered} of its {n} values"
+
+
+def tiling_problem(index: dict, section: str, path: str) -> str | None:
+    """Why the parts of an entry of an index from read_index do not tile its tensor (each part in a
+    listed file and inside the shape, each value in exactly one part); None if they do."""
+    e, where = index[section][path], f"the shards of {section} '{path}'"
+    boxes = []
+    for part in parts(e["shards"]):
+        name, offset, shape = part["file"], part["offset"], part["shape"]
+        if name not in index["files"]:
+            return f"{where} name {name}, which is not among its files"
+        inside = all(0 <= o and 0 <= k and o + k <= n for o, k, n in zip(offset, shape, e["shape"]))
+        if not (len(offset) == len(shape) == len(e["shape"]) and inside):
+            return f"{where} lie outside its shape {e['shape']}: the part in {name} at {offset} of shape {shape}"
+        boxes.append(part)
+    problem = cover_problem(boxes, math.prod(e["shape"]))
+    return f"{where} {problem}" if problem else None
 
 
 def parts(shards: list[dict]):

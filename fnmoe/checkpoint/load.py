@@ -14,10 +14,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from fnmoe.parallel import dist as fdist
-from fnmoe.checkpoint.format import CONFIG, INDEX, SECTIONS, ST_DTYPES, CheckpointError, whole_slices, parts, read_index
+from fnmoe.checkpoint.format import (CONFIG, INDEX, SECTIONS, ST_DTYPES, CheckpointError, cover_problem, parts,
+                                     read_index, tiling_problem, whole_slices)
 from fnmoe.checkpoint.procs import first_error, rank_in_job
 from fnmoe.config import RunConfig, config_from_tables, drop_unknown, read_toml
 from fnmoe.params import current_path, shape_mismatches
+from fnmoe.tree_io import plain_name
 from fnmoe.tree import Tree, unflatten_dict
 
 log = logging.getLogger("fnmoe")
@@ -31,21 +33,24 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _check_tiling(ckpt: Path, index: dict, part: tuple[int, int]) -> None:
+    """The parts of every part[1]-th tensor from the part[0]-th tile it (format.tiling_problem), so
+    that the job's processes share the work."""
+    entries = [(section, path) for section in SECTIONS for path in index[section]]
+    for section, path in entries[part[0]::part[1]]:
+        problem = tiling_problem(index, section, path)
+        if problem:
+            raise CheckpointError(f"{ckpt / INDEX}: {problem}")
+
+
 def _check_shards(ckpt: Path, index: dict, names: set[str]) -> None:
-    """Every shard of every tensor lies inside the global shape, and those in the files `names` are
-    there with the index's dtype and shape."""
+    """The parts in the files `names` are there with the index's dtype and shape."""
     by_file: dict[str, list[tuple[str, str, dict]]] = {}
     for section in SECTIONS:
         for path, e in index[section].items():
             for shard in parts(e["shards"]):
                 by_file.setdefault(shard["file"], []).append((f"{section} '{path}'", e["dtype"], shard))
-                inside = all(0 <= o and o + n <= g for o, n, g in zip(shard["offset"], shard["shape"], e["shape"]))
-                if len(shard["offset"]) != len(e["shape"]) or not inside:
-                    raise CheckpointError(f"{ckpt / INDEX}: a shard of {section} '{path}' lies outside its "
-                                          f"shape {e['shape']}")
     for name, shards in by_file.items():
-        if name not in index["files"]:
-            raise CheckpointError(f"{ckpt / INDEX}: tensors refer to {name}, which is not among its files")
         if name not in names:
             continue
         try:
@@ -65,28 +70,22 @@ def _check_shards(ckpt: Path, index: dict, names: set[str]) -> None:
 
 def _check_model(ckpt: Path, index: dict) -> None:
     """What a resume reads beyond the files, checked without reading a tensor: its config.toml reads,
-    the params index.json lists are the leaves of that config's model, each of its shape, and every
-    tensor's shards cover all its values. A CheckpointError naming the first that is not."""
+    and the params index.json lists are the leaves of that config's model, each of its shape. A
+    CheckpointError naming the first that is not."""
     run = saved_config(ckpt)
     meta = unflatten_dict({current_path(p): torch.empty(e["shape"], device="meta")
                            for p, e in index["tensors"].items()})
     diff = shape_mismatches(meta, run.model)
     if diff:
         raise CheckpointError(f"{ckpt / INDEX}: its params do not fit the model of its {CONFIG}: {'; '.join(diff)}")
-    for section in SECTIONS:
-        for path, e in index[section].items():
-            covered, n = sum(math.prod(s["shape"]) for s in parts(e["shards"])), math.prod(e["shape"])
-            if covered != n:
-                raise CheckpointError(f"{ckpt / INDEX}: the shards of {section} '{path}' hold {covered} of its {n} "
-                                      "values")
 
 
 def verify(ckpt: Path, part: tuple[int, int] = (0, 1)) -> dict[str, Any]:
-    """Check the files of a checkpoint against its index.json (size, sha256; the tensors' keys,
-    dtypes and shapes), and what a resume needs of the index (_check_model: its config.toml, the
-    params of that model, shards covering every tensor), and return the index; raise
-    CheckpointError naming the first problem. part=(i, n) checks only every n-th file from the
-    i-th, so n ranks can share the reading."""
+    """Check the index.json of a checkpoint (read_index), its files against it (size, sha256; the
+    tensors' keys, dtypes and shapes), and what a resume needs of it (_check_model: its config.toml,
+    the params of that model; _check_tiling: every tensor tiled by its parts), and return the index;
+    raise CheckpointError naming the first problem. part=(i, n) checks only every n-th file and
+    tensor from the i-th, so n ranks can share the work."""
     ckpt = Path(ckpt)
     index = read_index(ckpt)
     try:
@@ -102,6 +101,7 @@ def verify(ckpt: Path, part: tuple[int, int] = (0, 1)) -> dict[str, Any]:
                 raise CheckpointError(f"{path} does not match its sha256 checksum in {ckpt / INDEX} (corrupt)")
         _check_shards(ckpt, index, set(names))
         _check_model(ckpt, index)
+        _check_tiling(ckpt, index, part)
     except (KeyError, TypeError, AttributeError) as e:  # valid JSON of the wrong shape
         raise CheckpointError(f"{ckpt / INDEX} is malformed ({type(e).__name__}: {e})") from None
     return index
@@ -137,6 +137,8 @@ def opened_files(ckpt: Path):
         files: dict[str, Any] = {}
 
         def get(name: str):
+            if not plain_name(name):  # the index a caller passed may not be read_index's
+                raise CheckpointError(f"{ckpt}: {name!r} is not a file name in it")
             if name not in files:
                 files[name] = stack.enter_context(safe_open(ckpt / name, framework="pt"))
             return files[name]
@@ -144,22 +146,24 @@ def opened_files(ckpt: Path):
 
 
 def read_region(get: Callable, entry: dict, idx: tuple[slice, ...], what: str) -> torch.Tensor:
-    """The part idx (a slice per dim) of a saved tensor, read from the shards that overlap it, each
-    only where it overlaps (safetensors get_slice reads no more of the file)."""
+    """The part idx (a slice per dim) of a saved tensor, read from the parts that overlap it, each
+    only where it overlaps (safetensors get_slice reads no more of the file); refused before anything
+    is allocated unless those overlaps hold each of its values exactly once."""
+    pieces = []  # each part's overlap with idx, in the tensor's coordinates; "from": that part's offset
+    for part in parts(entry["shards"]):
+        lo = [max(s.start, o) for s, o in zip(idx, part["offset"])]
+        hi = [min(s.stop, o + n) for s, o, n in zip(idx, part["offset"], part["shape"])]
+        if all(a < b for a, b in zip(lo, hi)):
+            pieces.append({**part, "offset": lo, "shape": [b - a for a, b in zip(lo, hi)], "from": part["offset"]})
+    problem = cover_problem(pieces, math.prod(s.stop - s.start for s in idx))
+    if problem:
+        raise CheckpointError(f"{what}: its shards {problem} (reading {list(idx)})")
     with fdist.unsimulated():  # one plain value, the same on every simulated rank
         out = torch.empty([s.stop - s.start for s in idx], dtype=getattr(torch, entry["dtype"]))
-        covered = 0
-        for shard in parts(entry["shards"]):
-            lo = [max(s.start, o) for s, o in zip(idx, shard["offset"])]
-            hi = [min(s.stop, o + n) for s, o, n in zip(idx, shard["offset"], shard["shape"])]
-            if any(a >= b for a, b in zip(lo, hi)):
-                continue
-            src = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, shard["offset"]))
-            out[tuple(slice(a - s.start, b - s.start) for a, b, s in zip(lo, hi, idx))] = \
-                get(shard["file"]).get_slice(shard["key"])[src]
-            covered += math.prod(b - a for a, b in zip(lo, hi))
-    if covered != out.numel():
-        raise CheckpointError(f"{what}: its shards cover {covered} of the {out.numel()} values of {list(idx)}")
+        for p in pieces:
+            src = tuple(slice(a - o, a - o + n) for a, o, n in zip(p["offset"], p["from"], p["shape"]))
+            dst = tuple(slice(a - s.start, a - s.start + n) for a, s, n in zip(p["offset"], idx, p["shape"]))
+            out[dst] = get(p["file"]).get_slice(p["key"])[src]
     return out
 
 

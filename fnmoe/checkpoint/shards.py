@@ -145,7 +145,8 @@ def _refuse_non_finite(params: dict[str, dict[int, torch.Tensor]], step: int) ->
     total = len(bad)
     if not fdist.simulated():  # real ranks agree, so that all of them raise together
         device = next(iter(next(iter(params.values())).values())).device
-        total = int(sharding.all_sum(torch.tensor(total, device=device), "the count of non-finite params"))
+        what = f"step {step}'s count of non-finite params (saving its checkpoint)"
+        total = int(sharding.all_sum(torch.tensor(total, device=device), what))
     if total:
         where = f"params {bad[:4]}" if bad else "params of another rank"
         raise CheckpointError(f"refusing to save step {step}: non-finite values (NaN or inf) in {where}")

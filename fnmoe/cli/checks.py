@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def check_range(value: float, flag: str, bounds) -> None:
-    if not math.isfinite(value) or value not in bounds:
+    if isinstance(value, float) and not math.isfinite(value) or value not in bounds:  # an int may not fit a float
         raise ValueError(f"{flag} must be {bounds}, got {value}")
 
 

@@ -8,17 +8,20 @@ values, checked by a test).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
-from typing import Annotated, Callable
+from typing import Annotated, Callable, Iterator
 
 import tyro
 
 from fnmoe.cli.checks import out_dir
-from fnmoe.cli.models import checkpoint_of, cmd_convert, cmd_generate, is_checkpoint, load_model, write_stdout
+from fnmoe.cli.models import cmd_convert, cmd_generate, load_source, read_newest, write_stdout
 from fnmoe.cli.prepare import cmd_prepare
 from fnmoe.cli.tokenizer import cmd_tokenizer
 from fnmoe.config import RunConfig, load_config, validate, with_token_steps
@@ -51,12 +54,12 @@ class TrainArgs:
         default_factory=lambda: RunConfig(name="tiny"))
 
 
-def _config_defaults(argv: list[str]) -> RunConfig:
+def _config_defaults(argv: list[str], base: RunConfig | None) -> RunConfig:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default="")
     known, _ = pre.parse_known_args(argv)
     if not known.config:
-        return RunConfig(name="tiny")
+        return RunConfig(name="tiny") if base is None else base
     return load_config(known.config, validate_config=False)
 
 
@@ -78,9 +81,10 @@ def _flag_types() -> tyro.constructors.ConstructorRegistry:
     return registry
 
 
-def parse_run(argv: list[str], prog: str) -> RunConfig:
-    """The RunConfig of a preset plus flag overrides, validated."""
-    base = _config_defaults(argv)
+def parse_run(argv: list[str], prog: str, base: RunConfig | None = None) -> RunConfig:
+    """The RunConfig of a preset (--config FILE, else base, else the tiny default) plus flag
+    overrides, validated."""
+    base = _config_defaults(argv, base)
     args = tyro.cli(TrainArgs, args=argv, prog=prog, default=TrainArgs(config="", run=base), registry=_flag_types())
     return validate(_steps_or_tokens(args.run, argv))
 
@@ -179,14 +183,15 @@ def cmd_eval(argv: list[str]) -> int:
     known, rest = pre.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         print(usage + "\n")
-    elif not known.src:
+        parse_run(rest, "fnmoe eval")  # tyro prints the flags and exits
+    if not known.src:
         raise ValueError(f"--from is required: {usage}")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
-    src = checkpoint_of(Path(known.src)) if known.src else Path()
-    ckpt = bool(known.src) and is_checkpoint(src)
-    run = parse_run((["--config", str(src / "config.toml")] if ckpt else []) + rest, "fnmoe eval")
-    cfg, params = load_model(src)
-    if not ckpt:  # a tree or HF directory: its model, on the flags' data
+    # the flags are read after the checkpoint, whose config they override: its read is then as short
+    # as can be, so that a live run's --checkpoint.keep-last seldom removes it meanwhile
+    src, (saved, cfg, params, step) = read_newest(Path(known.src), _eval_source)
+    run = parse_run(rest, "fnmoe eval", base=saved)
+    if saved is None:  # a tree or HF directory: its model, on the flags' data
         run = dataclasses.replace(run, model=cfg, data=dataclasses.replace(
             run.data, seq_len=min(run.data.seq_len, cfg.max_seq_len)))
     diff = shape_mismatches(params, run.model)
@@ -194,11 +199,18 @@ def cmd_eval(argv: list[str]) -> int:
         raise ValueError(f"the model flags change the shape of {src}'s model: {'; '.join(diff)}")
     run = validate(dataclasses.replace(run, mesh=MeshConfig(), resume="none"))  # one process reads it whole
     result = evaluate(params, run, "cuda" if torch.cuda.is_available() else "cpu")
-    step = json.loads((src / "index.json").read_text())["step"] if ckpt else None
     result = {"from": str(src), "step": step, **result}
     write_stdout((json.dumps(result, indent=1) if known.json else
                    format_eval(result, f"{src}" + (f" (step {step})" if step is not None else ""), run)) + "\n")
     return 0
+
+
+def _eval_source(src: Path):
+    """load_source(src) and the step of a checkpoint (None for a tree or HF directory)."""
+    from fnmoe.checkpoint import read_index
+
+    saved, cfg, params = load_source(src)
+    return saved, cfg, params, None if saved is None else read_index(src)["step"]
 
 
 def cmd_plot(argv: list[str]) -> int:
@@ -311,17 +323,59 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(sub: str, rest: list[str]) -> int:
     try:
-        return COMMANDS[sub](rest)
+        if sub == "train":  # it stops on signals itself, saving a checkpoint (fnmoe.run.stop)
+            return cmd_train(rest)
+        with _stopped_by_signals():
+            return COMMANDS[sub](rest)
+    except KeyboardInterrupt as e:  # Ctrl-C, or a Stopped: what the command was writing is removed on the way
+        if sub == "train":
+            raise
+        _say(f"fnmoe {sub}: interrupted ({e.args[0] if isinstance(e, Stopped) else 'SIGINT'})")
+        return 130
     except (ValueError, OSError) as e:
         notes = "".join(f"\n  {note}" for note in getattr(e, "__notes__", ()))  # e.g. the rank that raised
-        print(f"fnmoe {sub}: error: {_said(e)}{notes}", file=sys.stderr)
+        _say(f"fnmoe {sub}: error: {_said(e)}{notes}")
         return 2
     except RuntimeError as e:
         from fnmoe.loop import OutOfMemory
         if not isinstance(e, OutOfMemory):
             raise
-        print(f"fnmoe {sub}: {e}", file=sys.stderr)
+        _say(f"fnmoe {sub}: {e}")
         return 1
+
+
+def _say(text: str) -> None:
+    """text and its newline on stderr in one write, flushed: print writes the newline apart, and
+    the error lines of ranks sharing a terminal or a log file ran together between the two."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, a scheduler) or SIGHUP (a closed terminal) during a subcommand
+    other than train: it stops as Ctrl-C stops it, so a half-written output directory is removed
+    (fnmoe.tree_io.new_dir) rather than left behind by the signal's default end."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise Stopped in the body (main thread only); the handlers before are
+    restored after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+    before = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
 
 def _said(e: Exception) -> str:

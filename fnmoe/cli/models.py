@@ -10,9 +10,12 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Callable, TypeVar
+
+from safetensors import SafetensorError
 
 from fnmoe.cli.checks import check_range, out_dir
-from fnmoe.config import RunConfig, load_config, to_toml
+from fnmoe.config import RunConfig, to_toml
 from fnmoe.config.types import read_json
 
 
@@ -46,51 +49,81 @@ def is_checkpoint(src: Path) -> bool:
     return (src / "index.json").is_file() and _format_of(src / "index.json") == checkpoint.FORMAT
 
 
-def load_model(src: Path):
-    """(ModelConfig, params) of a run directory (its newest complete checkpoint), a checkpoint,
-    a native tree directory or a Hugging Face checkpoint directory."""
+def load_source(src: Path):
+    """(the RunConfig a training checkpoint was saved with, else None; ModelConfig; params) of a
+    checkpoint, a native tree directory or a Hugging Face checkpoint directory."""
     from fnmoe import checkpoint, hf
     from fnmoe.tree_io import load_tree
 
-    src = checkpoint_of(Path(src))
     if is_checkpoint(src):
         run, params = checkpoint.load_params(src)
-        return run.model, params
+        return run, run.model, params
     if (src / "config.json").is_file():
-        return hf.load(src)
-    return load_tree(src)
+        return None, *hf.load(src)
+    return None, *load_tree(src)
 
 
-def newest_model(src: Path, tries: int = 3):
-    """(the checkpoint or directory read, ModelConfig, params) of src, as load_model reads it; for a
-    run directory, a checkpoint that vanishes while it is read (a training run's
-    --checkpoint.keep-last removes older ones as it saves) is said on stderr and the newest complete
-    one chosen again, up to `tries` times."""
-    for attempt in range(tries):
-        ckpt = checkpoint_of(src)
+def load_model(src: Path):
+    """(ModelConfig, params) of a run directory (its newest complete checkpoint), a checkpoint,
+    a native tree directory or a Hugging Face checkpoint directory."""
+    return load_source(checkpoint_of(Path(src)))[1:]
+
+
+T = TypeVar("T")
+
+
+def read_newest(src: Path, read: Callable[[Path], T], tries: int = 5) -> tuple[Path, T]:
+    """(checkpoint_of(src), read(it)). For a run directory, a checkpoint removed while it is chosen or
+    read (a live training run's --checkpoint.keep-last removes older ones as it saves) is said on
+    stderr and the newest complete one chosen again, up to `tries` times. read does all the reading
+    of the checkpoint, so that what it returns is of one checkpoint."""
+    from fnmoe import checkpoint
+
+    for attempt in range(1, tries + 1):
+        listed, ckpt = checkpoint.list_checkpoints(src / "checkpoints"), None
         try:
-            return ckpt, *load_model(ckpt)
-        except (OSError, ValueError):
-            if ckpt == src or ckpt.exists() or attempt == tries - 1:
+            ckpt = checkpoint_of(src)
+            return ckpt, read(ckpt)
+        # a file deleted under a reader: the OS's, safetensors' or a CheckpointError (a ValueError)
+        except (OSError, ValueError, RuntimeError, SafetensorError):
+            if not _vanished(src, ckpt, listed):
                 raise
-        print(f"fnmoe: {ckpt} vanished while it was read (a training run's --checkpoint.keep-last removes older "
-              "checkpoints); choosing the newest complete one again", file=sys.stderr)
-    raise AssertionError("unreachable")
+        if attempt < tries:
+            what = ckpt or f"a checkpoint under {src / 'checkpoints'}"
+            print(f"fnmoe: {what} vanished while it was read (a training run's --checkpoint.keep-last removes "
+                  "older checkpoints); choosing the newest complete one again", file=sys.stderr)
+    raise ValueError(f"{src}: each of the {tries} checkpoints chosen in turn vanished while it was read (the training "
+                     "run removes them faster than this reads one: raise its --checkpoint.keep-last, or read a copy)")
 
 
-def _generate_codec(ckpt: Path):
+def _vanished(src: Path, ckpt: Path | None, listed: list) -> bool:
+    """Whether reading src failed because a run removed a checkpoint meanwhile: the one chosen from
+    src's checkpoints has lost a file, or, none chosen yet, the checkpoints listed changed."""
+    from fnmoe import checkpoint
+
+    if ckpt is None:
+        return checkpoint.list_checkpoints(src / "checkpoints") != listed
+    try:
+        return ckpt != src and not all((ckpt / name).is_file() for name in checkpoint.read_index(ckpt)["files"])
+    except (OSError, ValueError):  # index.json removed or half read: removed
+        return True
+
+
+def _generate_codec(ckpt: Path, saved: RunConfig | None):
     """(encode, decode, eos id) for generate: the tokenizer of the prepared corpus the checkpoint
-    trained on, else bytes. Bytes with a warning when that tokenizer is missing: the corpus (or its
-    copy of the tokenizer) is gone, so the ids may not be bytes and the text comes out garbled."""
+    (saved with the run config `saved`) trained on, else bytes. Bytes with a warning when that
+    tokenizer is missing: the corpus (or its copy of the tokenizer) is gone, so the ids may not be
+    bytes and the text comes out garbled."""
     from fnmoe.data.loader import EOS_ID, ByteTokenizer, corpus_codec
     from fnmoe.data.sources import BUNDLED
+    from fnmoe.sampling import prepared_corpus
 
     tok = ByteTokenizer()
     as_bytes = (tok.encode, tok.decode, EOS_ID)
-    if not (ckpt / "config.toml").is_file():
+    if saved is None:
         return as_bytes  # a tree or HF directory names no corpus
-    data = load_config(ckpt / "config.toml").data
-    corpus = _prepared_corpus(ckpt)
+    data = saved.data
+    corpus = prepared_corpus(data)
     if corpus is not None:
         try:
             return corpus_codec(corpus)
@@ -109,18 +142,10 @@ def _generate_codec(ckpt: Path):
     return as_bytes
 
 
-def _prepared_corpus(ckpt: Path) -> Path | None:
-    """The prepared corpus directory the checkpoint at ckpt trained on; None when it trained on
-    text (byte tokens) or ckpt holds no run config (a tree or HF directory)."""
-    from fnmoe.sampling import prepared_corpus
-
-    return prepared_corpus(load_config(ckpt / "config.toml").data) if (ckpt / "config.toml").is_file() else None
-
-
 def cmd_generate(argv: list[str]) -> int:
     import torch
 
-    from fnmoe.config.schema import Range
+    from fnmoe.config.ranges import INT64, Range
     from fnmoe.generate import generate
 
     parser = argparse.ArgumentParser(prog="fnmoe generate", description="sample text from a trained model "
@@ -137,10 +162,11 @@ def cmd_generate(argv: list[str]) -> int:
     check_range(args.max_new_tokens, "--max-new-tokens", Range(0))
     check_range(args.temperature, "--temperature", Range(0))
     check_range(args.top_p, "--top-p", Range(0, 1, lo_open=True))
+    check_range(args.seed, "--seed", INT64)
     # the text is stdout's alone: notes (which checkpoint, one passed over) go to stderr
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
-    src, cfg, params = newest_model(Path(args.src))
-    encode, decode, eos = _generate_codec(src)
+    src, (saved, cfg, params) = read_newest(Path(args.src), load_source)
+    encode, decode, eos = _generate_codec(src, saved)
     try:
         ids = encode(args.prompt) or [eos]  # an empty prompt starts a new document
     except UnicodeEncodeError as e:  # bytes the shell could not decode arrive as surrogates
@@ -162,17 +188,18 @@ def write_stdout(text: str) -> None:
         raise ValueError(f"cannot write the output to stdout: {e.strerror or e}") from None
 
 
-def _export_tokenizer(src: Path, max_len: int):
+def _export_tokenizer(src: Path, saved: RunConfig | None, max_len: int):
     """(the tokenizer files an export of src carries or None, what to say of them): a training
-    checkpoint names its data, so its tokenizer (the prepared corpus's, else bytes); a bare tree, or
-    a run whose prepared corpus is gone, names none."""
+    checkpoint (saved with the run config `saved`) names its data, so its tokenizer (the prepared
+    corpus's, else bytes); a bare tree, or a run whose prepared corpus is gone, names none."""
     from fnmoe import hf
     from fnmoe.data.sources import BUNDLED
+    from fnmoe.sampling import prepared_corpus
 
-    if not is_checkpoint(src):
+    if saved is None:
         return None, f"no tokenizer: {src} is not a training checkpoint, which names one"
-    corpus = _prepared_corpus(src)
-    data = load_config(src / "config.toml").data
+    data = saved.data
+    corpus = prepared_corpus(data)
     named = data.mix[0].corpus if data.mix else data.corpus
     if corpus is None and named != BUNDLED and not Path(named).is_file() and not Path(named).suffix:  # a directory
         return None, f"no tokenizer: {named}, the corpus it trained on, is gone"
@@ -207,9 +234,8 @@ def cmd_convert(argv: list[str]) -> int:
         write_text(Path(args.out) / "config.toml", to_toml(run))  # one line naming it if it fails, no temp file left
         print(f"wrote {args.out} (native tree)")
         return 0
-    src = checkpoint_of(Path(args.to_hf))
-    cfg, params = load_model(src)
-    tokenizer, said = _export_tokenizer(src, cfg.max_seq_len)
+    src, (saved, cfg, params) = read_newest(Path(args.to_hf), load_source)
+    tokenizer, said = _export_tokenizer(src, saved, cfg.max_seq_len)
     hf.save(args.out, params, cfg, tokenizer=tokenizer)
     print(f"wrote {args.out} ({hf.hf_architecture(cfg)}, {said})")
     return 0

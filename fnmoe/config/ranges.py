@@ -24,8 +24,14 @@ class Range:
 
     def __str__(self) -> str:
         if self.hi == math.inf:
-            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
-        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+            return f"{'>' if self.lo_open else '>='} {_number(self.lo)}"
+        return f"in {'(' if self.lo_open else '['}{_number(self.lo)}, {_number(self.hi)}{')' if self.hi_open else ']'}"
+
+
+def _number(v: float) -> str:
+    """v as :g writes it, or whole where :g would round it (int64's bounds)."""
+    short = f"{v:g}"
+    return short if float(short) == v else str(v)
 
 
 PositiveInt = Annotated[int, Range(0, lo_open=True)]
@@ -33,3 +39,6 @@ Count = Annotated[int, Range(0)]
 """an int >= 0"""
 PositiveFloat = Annotated[float, Range(0, lo_open=True)]
 NonNegativeFloat = Annotated[float, Range(0)]
+INT64 = Range(-2**63, 2**63 - 1)
+"""what every int field holds (types.py checks it): torch's and numpy's integers, and the C long long
+torch.manual_seed takes, hold no more"""

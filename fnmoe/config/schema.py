@@ -191,8 +191,8 @@ class TrainConfig:
     eval_batches: PositiveInt = 8
     peak_tflops: NonNegativeFloat = 0.0
     """accelerator peak for MFU (989 for H100/H200 bf16); 0 reports n/a"""
-    threads: Count = 0
-    """torch intra-op threads (0: torch's default)"""
+    threads: Annotated[int, Range(0, 1024)] = 0
+    """torch intra-op threads (0: torch's default; at most 1024: torch crashes on a million)"""
     tensorboard: bool = False
     """also write TensorBoard scalars and expert-load histograms to <run-dir>/tensorboard (needs the
     tensorboard package)"""

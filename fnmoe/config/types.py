@@ -1,5 +1,5 @@
 """Each config field's own check, read from its annotation: its type, a Literal's choices, a `Range`'s
-bounds, and finiteness for floats.
+bounds, finiteness for floats and the int64 range for ints.
 
 A value read from a file (TOML, a checkpoint's config.toml, a tree's index.json) is checked here
 before any dataclass is built from it, and a built config again by `field_errors` (configs made in
@@ -17,7 +17,7 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from fnmoe.config.schema import Range
+from fnmoe.config.ranges import INT64, Range
 
 
 def read_json(path, error: type[Exception] = ValueError, obj: bool = True) -> Any:
@@ -146,4 +146,6 @@ def _value_errors(value: Any, hint: Any, name: str) -> list[str]:
         return [f"{name} must be finite, got {value}"]
     if bounds is not None and value not in bounds:
         return [f"{name} must be {bounds}, got {value}"]
+    if base is int and value not in INT64:
+        return [f"{name} = {value} does not fit in a 64-bit integer ({INT64})"]
     return []

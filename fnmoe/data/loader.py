@@ -30,7 +30,7 @@ import torch
 
 from fnmoe import caches
 from fnmoe.config import DataConfig
-from fnmoe.config.types import read_json
+from fnmoe.config.types import kind, read_json, show
 from fnmoe.data.sources import BUNDLED, read_documents
 
 EOS_ID = 256
@@ -158,7 +158,33 @@ def read_prepared_index(dir_: str | Path) -> dict:
     index = read_json(path)
     if (index.get("format"), index.get("version")) != (PREPARED_FORMAT, PREPARED_VERSION):
         raise ValueError(f"{path}: not a {PREPARED_FORMAT} v{PREPARED_VERSION} index")
+    problem = _field_problem(index, _INDEX_FIELDS, "") or next(filter(None, (
+        _field_problem(e["loss_mask"], _MASK_FIELDS, f"splits.{s}.loss_mask")
+        for s, e in index["splits"].items() if isinstance(e, dict) and "loss_mask" in e)), None)
+    if problem:
+        raise ValueError(f"{path}: {problem} (not as `fnmoe prepare` writes it: prepare {d} again)")
     return index
+
+
+_SPLIT_FIELDS = {"file": str, "tokens": int, "docs": int, "sha256": str}
+_MASK_FIELDS = {"file": str, "sha256": str}
+_INDEX_FIELDS = {"tokenizer": str, "vocab_size": int, "eos_id": int, "dtype": str, "fingerprint": str,
+                 "splits": {"train": _SPLIT_FIELDS, "val": _SPLIT_FIELDS}}
+"""the fields of a prepared index.json that its readers use (others are allowed): a type, or a dict
+of field -> such a spec for an object"""
+
+
+def _field_problem(value: object, spec: type | dict, where: str) -> str | None:
+    """The first field of value, named by its dotted path, that is missing or not of spec's type."""
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            return f"{where} = {show(value)} is {kind(value)}, expected an object"
+        prefix = f"{where}." if where else ""
+        return next(filter(None, (f"no field '{prefix}{k}'" if k not in value else
+                                  _field_problem(value[k], sub, prefix + k) for k, sub in spec.items())), None)
+    if isinstance(value, spec) and not (spec is int and isinstance(value, bool)):
+        return None
+    return f"{where} = {show(value)} is {kind(value)}, expected {spec.__name__}"
 
 
 def _token_dtype(d: Path, index: dict) -> np.dtype:

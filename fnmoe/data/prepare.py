@@ -28,12 +28,14 @@ the peak does not grow with the input).
 
 An interrupted run resumes at the missing parts, only for the same inputs and settings:
 `parts/key.txt` holds a digest of each input file's (path, size, mtime) -- nothing that needs the
-documents in memory -- with the fields, the tokenizer, the part size and the split. The final
-files are written to temporary names and renamed, so a crash never leaves a half-written
-`train.bin` behind an index that claims it, and an error writing one (a full disk) removes its
-temporary file and names the file and the OS's reason. SIGTERM and SIGHUP stop a run as Ctrl-C does
-(`Stopped`): the workers (which leave signals to this process, and end should it die) finish the
-part in hand and end, finished parts stay, and the same command resumes from them.
+documents in memory -- with the fields, the tokenizer, the part size and the split. A part found
+damaged (no readable .npy header, or one whose size, dtype or shape the file does not match) is
+named and tokenised again, where it would fail every rerun at the end. The final files are written
+to temporary names and renamed, so a crash never leaves a half-written `train.bin` behind an index
+that claims it, and an error writing one (a full disk) removes its temporary file and names the file
+and the OS's reason. SIGTERM and SIGHUP stop a run as Ctrl-C does (`Stopped`): the workers (which
+leave signals to this process, and end should it die) finish the part in hand and end, finished
+parts stay, and the same command resumes from them.
 """
 from __future__ import annotations
 
@@ -244,6 +246,10 @@ def _tokenise_parts(sc: Scan, pool: ProcessPoolExecutor, workers: int, parts_dir
     with _replacing(key_file, parts_dir / "key.txt.tmp") as tmp:
         tmp.write_text(sc.key)
     files = [parts_dir / f"{k:06d}.npy" for k in range(len(sc.part_ranges()))]
+    for f in files:
+        if f.exists() and (why := _part_damage(f, sc.dtype, 2 if sc.prompt_field else 1)):
+            print(f"prepare: {f} is damaged ({why}); tokenising it again", file=sys.stderr)
+            f.unlink()
     progress = _Progress(len(files), sum(f.exists() for f in files))
     pending: dict = {}  # future -> part number
 
@@ -266,6 +272,29 @@ def _tokenise_parts(sc: Scan, pool: ProcessPoolExecutor, workers: int, parts_dir
     save(wait(pending).done)
     progress.end()
     return files
+
+
+def _part_damage(path: Path, dtype: str, rows: int) -> str:
+    """Why the part at path is not a whole array of dtype and rows rows ('' when it is): a torn or
+    garbled part (a disk fault, a copy) kept for resuming would fail every rerun at concatenation.
+    Reads the header only; the tokens themselves carry no checksum."""
+    fmt = np.lib.format
+    try:
+        with open(path, "rb") as f:
+            version = fmt.read_magic(f)
+            read_header = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(version)
+            if read_header is None:
+                return f".npy version {version}, which prepare never writes"
+            shape, _, got = read_header(f)
+            data_start = f.tell()
+    except OSError as e:
+        return os_reason(e)
+    except ValueError:  # numpy's words quote the bytes it found
+        return "no readable .npy header"
+    if got != np.dtype(dtype) or len(shape) != (1 if rows == 1 else 2) or (rows > 1 and shape[0] != rows):
+        return f"a {got} array of shape {shape}, not {dtype} in {rows} row(s)"
+    size, expected = path.stat().st_size, data_start + int(np.prod(shape)) * got.itemsize
+    return f"{size} bytes where its header says {expected}" if size != expected else ""
 
 
 def _concat(parts: list[Path], out: Path, dtype: str, row: int = 0) -> dict:

@@ -24,7 +24,7 @@ from fnmoe.hf.weights import hf_tensors, read_leaf, HFReader
 from fnmoe.params import leaf_inits
 from fnmoe.parallel.sharding import distribute
 from fnmoe.tree import Tree, flatten_dict, unflatten_dict
-from fnmoe.tree_io import new_dir, save_safetensors
+from fnmoe.tree_io import new_dir, plain_name, save_safetensors
 
 log = logging.getLogger("fnmoe")
 
@@ -39,6 +39,10 @@ def _open(hf_dir: Path, stack: contextlib.ExitStack) -> dict[str, Any]:
         weight_map = read_json(hf_dir / INDEX).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{hf_dir / INDEX}: no 'weight_map' of tensor names to files")
+        bad = next((key for key, name in weight_map.items() if not plain_name(name)), None)
+        if bad is not None:
+            raise ValueError(f"{hf_dir / INDEX}: weight_map['{bad}'] = {weight_map[bad]!r} is not a file name in "
+                             f"{hf_dir}")
         files = {name: _safe_open(hf_dir / name, stack) for name in sorted(set(weight_map.values()))}
         return {key: files[name] for key, name in weight_map.items()}
     if (hf_dir / SINGLE).is_file():

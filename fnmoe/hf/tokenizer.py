@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from fnmoe.config.types import read_json
 from fnmoe.data.loader import EOS_ID, PREPARED_TOKENIZER, read_prepared_index
 
 EOS_TOKEN = "<|endoftext|>"
@@ -70,29 +71,29 @@ def byte_level(max_len: int) -> TokenizerFiles:
 
 def _token_of(tok: dict, token_id: int, where: Path) -> str:
     """The text of token token_id in a tokenizer.json: an added token, or one of the model's vocabulary."""
-    for added in tok.get("added_tokens") or []:
-        if added.get("id") == token_id:
-            return added["content"]
-    vocab = (tok.get("model") or {}).get("vocab")
+    added = tok.get("added_tokens")
+    for entry in added if isinstance(added, list) else []:
+        if isinstance(entry, dict) and entry.get("id") == token_id and isinstance(entry.get("content"), str):
+            return entry["content"]
+    model = tok.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
     if isinstance(vocab, dict):
         found = [t for t, i in vocab.items() if i == token_id]
         if found:
             return found[0]
     elif isinstance(vocab, list) and 0 <= token_id < len(vocab):  # Unigram: [piece, score] pairs
-        return vocab[token_id][0]
+        piece = vocab[token_id]
+        if isinstance(piece, list) and piece and isinstance(piece[0], str):
+            return piece[0]
     raise ValueError(f"{where}: no token with id {token_id} (the corpus's end-of-text id)")
 
 
 def from_file(path: str | Path, eos_id: int, max_len: int) -> TokenizerFiles:
     """A tokenizers tokenizer.json, copied, with eos_id its end-of-text id."""
     path = Path(path)
-    text = path.read_text()
-    try:
-        tok = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    eos_token = _token_of(tok, eos_id, path)
-    return TokenizerFiles((("tokenizer.json", text), *_config_files(eos_token, eos_id, max_len, False)), eos_id)
+    eos_token = _token_of(read_json(path), eos_id, path)  # read_json names path: not UTF-8, not JSON, no object
+    return TokenizerFiles((("tokenizer.json", path.read_text()), *_config_files(eos_token, eos_id, max_len, False)),
+                          eos_id)
 
 
 def of_corpus(corpus: Path | None, max_len: int) -> TokenizerFiles:

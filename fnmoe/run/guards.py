@@ -71,6 +71,9 @@ def _writable(what: str, d: Path, created: list[Path]) -> str | None:
         return f"cannot write {what}: {d} is a file, not a directory"
     missing, p = [], d
     while not p.exists() and p != p.parent:
+        if p.is_symlink():  # mkdir would say only "File exists"
+            return (f"cannot write {what}: {p} is a dangling symbolic link to {p.parent / os.readlink(p)}, which "
+                    "does not exist: create that directory or remove the link")
         missing.append(p)
         p = p.parent
     try:
