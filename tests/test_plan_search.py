@@ -10,7 +10,7 @@ from fnmoe.cli import main
 from fnmoe.config import load_config
 from fnmoe.config.check import validate
 from fnmoe.config.hardware import hardware
-from fnmoe.plan.comm import comm_bytes, ep_link_bytes
+from fnmoe.plan.comm import comm_bytes
 from fnmoe.plan.summary import plan
 from fnmoe.plan.search import POLICIES, search, with_layout
 
@@ -72,7 +72,11 @@ def test_split_follows_the_node_layout(kimi):
     assert inside["fsdp_inter_node"] == inside["ep_inter_node"] == 0 < inside["ep_intra_node"]
     c = comm_bytes(_mesh(kimi, 48, 8))  # an ep group of 8 spans 2 nodes: 3 of 7 peers on the own node
     assert c["ep_intra_node"] / c["ep"] == pytest.approx(3 / 7, rel=1e-6)
-    assert c["fsdp_intra_node"] == 0  # dense leaves over 384 ranks, experts every 8th rank: across nodes
+    # experts every 8th rank, one a node: every ring hop crosses; dense leaves over 384 ranks, 4 a
+    # node: a ring crosses once per 4 hops, from another of the 4 GPUs' NICs each time (NCCL channels)
+    assert 0 < c["fsdp_intra_node"] < c["fsdp_inter_node"]
+    flat = comm_bytes(_mesh(kimi, 8, 1))  # every leaf over 2 nodes of 4: a NIC carries a quarter
+    assert flat["fsdp_inter_node"] == pytest.approx(flat["fsdp"] / 4) and flat["ep"] == 0
     # a world of 4 is one 4-GPU node: the strided expert groups stay inside it too
     assert comm_bytes(_mesh(kimi, 2, 2))["fsdp_inter_node"] == 0
 
@@ -82,11 +86,30 @@ def test_group_limited_routing_cuts_cross_node_ep_bytes(kimi):
     limited = dataclasses.replace(run, model=dataclasses.replace(
         run.model, moe=dataclasses.replace(run.model.moe, n_group=96, topk_group=4)))  # a group a node
     validate(limited)
-    _, across = ep_link_bytes(run, comm_bytes(run))
-    _, across_limited = ep_link_bytes(limited, comm_bytes(limited))
+    across, across_limited = comm_bytes(run)["ep_inter_node"], comm_bytes(limited)["ep_inter_node"]
     assert across_limited < 0.55 * across  # at most 4 other nodes a token, against ~7.7 of 8 copies
     # fnmoe's own exchange sends every row: routing groups do not change its expected bytes
-    assert comm_bytes(limited)["ep_inter_node"] == comm_bytes(run)["ep_inter_node"]
+    rows = [with_plan_field(r, dispatch="rows") for r in (run, limited)]
+    assert comm_bytes(rows[1])["ep_inter_node"] == comm_bytes(rows[0])["ep_inter_node"] > across
+
+
+def with_plan_field(run, **fields):
+    return dataclasses.replace(run, plan=dataclasses.replace(run.plan, **fields))
+
+
+def test_node_dedup_reaches_the_as_built_step_and_replays_its_passes(kimi):
+    """--plan.dispatch node_dedup (a what-if) changes the bytes every figure is built from, the
+    as-built step included, and a replayed exchange sends it 6 passes a layer as fnmoe's own does."""
+    rows, dedup = _mesh(kimi, 4, 96), _mesh(kimi, 4, 96, dispatch="node_dedup")
+    assert comm_bytes(dedup)["ep_inter_node"] < comm_bytes(rows)["ep_inter_node"]
+    parts = {k: v for k, v in comm_bytes(dedup)["parts"].items() if "all_to_all" in k}
+    forward, backward = parts["forward/all_to_all/blocks"], parts["backward/all_to_all/blocks"]
+    assert kimi.memory.recompute == "full" and not kimi.memory.keep_exchange  # the preset replays
+    assert backward["inter"] == pytest.approx(2 * forward["inter"])
+    kept = dataclasses.replace(dedup, memory=dataclasses.replace(dedup.memory, keep_exchange=True))
+    assert comm_bytes(kept)["parts"]["backward/all_to_all/blocks"]["inter"] == pytest.approx(forward["inter"])
+    as_built = [plan(r)["step_time"]["step_s_as_built"] for r in (rows, dedup)]
+    assert as_built[1] < as_built[0]
 
 
 def test_two_level_model_drives_fnmoe_plan(kimi):

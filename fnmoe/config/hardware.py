@@ -2,7 +2,8 @@
 any figure given in the `plan` section overrides the profile's.
 
 Every figure is a GPU's: memory usable by one training process, and sustained (achieved) rates, one
-direction. Sources and the reasoning behind each "usable" and "achieved" figure: docs/memory_plan.md,
+direction. Units are decimal: GB = 1e9 bytes, GB/s = 1e9 bytes a second, TB/s = 1e12, TFLOP/s =
+1e12 FLOP a second (a card sold as "96 GB" of HBM holds 96 GiB = 103 GB). Sources and the reasoning behind each "usable" and "achieved" figure: docs/memory_plan.md,
 "Hardware profiles". `custom` has no figures of its own: every one must be given.
 """
 from __future__ import annotations
@@ -20,11 +21,13 @@ class Hardware:
     gpus_per_node: Annotated[int, Range(1)]
     """GPUs that share the fast in-node links"""
     hbm_gb: NonNegativeFloat
-    """device memory a training process can use, GB"""
+    """device memory a training process can use, GB (1e9 B)"""
     host_gb: NonNegativeFloat
-    """host memory a GPU's process can use for offload, GB"""
+    """host memory a GPU's process can use for offload, GB (1e9 B)"""
     matmul_tflops: PositiveFloat
     """sustained bf16 GEMM rate, TFLOP/s"""
+    hbm_tbps: PositiveFloat
+    """sustained device-memory bandwidth, TB/s (1e12 B/s): a GEMM on few rows is bound by reading its weight"""
     attention_tflops: PositiveFloat
     """sustained flash-attention rate (forward and backward), TFLOP/s"""
     nvlink_gbps: PositiveFloat
@@ -44,16 +47,16 @@ class Hardware:
 FIGURES = tuple(f.name for f in dataclasses.fields(Hardware))
 
 PROFILES: dict[str, Hardware] = {
-    # JUPITER Booster: 4 GH200 a node (96 GB HBM3, 120 GB LPDDR5X each), NVLink 4 NV6 between every
-    # pair, 4x InfiniBand NDR200 a node
-    "jupiter-gh200": Hardware(gpus_per_node=4, hbm_gb=92.0, host_gb=100.0, matmul_tflops=989.0 * 0.55,
-                              attention_tflops=989.0 * 0.4, nvlink_gbps=150.0, nvlink_a2a_gbps=360.0,
-                              network_gbps=22.0,
+    # JUPITER Booster: 4 GH200 a node (96 GiB HBM3: CUDA sees ~97.9k MiB = 102.7 GB; 120 GB LPDDR5X
+    # each), NVLink 4 NV6 between every pair, 4x InfiniBand NDR200 a node
+    "jupiter-gh200": Hardware(gpus_per_node=4, hbm_gb=96.0, host_gb=100.0, matmul_tflops=989.0 * 0.55,
+                              hbm_tbps=4.0 * 0.9, attention_tflops=989.0 * 0.4, nvlink_gbps=150.0,
+                              nvlink_a2a_gbps=360.0, network_gbps=22.0,
                               network_nominal_gbps=25.0, d2h_gbps=150.0, h2d_gbps=400.0),
-    # DGX H100: 8 H100 SXM (80 GB HBM3) on NVSwitch, 2 TB DDR5 a node, 8x ConnectX-7 NDR400 (one a GPU),
-    # PCIe Gen5 x16 to the host
-    "dgx-h100": Hardware(gpus_per_node=8, hbm_gb=76.0, host_gb=200.0, matmul_tflops=989.0 * 0.55,
-                         attention_tflops=989.0 * 0.4, nvlink_gbps=360.0, nvlink_a2a_gbps=360.0,
+    # DGX H100: 8 H100 SXM (80 GiB HBM3: CUDA sees 81,559 MiB = 85.5 GB) on NVSwitch, 2 TB DDR5 a node,
+    # 8x ConnectX-7 NDR400 (one a GPU), PCIe Gen5 x16 to the host
+    "dgx-h100": Hardware(gpus_per_node=8, hbm_gb=80.0, host_gb=200.0, matmul_tflops=989.0 * 0.55,
+                         hbm_tbps=3.35 * 0.9, attention_tflops=989.0 * 0.4, nvlink_gbps=360.0, nvlink_a2a_gbps=360.0,
                          network_gbps=40.0,
                          network_nominal_gbps=50.0, d2h_gbps=50.0, h2d_gbps=50.0),
 }

@@ -248,11 +248,14 @@ class PlanConfig:
     gpus_per_node: Annotated[int, Range(1)] | None = None
     """GPUs sharing fast links (profile: jupiter-gh200 4, dgx-h100 8)"""
     hbm_gb: NonNegativeFloat | None = None
-    """device memory usable a GPU, GB (profile: jupiter-gh200 92 of 96, dgx-h100 76 of 80)"""
+    """device memory usable a GPU, GB = 1e9 B (profile: jupiter-gh200 96 of the 102.7 CUDA sees, dgx-h100 80 of
+    85.5)"""
     host_gb: NonNegativeFloat | None = None
     """host memory usable for offload a GPU, GB (profile: jupiter-gh200 100 of a Grace's 120, dgx-h100 200)"""
     matmul_tflops: PositiveFloat | None = None
     """sustained bf16 GEMM rate a GPU, TFLOP/s (profile: 55% of 989)"""
+    hbm_tbps: PositiveFloat | None = None
+    """sustained device-memory bandwidth a GPU, TB/s (profile: 90% of jupiter-gh200's 4.0, dgx-h100's 3.35)"""
     attention_tflops: PositiveFloat | None = None
     """sustained flash-attention rate a GPU, TFLOP/s (profile: 40% of 989)"""
     nvlink_gbps: PositiveFloat | None = None

@@ -60,8 +60,8 @@ def _fsdp_parts(run: RunConfig) -> dict:
     cfg, mesh, accum = run.model, run.mesh, run.train.grad_accum
     s = DTYPE_BYTES[cfg.compute_dtype]
     sent = _sent(cfg, mesh.fsdp, mesh.ep)
-    # a ring over a group that leaves the node is all counted across (plan_net)
-    spans = {"dense": plan_net.dense_group_spans(run), "expert": plan_net.expert_group_spans(run)}
+    # the share of a ring's bytes that a GPU's NIC carries across nodes (plan_net), NVLink the rest
+    across = {"dense": plan_net.dense_ring_nic_share(run), "expert": plan_net.expert_ring_nic_share(run)}
     regathered = mesh.reshard_after_forward or run.memory.recompute == "full"
     grad = reduce_bytes(run)
     out: dict = {}
@@ -70,7 +70,8 @@ def _fsdp_parts(run: RunConfig) -> dict:
         if times:
             link = {"intra": 0.0, "inter": 0.0}
             for kind, e in elems_by_kind.items():
-                link["inter" if spans[kind] else "intra"] += accum * e * nbytes * times
+                link["inter"] += accum * e * nbytes * times * across[kind]
+                link["intra"] += accum * e * nbytes * times * (1 - across[kind])
             out[key] = link
 
     for where in ("blocks", "outer"):
@@ -104,26 +105,21 @@ def _ep_parts(run: RunConfig) -> dict:
     if mesh.ep == 1 or not cfg.moe.n_experts:
         return {}
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    # two passes' worth (a dispatch and a combine, T·K rows and imbalance times that)
-    pair = (run.train.grad_accum * n_moe * (1 + run.plan.imbalance) * tokens_per_rank(run) * cfg.moe.top_k
-            * cfg.dim * DTYPE_BYTES[cfg.compute_dtype] * (mesh.ep - 1) / mesh.ep)
-    inside, _ = plan_net.ep_row_fractions(run)
-    intra = pair * inside * mesh.ep / (mesh.ep - 1)
-    link = {"intra": intra, "inter": pair - intra}
+    # two passes' worth (a dispatch and a combine, T tokens' rows and imbalance times that)
+    pair = (run.train.grad_accum * n_moe * (1 + run.plan.imbalance) * tokens_per_rank(run) * cfg.dim
+            * DTYPE_BYTES[cfg.compute_dtype])
+    link = dict(zip(("intra", "inter"), (pair * rows for rows in _rows_a_token(run))))
     replay = run.memory.recompute == "full" and not getattr(run.memory, "keep_exchange", True)
     return {("forward", "all_to_all", "blocks"): dict(link),
             ("backward", "all_to_all", "blocks"): {k: v * (2 if replay else 1) for k, v in link.items()}}
 
 
-def ep_link_bytes(run: RunConfig, comm: dict) -> tuple[float, float]:
-    """(inside the node, across nodes) all-to-all bytes a rank sends a step under plan.dispatch:
-    'rows' is fnmoe's exchange (comm_bytes' split), 'node_dedup' a dispatch that crosses to each
-    node once per token (plan_net.ep_dedup_rows), which fnmoe does not have yet."""
-    if run.plan.dispatch == "rows" or run.mesh.ep == 1:
-        return comm["ep_intra_node"], comm["ep_inter_node"]
-    cfg = run.model
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    row = run.train.grad_accum * n_moe * 4 * tokens_per_rank(run) * cfg.dim * DTYPE_BYTES[cfg.compute_dtype]
-    inside, across = plan_net.ep_dedup_rows(run)
-    return row * inside, row * across
-
+def _rows_a_token(run: RunConfig) -> tuple[float, float]:
+    """(to own-node peers, to other nodes): rows a token sends in one exchange pass under
+    plan.dispatch: 'rows' is fnmoe's exchange (each of its K rows that leaves the rank), 'node_dedup'
+    a dispatch that crosses to each node once per token and fans out there (plan_net.ep_dedup_rows),
+    which fnmoe does not have yet: a what-if, priced with the same passes (6 under replay)."""
+    if run.plan.dispatch == "node_dedup":
+        return plan_net.ep_dedup_rows(run)
+    inside, across = plan_net.ep_row_fractions(run)
+    return run.model.moe.top_k * inside, run.model.moe.top_k * across

@@ -9,8 +9,9 @@ Ranks are laid out as torch's DeviceMesh lays out the ("fsdp", "ep") mesh: rank 
 ep group is S consecutive ranks (it spans ceil(S/g) nodes when g divides S), the flattened dense
 group is every rank, and an expert stack's fsdp group is every S-th rank. Node j holds ranks
 [j·g, (j+1)·g). A ring collective over a group inside one node runs at the NVLink rate; over a
-group that spans nodes the cross-node link (each GPU's own NIC) bounds it, so all its bytes are
-counted there. An all-to-all sends to its own node and to other nodes at once, over both links.
+group that spans nodes the network carries the bytes of the hops that cross nodes, spread over the
+NICs of the group's GPUs on a node (NCCL's channels; `_nic_share`), NVLink the rest. An all-to-all
+sends to its own node and to other nodes at once, over both links.
 """
 from __future__ import annotations
 
@@ -30,19 +31,33 @@ def spans_nodes(ranks, g: int) -> bool:
     return len(nodes_of(ranks, g)) > 1
 
 
-def dense_group_spans(run: RunConfig) -> bool:
-    """Dense leaves are sharded over every rank (the flattened dp axis)."""
-    return spans_nodes(range(run.mesh.world), hardware(run.plan).gpus_per_node)
+def dense_ring_nic_share(run: RunConfig) -> float:
+    """The share of a dense leaf's ring bytes a GPU's NIC carries: dense leaves are sharded over
+    every rank (the flattened dp axis)."""
+    return _nic_share((range(run.mesh.world),), hardware(run.plan).gpus_per_node)
 
 
-def expert_group_spans(run: RunConfig) -> bool:
-    """Expert stacks are sharded over fsdp: ranks e, e+S, e+2S, ...; the slowest ep index binds."""
-    return _expert_group_spans(run.mesh.ep, run.mesh.fsdp, hardware(run.plan).gpus_per_node)
+def expert_ring_nic_share(run: RunConfig) -> float:
+    """The same for an expert stack, sharded over fsdp: ranks e, e+S, e+2S, ...; the slowest ep
+    index binds."""
+    S, fsdp = run.mesh.ep, run.mesh.fsdp
+    return _nic_share(tuple(range(e, e + S * fsdp, S) for e in range(S)), hardware(run.plan).gpus_per_node)
 
 
 @lru_cache(maxsize=256)
-def _expert_group_spans(S: int, fsdp: int, g: int) -> bool:
-    return any(spans_nodes(range(e, e + S * fsdp, S), g) for e in range(S))
+def _nic_share(groups: tuple[range, ...], g: int) -> float:
+    """0 for rings inside one node. A ring that leaves the node with m of its members on each node
+    crosses the network once per m hops, and NCCL lays its channels so that each crossing leaves from
+    another of those m GPUs' NICs: a NIC carries 1/m of a member's ring bytes (m = 1: every byte),
+    the rest moving over NVLink. The node with the fewest members binds."""
+    shares = [0.0]
+    for ranks in groups:
+        if spans_nodes(ranks, g):
+            per_node: dict[int, int] = {}
+            for r in ranks:
+                per_node[r // g] = per_node.get(r // g, 0) + 1
+            shares.append(1.0 / min(per_node.values()))
+    return max(shares)
 
 
 def _ep_nodes(S: int, g: int, first: int) -> list[list[int]]:

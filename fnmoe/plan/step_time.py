@@ -10,7 +10,7 @@ from fnmoe.config import REGIONS, ModelConfig, RunConfig
 from fnmoe.config.hardware import hardware
 from fnmoe.tree import leaf_kind
 from fnmoe.plan.activations import tokens_per_rank
-from fnmoe.plan.comm import ep_link_bytes
+from fnmoe.plan.gemm_time import routed_expert_s, routed_flops_per_token
 from fnmoe.plan.state import GB, leaf_shapes
 
 
@@ -58,7 +58,7 @@ def step_time(run: RunConfig, fpt: float, comm: dict, host_bytes: int, exposed: 
     compute = _compute_s(run, fpt, tokens)
     nv, net = hw.nvlink_gbps * GB, hw.network_gbps * GB
     fsdp_intra_s, fsdp_inter_s = comm["fsdp_intra_node"] / nv, comm["fsdp_inter_node"] / net
-    ep_intra, ep_inter = ep_link_bytes(run, comm)
+    ep_intra, ep_inter = comm["ep_intra_node"], comm["ep_inter_node"]
     ep_intra_s, ep_inter_s = ep_intra / (hw.nvlink_a2a_gbps * GB), ep_inter / net
     comm_s = fsdp_intra_s + fsdp_inter_s + max(ep_intra_s, ep_inter_s)
     copies = {"forward": host_bytes * run.train.grad_accum / (hw.d2h_gbps * GB),
@@ -81,14 +81,20 @@ def step_time(run: RunConfig, fpt: float, comm: dict, host_bytes: int, exposed: 
 
 
 def _compute_s(run: RunConfig, fpt: float, tokens: int) -> dict:
-    """Seconds of compute a step by phase: forward a third of the FLOPs, backward two thirds plus
-    what recompute repeats."""
+    """Seconds of compute a step by phase on the busiest rank: forward a third of the FLOPs,
+    backward two thirds plus what recompute repeats; routed experts at the roofline with the
+    imbalanced rows (gemm_time), the rest at the stated rates."""
     hw = hardware(run.plan)
     core = region_flops(run)["attention_core"] * 3  # forward and backward, as in fpt
     re_gemm, re_core = recompute_flops(run)
+    routed = routed_flops_per_token(run)
+    recomputed = run.memory.recompute == "full" or run.memory.moe == "full"
+    other, re_other = fpt - core - 3 * routed, re_gemm - (routed if recomputed else 0.0)
     gemm, attn = hw.matmul_tflops * 1e12, hw.attention_tflops * 1e12
-    return {"forward": tokens * ((fpt - core) / 3 / gemm + core / 3 / attn),
-            "backward": tokens * ((fpt - core) * 2 / 3 / gemm + core * 2 / 3 / attn + re_gemm / gemm + re_core / attn)}
+    experts = routed_expert_s(run, recomputed)
+    return {"forward": tokens * (other / 3 / gemm + core / 3 / attn) + experts["forward"],
+            "backward": tokens * (other * 2 / 3 / gemm + core * 2 / 3 / attn + re_other / gemm + re_core / attn)
+            + experts["backward"]}
 
 
 def _as_built(run: RunConfig, comm: dict, compute: dict, copies: dict, exposed: dict, tokens: int) -> dict:

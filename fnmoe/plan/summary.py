@@ -114,9 +114,10 @@ def format_plan(p: dict) -> str:
              f"  params {p['total_params']:.4g} total, {p['active_params']:.4g} active; "
              f"{p['flops_per_token'] / 1e9:.1f} GFLOP/token",
              f"  hardware {h['profile']}: {h['gpus_per_node']} GPUs a node, {h['hbm_gb']:g} GB device and "
-             f"{h['host_gb']:g} GB host usable a GPU, {h['network_gbps']:g} GB/s across nodes achieved "
+             f"{h['host_gb']:g} GB host usable a GPU, {h['matmul_tflops']:.0f} TFLOP/s GEMMs at up to "
+             f"{h['hbm_tbps']:g} TB/s HBM, {h['network_gbps']:g} GB/s across nodes achieved "
              f"({h['network_nominal_gbps']:g} nominal), {h['nvlink_gbps']:g} inside, host link "
-             f"{h['d2h_gbps']:g} out / {h['h2d_gbps']:g} in", "", "  per rank (device)"]
+             f"{h['d2h_gbps']:g} out / {h['h2d_gbps']:g} in (GB = 1e9 bytes, TB = 1e12)", "", "  per rank (device)"]
     for key in ("params", "grads", "optim", "gathered", "activations", "recompute_transient", "logits", "ep_buffers",
                 "update_transient"):
         lines.append(f"    {key:<20}{gb(r[key])}")

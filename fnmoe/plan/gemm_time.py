@@ -1,0 +1,67 @@
+"""Routed-expert GEMM time a step on the busiest rank: each GEMM at the roofline, max(FLOPs / the
+sustained GEMM rate, bytes / the sustained HBM bandwidth), and the rows the busiest rank's experts
+receive, `plan.imbalance` times the mean under expert parallelism.
+
+Legend: T tokens of a rank's micro-batch, K top-k, E experts, X experts a rank holds (E/ep),
+N token chunks (model.moe.token_chunks), r rows an expert gets in one chunk, I and O a matrix's
+in and out dims.
+
+A chunk runs each expert's matrices on r = T·K·imbalance / X / N rows. Forward (and its recompute
+in backward) and the input gradient each read the expert's weight I·O and the rows' inputs and
+outputs; the weight gradient reads the rows' inputs and output gradients and, summed over chunks
+into the gathered weight's gradient (fnmoe/moe_chunks.py), writes its I·O accumulator every chunk
+and reads it every chunk but the first. With few rows a chunk the weight's bytes outlast its FLOPs:
+K2's 160 rows a chunk on the busiest GH200 are HBM-bound.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from fnmoe.config import ModelConfig, RunConfig
+from fnmoe.config.hardware import hardware
+from fnmoe.dtypes import DTYPE_BYTES
+from fnmoe.tree import leaf_kind
+from fnmoe.plan.activations import tokens_per_rank
+from fnmoe.plan.state import leaf_shapes
+
+
+def rows_per_expert(run: RunConfig) -> float:
+    """r: rows one expert of the busiest rank gets in one chunk of a micro-batch."""
+    m, ep = run.model.moe, run.mesh.ep
+    imbalance = run.plan.imbalance if ep > 1 else 1.0  # one ep rank computes its own tokens: nothing to wait for
+    return tokens_per_rank(run) * m.top_k * imbalance * ep / m.n_experts / m.token_chunks
+
+
+def routed_flops_per_token(run: RunConfig) -> float:
+    """Forward FLOPs a token spends in routed experts, all layers (balanced: K of E experts)."""
+    m = run.model.moe
+    return sum(2.0 * I * O * m.top_k for I, O in _expert_matrices(run.model))
+
+
+@lru_cache(maxsize=64)
+def _expert_matrices(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
+    """(I, O) of one expert's matrix, for every expert stack of every layer (`plan --search` asks
+    for thousands of layouts of one model)."""
+    return tuple((shape[-2], shape[-1]) for path, shape in leaf_shapes(cfg) if leaf_kind(path) == "expert")
+
+
+def routed_expert_s(run: RunConfig, recomputed: bool) -> dict:
+    """Seconds the busiest rank spends in routed-expert GEMMs a step (every micro-batch), by phase:
+    forward, and backward (input and weight gradients, plus the forward again when the MoE region
+    is `recomputed`)."""
+    hw, m = hardware(run.plan), run.model.moe
+    rate, hbm = hw.matmul_tflops * 1e12, hw.hbm_tbps * 1e12
+    s = DTYPE_BYTES[run.model.compute_dtype]
+    r, X, N = rows_per_expert(run), m.n_experts // run.mesh.ep, m.token_chunks
+
+    def gemm(flops: float, nbytes: float) -> float:
+        return max(flops / rate, nbytes / hbm)
+    forward = weight_grad = 0.0
+    for I, O in _expert_matrices(run.model):
+        flops = 2.0 * r * I * O
+        forward += gemm(flops, s * (I * O + r * (I + O)))
+        weight_grad += gemm(flops, s * (r * (I + O) + I * O * (2 * N - 1) / N))  # writes N times, reads N-1
+    per_step = X * N * run.train.grad_accum
+    return {"forward": per_step * forward,
+            "backward": per_step * (forward * (2 if recomputed else 1) + weight_grad)}
+

@@ -1,0 +1,83 @@
+"""The step-time model's compute on the busiest rank: routed experts at `plan.imbalance` times the
+mean rows, each expert GEMM at the roofline max(FLOPs / rate, bytes / HBM bandwidth); checked
+against FLOPs and bytes counted here from the leaf shapes."""
+import dataclasses
+import math
+
+import pytest
+
+from fnmoe.config import load_config
+from fnmoe.config.hardware import hardware
+from fnmoe.plan.flops import flops_per_token
+from fnmoe.plan.gemm_time import rows_per_expert
+from fnmoe.plan.state import leaf_shapes
+from fnmoe.plan.step_time import step_time
+from fnmoe.plan.comm import comm_bytes
+from fnmoe.tree import leaf_kind
+
+K2 = load_config("configs/kimi_k2_1t.toml")
+
+
+def with_plan(run, **plan):
+    return dataclasses.replace(run, plan=dataclasses.replace(run.plan, **plan))
+
+
+def compute_s(run) -> float:
+    fpt = flops_per_token(run.model, run.data.seq_len)
+    return step_time(run, fpt, comm_bytes(run), 0)["compute_s"]
+
+
+def routed_params_per_token(run) -> float:
+    """Routed-expert weights a token multiplies, all layers: K of E experts of every expert stack."""
+    m = run.model.moe
+    return sum(math.prod(s) * m.top_k / m.n_experts for p, s in leaf_shapes(run.model) if leaf_kind(p) == "expert")
+
+
+def flat_compute_s(run) -> float:
+    """The step's compute at the stated rates with balanced routing, from the FLOPs formula alone:
+    fpt (GEMMs and attention's core, forward and backward) plus full recompute's forward again."""
+    hw, cfg, L = hardware(run.plan), run.model, run.data.seq_len
+    core = 3.0 * cfg.n_layers * L * cfg.n_heads * (cfg.qk_head_dim_ + cfg.v_head_dim_)
+    gemm_fpt = flops_per_token(cfg, L) - core
+    layer_gemm = sum(2 * math.prod(s) * (cfg.moe.top_k / cfg.moe.n_experts if leaf_kind(p) == "expert" else 1)
+                     for p, s in leaf_shapes(cfg) if p.startswith("layers.") and len(s) >= 2)
+    tokens = run.micro_batch * L * run.train.grad_accum
+    return tokens * ((gemm_fpt + layer_gemm) / (hw.matmul_tflops * 1e12)
+                     + (core + core / 3) / (hw.attention_tflops * 1e12))
+
+
+def test_balanced_routing_with_unbounded_hbm_is_the_flat_formula():
+    """imbalance 1 and an HBM so fast no GEMM is bound by it: the FLOPs formula at the stated rates."""
+    run = with_plan(K2, imbalance=1.0, hbm_tbps=1e6)
+    assert compute_s(run) == pytest.approx(flat_compute_s(run), rel=1e-9)
+
+
+def test_the_busiest_ranks_routed_experts_take_imbalance_times_as_long():
+    """Every rank waits for the busiest: its routed-expert GEMMs (forward, input and weight
+    gradients, the recomputed forward: 4 x 2 FLOPs a weight a row) run imbalance times the mean rows."""
+    fast = dict(hbm_tbps=1e6)
+    balanced = compute_s(with_plan(K2, imbalance=1.0, **fast))
+    busiest = compute_s(with_plan(K2, imbalance=1.25, **fast))
+    tokens = K2.micro_batch * K2.data.seq_len * K2.train.grad_accum
+    routed_s = tokens * 8 * routed_params_per_token(K2) / (hardware(K2.plan).matmul_tflops * 1e12)
+    assert busiest - balanced == pytest.approx(0.25 * routed_s, rel=1e-9)
+    assert 0.14 < (busiest - balanced) / balanced < 0.17  # the issue's +15% on the preset
+    one_ep = dataclasses.replace(K2, mesh=dataclasses.replace(K2.mesh, fsdp=384, ep=1))
+    assert compute_s(with_plan(one_ep, imbalance=1.25, **fast)) == pytest.approx(
+        compute_s(with_plan(one_ep, imbalance=1.0, **fast)))  # one ep rank: no other rank to wait for
+
+
+def test_few_rows_a_chunk_are_bound_by_reading_the_expert_weights():
+    """K2's busiest rank gives an expert 160 rows a chunk: reading its 29 MB bf16 matrix at the HBM
+    rate outlasts its FLOPs, so the routed experts' time follows the bandwidth; with one chunk
+    (5,120 rows) the FLOPs bound it and the bandwidth does not matter."""
+    assert rows_per_expert(K2) == pytest.approx(49152 * 8 * 1.25 * 4 / 384 / 32)
+    I, O, r, s = 7168, 2048, rows_per_expert(K2), 2
+    hw = hardware(K2.plan)
+    assert s * (I * O + r * (I + O)) / (hw.hbm_tbps * 1e12) > 2 * r * I * O / (hw.matmul_tflops * 1e12)
+    slow = compute_s(with_plan(K2, hbm_tbps=hw.hbm_tbps / 2))
+    assert slow > compute_s(K2) * 1.2
+    one = dataclasses.replace(K2, model=dataclasses.replace(K2.model, moe=dataclasses.replace(K2.model.moe,
+                                                                                                 token_chunks=1)))
+    assert compute_s(with_plan(one, hbm_tbps=hw.hbm_tbps / 2)) == pytest.approx(compute_s(one), rel=1e-9)
+    assert compute_s(one) < compute_s(K2)
