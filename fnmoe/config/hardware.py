@@ -3,8 +3,9 @@ any figure given in the `plan` section overrides the profile's.
 
 Every figure is a GPU's: memory usable by one training process, and sustained (achieved) rates, one
 direction. Units are decimal: GB = 1e9 bytes, GB/s = 1e9 bytes a second, TB/s = 1e12, TFLOP/s =
-1e12 FLOP a second (a card sold as "96 GB" of HBM holds 96 GiB = 103 GB). Sources and the reasoning behind each "usable" and "achieved" figure: docs/memory_plan.md,
-"Hardware profiles". `custom` has no figures of its own: every one must be given.
+1e12 FLOP a second (a card sold as "96 GB" of HBM holds 96 GiB = 103 GB). Sources and the reasoning
+behind each "usable" and "achieved" figure: docs/memory_plan.md, "Hardware profiles". `custom` has
+no figures of its own: every one must be given.
 """
 from __future__ import annotations
 
