@@ -132,6 +132,12 @@ def doc_mask(positions_BL: torch.Tensor, block_sparse: bool = False):
 def sdpa(q_BHLA, k_BGKA, v_BGKU, mask=None, scale: float | None = None) -> torch.Tensor:
     """Causal attention [B, H, L, U]; mask (doc_mask's) also keeps documents of packed rows apart."""
     gqa = q_BHLA.shape[1] != k_BGKA.shape[1]
+    if gqa and q_BHLA.is_cuda and q_BHLA.dtype == torch.float32:
+        # no fused CUDA kernel takes fp32 with enable_gqa: SDPA's math path would save the [L, L]
+        # scores, which the plan (and so the offload pool) does not hold; the efficient kernel takes
+        # kv repeated to every head (what fnmoe.plan.activations.attention_bytes counts in fp32)
+        R = q_BHLA.shape[1] // k_BGKA.shape[1]
+        k_BGKA, v_BGKU, gqa = k_BGKA.repeat_interleave(R, 1), v_BGKU.repeat_interleave(R, 1), False
     if mask is None and q_BHLA.device.type == "cpu" and _torch.is_fake(q_BHLA):
         return _fused_stand_in(q_BHLA, k_BGKA, v_BGKU, scale)
     if mask is None:

@@ -210,6 +210,8 @@ def _cpu_extra(cfg, region: str, dtype: torch.dtype, gemm: str = "") -> int:
     if region == "attention" and cfg.attention == "mla":  # math path: probabilities and v, no kv view or lse
         U, X = cfg.v_head_dim, H * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         return 4 * _B * H * _L * _L + T * H * U * 4 - T * X * 4 - 4 * T * H
+    if region == "attention" and s == 4:  # CPU SDPA takes grouped kv in fp32; CUDA's efficient kernel every head's
+        return -2 * T * (H - cfg.n_kv_heads) * cfg.head_dim_ * s
     if region == "moe":  # counts of the Switch (and sequence) balance loss; group ends; the router's fp32 copy
         m, E = cfg.moe, cfg.moe.n_experts
         return (4 * E + (4 * _B * E if m.seq_aux_loss_coeff else 0) + (8 * E if gemm == "grouped" else 0)

@@ -87,6 +87,9 @@ class Copier:
         if not self.cuda:
             back.copy_(host)
             return back, DONE
+        # back's memory is free in the compute stream's order only: kernels queued there may still
+        # read it (seen on an H200: a compiled backward read a half-copied index out of bounds)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
         self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
             back.copy_(host, non_blocking=True)
@@ -115,6 +118,7 @@ class Copier:
         back = torch.empty_strided(shape, stride, dtype=dtype, device=device)
         dst, at = flat_bytes(back), 0
         if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(device))  # as to_device
             self.stream.wait_event(after)
         with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             for piece in pieces:

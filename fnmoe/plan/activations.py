@@ -47,8 +47,10 @@ def attention_bytes(cfg: ModelConfig, T: int, s: int) -> int:
     # q/k norms keep their fp32 input and normalised output; the weighted one goes into RoPE, which keeps nothing
     qk = T * (N + M) * (4 + s) + 4 * T * (H + cfg.n_kv_heads) if cfg.qk_norm else 0
     # q, k, v after RoPE and the output, which flash (and efficient, and fnmoe's CPU kernel) write
-    # [B, L, H, A]: the reshape w_o reads is a view of it, not a second copy
-    return norm_bytes(T, D, s) + qk + T * s * (2 * N + 2 * M) + lse
+    # [B, L, H, A]: the reshape w_o reads is a view of it, not a second copy. In fp32 no CUDA fused
+    # kernel takes grouped kv: fnmoe.attention.sdpa repeats it to every head for the efficient one
+    kv = N if s == 4 else M
+    return norm_bytes(T, D, s) + qk + T * s * (2 * N + 2 * kv) + lse
 
 
 def swiglu_bytes(T: int, F: int, s: int) -> int:
