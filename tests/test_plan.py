@@ -71,10 +71,10 @@ def test_plan_table_and_policies(capsys):
     cfg = str(ROOT / "configs" / "kimi_k2_1t.toml")
     assert main(["plan", "--config", cfg, "--memory.recompute", "none", "--memory.no-offload",
                  "--memory.keep-exchange"]) == 0
-    assert "fits 92 GB: False" in capsys.readouterr().out
+    assert "fits 96 GB: False" in capsys.readouterr().out
     assert main(["plan", "--config", cfg]) == 0
     out = capsys.readouterr().out
-    assert "fits 92 GB: True" in out and "hardware jupiter-gh200" in out and "as built:" in out
+    assert "fits 96 GB: True" in out and "hardware jupiter-gh200" in out and "as built:" in out
 
 
 def test_attention_bytes_double_with_sequence_length():

@@ -4,6 +4,11 @@
 dotted override of the config tree (`--train.steps 50`, `--model.compute-dtype bfloat16`).
 Without --config the built-in default is the tiny CPU preset (configs/tiny.toml holds the same
 values, checked by a test).
+
+A subcommand's stdout is its result (a report, --json, the generated text, the line naming what
+it wrote), for a pipe or a JSON reader to take whole; its log (a first run's C++ kernel build,
+notes, warnings) goes to stderr. train alone (LOG_ON_STDOUT) logs on stdout: its header and
+progress lines are its output.
 """
 from __future__ import annotations
 
@@ -186,7 +191,6 @@ def cmd_eval(argv: list[str]) -> int:
         parse_run(rest, "fnmoe eval")  # tyro prints the flags and exits
     if not known.src:
         raise ValueError(f"--from is required: {usage}")
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
     # the flags are read after the checkpoint, whose config they override: its read is then as short
     # as can be, so that a live run's --checkpoint.keep-last seldom removes it meanwhile
     src, (saved, cfg, params, step) = read_newest(Path(known.src), _eval_source)
@@ -301,11 +305,12 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "prepare"
                                                    "checkpoint": cmd_checkpoint,
                                                    "convert": cmd_convert, "plot": cmd_plot, "generate": cmd_generate,
                                                    "eval": cmd_eval, "tokenizer": cmd_tokenizer}
+# the subcommands whose log lines are their output; every other one's stdout is its result alone
+LOG_ON_STDOUT = frozenset({"train"})
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
     if not argv or argv[0] in ("-h", "--help"):
         print(TOP_HELP)
         return 0
@@ -313,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     if sub not in COMMANDS:
         print(f"fnmoe: unknown subcommand {sub!r}\n\n{TOP_HELP}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s",
+                        stream=sys.stdout if sub in LOG_ON_STDOUT else sys.stderr, force=True)
     code = _run(sub, rest)
     from fnmoe.parallel import dist as fdist  # here, not at the top: help and bad flags load no torch
 

@@ -163,8 +163,6 @@ def cmd_generate(argv: list[str]) -> int:
     check_range(args.temperature, "--temperature", Range(0))
     check_range(args.top_p, "--top-p", Range(0, 1, lo_open=True))
     check_range(args.seed, "--seed", INT64)
-    # the text is stdout's alone: notes (which checkpoint, one passed over) go to stderr
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
     src, (saved, cfg, params) = read_newest(Path(args.src), load_source)
     encode, decode, eos = _generate_codec(src, saved)
     try:
