@@ -67,17 +67,38 @@ def test_the_busiest_ranks_routed_experts_take_imbalance_times_as_long():
         compute_s(with_plan(one_ep, imbalance=1.0, **fast)))  # one ep rank: no other rank to wait for
 
 
+def with_chunks(run, n: int):
+    return dataclasses.replace(run, model=dataclasses.replace(run.model, moe=dataclasses.replace(run.model.moe,
+                                                                                                   token_chunks=n)))
+
+
 def test_few_rows_a_chunk_are_bound_by_reading_the_expert_weights():
-    """K2's busiest rank gives an expert 160 rows a chunk: reading its 29 MB bf16 matrix at the HBM
-    rate outlasts its FLOPs, so the routed experts' time follows the bandwidth; with one chunk
-    (5,120 rows) the FLOPs bound it and the bandwidth does not matter."""
-    assert rows_per_expert(K2) == pytest.approx(49152 * 8 * 1.25 * 4 / 384 / 32)
-    I, O, r, s = 7168, 2048, rows_per_expert(K2), 2
+    """In 64 chunks K2's busiest rank gives an expert 93 rows a chunk: reading its 29 MB bf16 matrix
+    at the HBM rate outlasts its FLOPs, so the routed experts' time follows the bandwidth; in one
+    chunk (5,973 rows) the FLOPs bound it and the bandwidth does not matter."""
+    many = with_chunks(K2, 64)
+    assert rows_per_expert(many) == pytest.approx(57344 * 8 * 1.25 * 4 / 384 / 64)
+    I, O, r, s = 7168, 2048, rows_per_expert(many), 2
     hw = hardware(K2.plan)
     assert s * (I * O + r * (I + O)) / (hw.hbm_tbps * 1e12) > 2 * r * I * O / (hw.matmul_tflops * 1e12)
-    slow = compute_s(with_plan(K2, hbm_tbps=hw.hbm_tbps / 2))
-    assert slow > compute_s(K2) * 1.2
-    one = dataclasses.replace(K2, model=dataclasses.replace(K2.model, moe=dataclasses.replace(K2.model.moe,
-                                                                                                 token_chunks=1)))
+    assert compute_s(with_plan(many, hbm_tbps=hw.hbm_tbps / 2)) > compute_s(many) * 1.2
+    one = with_chunks(K2, 1)
     assert compute_s(with_plan(one, hbm_tbps=hw.hbm_tbps / 2)) == pytest.approx(compute_s(one), rel=1e-9)
-    assert compute_s(one) < compute_s(K2)
+    assert compute_s(one) < compute_s(K2) < compute_s(many)
+
+
+def test_each_chunk_reads_and_writes_the_weight_gradient_autograd_accumulates():
+    """The weight gradient of N chunks: each chunk's GEMM writes its result and autograd adds it in
+    place into the gradient (reads both, writes one) every chunk but the first: 4N - 3 passes over
+    the weight's I·O, so with the HBM the only bound, time grows with N at fixed rows a step."""
+    from fnmoe.plan.gemm_time import routed_expert_s
+    slow = dict(matmul_tflops=1e9)  # FLOPs free: bytes alone
+    hw = hardware(with_plan(K2, **slow).plan)
+    X, s, n_moe = 384 // 4, 2, 60
+    for n in (1, 16):
+        run = with_plan(with_chunks(K2, n), **slow)
+        r = rows_per_expert(run)
+        grad = sum(s * (r * (I + O) + I * O * (4 * n - 3) / n) for I, O in ((7168, 2048), (7168, 2048), (2048, 7168)))
+        fwd = sum(s * (I * O + r * (I + O)) for I, O in ((7168, 2048), (7168, 2048), (2048, 7168)))
+        want = X * n * n_moe * (fwd + grad) / (hw.hbm_tbps * 1e12)  # input and weight gradients (no recompute)
+        assert routed_expert_s(run, recomputed=False)["backward"] == pytest.approx(want, rel=1e-9)

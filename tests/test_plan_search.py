@@ -1,6 +1,7 @@
 """`fnmoe plan --search` and the two-level network model under fnmoe.plan.summary's step time."""
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -154,3 +155,18 @@ def test_world_without_search_and_indivisible_experts(capsys):
         run.model, moe=dataclasses.replace(run.model.moe, n_experts=7, n_group=1, topk_group=1)))
     s = search(odd, world=8, top=100, max_global_tokens=8 * 16 * odd.data.seq_len)
     assert {r["ep"] for r in s["ranking"]} == {1}
+
+
+def test_the_memory_plan_page_is_the_planners(kimi_search):
+    """docs/memory_plan.md's figures are tools/plan_doc.py's blocks: regenerated, not typed (the
+    dgx-h100 search, ~30 s more, is left to `python tools/plan_doc.py --check`)."""
+    if str(ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tools"))
+    import plan_doc
+
+    doc = plan_doc.DOC.read_text()
+    assert plan_doc.block_text(doc, "search-384") == plan_doc.search_table(kimi_search[0]), \
+        "docs/memory_plan.md is stale: run python tools/plan_doc.py"
+    for name in ("preset", "levers"):
+        assert plan_doc.block_text(doc, name) == plan_doc.BLOCKS[name](), \
+            f"block {name} of docs/memory_plan.md is stale: run python tools/plan_doc.py"

@@ -8,10 +8,12 @@ in and out dims.
 
 A chunk runs each expert's matrices on r = T·K·imbalance / X / N rows. Forward (and its recompute
 in backward) and the input gradient each read the expert's weight I·O and the rows' inputs and
-outputs; the weight gradient reads the rows' inputs and output gradients and, summed over chunks
-into the gathered weight's gradient (fnmoe/moe_chunks.py), writes its I·O accumulator every chunk
-and reads it every chunk but the first. With few rows a chunk the weight's bytes outlast its FLOPs:
-K2's 160 rows a chunk on the busiest GH200 are HBM-bound.
+outputs; the weight gradient reads the rows' inputs and output gradients and writes its I·O
+result, which autograd then adds in place into the gathered weight's gradient (fnmoe/moe_chunks.py:
+read both, write one) every chunk but the first: 4N - 3 passes over I·O a step of N chunks, where a
+GEMM accumulating into its output would make N. With few rows a chunk the weight's bytes outlast
+its FLOPs: on the busiest GH200 of the K2 preset (373 rows an expert a chunk) the weight gradient is
+HBM-bound and the forward is not; in 64 chunks (93 rows) both are.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def routed_expert_s(run: RunConfig, recomputed: bool) -> dict:
     for I, O in _expert_matrices(run.model):
         flops = 2.0 * r * I * O
         forward += gemm(flops, s * (I * O + r * (I + O)))
-        weight_grad += gemm(flops, s * (r * (I + O) + I * O * (2 * N - 1) / N))  # writes N times, reads N-1
+        weight_grad += gemm(flops, s * (r * (I + O) + I * O * (4 * N - 3) / N))
     per_step = X * N * run.train.grad_accum
     return {"forward": per_step * forward,
             "backward": per_step * (forward * (2 if recomputed else 1) + weight_grad)}

@@ -218,7 +218,7 @@ def measure_step(run: RunConfig, mesh, state: TrainState, tx, micro_batches: lis
 
 # ---------------------------------------------------------------- against the plan
 
-TOLERANCE, FLOOR = 0.10, 256 * 2**20  # a category fails beyond 10% of the plan or 256 MB, whichever is larger
+TOLERANCE, FLOOR = 0.10, 256 * 2**20  # a category fails beyond 10% of the plan or 256 MiB, whichever is larger
 MEMORY_ROWS = ("params", "grads", "optim", "gathered", "activations", "recompute_transient", "logits", "ep_buffers",
                "update_transient", "offload_host", "total_device")
 
@@ -270,29 +270,29 @@ def compare(report: dict) -> dict:
 
 
 def format_report(report: dict, cmp: dict) -> str:
-    gb = lambda b: f"{b / 2**20:12,.1f}"  # noqa: E731
+    mib = lambda b: f"{b / 2**20:12,.1f}"  # noqa: E731 (MiB = 2**20 B; the plan's GB are 1e9 B)
     lines = [f"rehearsal of {report['config']}: rank {report['rank']} of {report['world']} "
              f"(fsdp {report['plan']['mesh']['fsdp']} x ep {report['plan']['mesh']['ep']}), one step on fake tensors, "
              f"{report['wall_s']:.1f} s, host RSS {report['host_rss_bytes'] / GB:.2f} GB",
              f"  routing {report['routing']}", "",
-             f"  {'MB per rank':<22}{'planned':>12} {'rehearsed':>12} {'ratio':>7}"]
+             f"  {'MiB per rank':<22}{'planned':>12} {'rehearsed':>12} {'ratio':>7}"]
     ratio = lambda r: f"{r['ratio']:7.3f}" if r["ratio"] is not None else "      -"  # noqa: E731
     flag = lambda r: "" if r["ok"] else "  DIFFERS"  # noqa: E731
     for r in cmp["memory"]:
-        lines.append(f"  {r['name']:<22}{gb(r['planned'])} {gb(r['rehearsed'])} {ratio(r)}{flag(r)}")
-    lines += ["", f"  {'MB sent per step':<22}{'planned':>10} {'rehearsed':>10} {'ratio':>7}"]
+        lines.append(f"  {r['name']:<22}{mib(r['planned'])} {mib(r['rehearsed'])} {ratio(r)}{flag(r)}")
+    lines += ["", f"  {'MiB sent per step':<22}{'planned':>10} {'rehearsed':>10} {'ratio':>7}"]
     for r in cmp["comm"]:
-        lines.append(f"  {r['name']:<22}{gb(r['planned'])} {gb(r['rehearsed'])} {ratio(r)}{flag(r)}")
-    lines.append(f"  {'not planned':<22}{'-':>12} {gb(cmp['not_planned_comm'])}")
-    lines += ["", f"  {'collective':<20}{'axis':<10}{'dtype':<10}{'phase':<8}{'calls':>7}{'MB sent':>13}"]
+        lines.append(f"  {r['name']:<22}{mib(r['planned'])} {mib(r['rehearsed'])} {ratio(r)}{flag(r)}")
+    lines.append(f"  {'not planned':<22}{'-':>12} {mib(cmp['not_planned_comm'])}")
+    lines += ["", f"  {'collective':<20}{'axis':<10}{'dtype':<10}{'phase':<8}{'calls':>7}{'MiB sent':>13}"]
     for c in report["collectives"]:
-        lines.append(f"  {c['kind']:<20}{c['axis']:<10}{c['dtype']:<10}{c['phase']:<8}{c['calls']:>7}{gb(c['bytes'])}")
+        lines.append(f"  {c['kind']:<20}{c['axis']:<10}{c['dtype']:<10}{c['phase']:<8}{c['calls']:>7}{mib(c['bytes'])}")
     host, fits = report["host_offloaded_bytes"], report["plan"]["fits"]
     lines += ["", f"  host: the pool held {host / GB:.2f} GB of offloaded tensors; the plan pins "
                   f"{report['plan']['per_rank_bytes']['host_pool'] / GB:.2f} GB for it, against "
                   f"{fits['host_gb']:g} GB usable a GPU on {report['plan']['hardware']['profile']}: "
                   f"{'fits' if fits['host'] else 'DOES NOT FIT'}"]
-    lines += ["", f"  checkpoint index.json  {report['index_json_bytes'] / 2**20:.2f} MB",
+    lines += ["", f"  checkpoint index.json  {report['index_json_bytes'] / 2**20:.2f} MiB",
               f"  {'agrees with the plan' if cmp['ok'] else 'DIFFERS from the plan'} "
-              f"(a category fails beyond {TOLERANCE:.0%} or {FLOOR >> 20} MB)"]
+              f"(a category fails beyond {TOLERANCE:.0%} or {FLOOR >> 20} MiB)"]
     return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""The figures of docs/memory_plan.md, from the planner: each block between `<!-- plan:NAME -->` and
+`<!-- /plan:NAME -->` there is what one function here returns, so the page is regenerated, not typed.
+
+  python tools/plan_doc.py            # rewrite the blocks (a minute or two on 2 cores: two searches)
+  python tools/plan_doc.py --check    # exit 1 naming the blocks that differ from the planner's
+
+tests/test_plan_search.py checks the cheap blocks and the 384-rank search table on every run.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "memory_plan.md"
+PRESET = ROOT / "configs" / "kimi_k2_1t.toml"
+GB = 1e9
+LEVERS = [("the preset", {}),
+          ("`--plan.network-gbps 25` (NDR200's line rate)", {"plan.network_gbps": 25.0}),
+          ("`--plan.imbalance 1` (every rank as loaded as the mean)", {"plan.imbalance": 1.0}),
+          ("`--plan.hbm-tbps 1000` (no expert GEMM bound by HBM)", {"plan.hbm_tbps": 1000.0}),
+          ("115k tokens a GPU (`--train.batch-size 10752`)", {"train.batch_size": 10752}),
+          ("the same at 25 GB/s", {"train.batch_size": 10752, "plan.network_gbps": 25.0})]
+"""(what the row says, the preset's fields it changes): the levers table"""
+
+
+def preset():
+    from fnmoe.config import load_config
+    return load_config(PRESET)
+
+
+def changed(run, fields: dict):
+    """run with dotted fields replaced (section.field, or model.moe.field)."""
+    for path, value in fields.items():
+        *parents, name = path.split(".")
+        chain = [run]
+        for p in parents:
+            chain.append(getattr(chain[-1], p))
+        new = dataclasses.replace(chain[-1], **{name: value})
+        for owner, p in zip(reversed(chain[:-1]), reversed(parents)):
+            new = dataclasses.replace(owner, **{p: new})
+        run = new
+    return run
+
+
+def preset_block() -> str:
+    from fnmoe.plan.summary import format_plan, plan
+    return "```\n" + format_plan(plan(preset())) + "\n```"
+
+
+def levers_block() -> str:
+    from fnmoe.plan.summary import plan
+    rows = ["| change | as built / serial tokens/s/GPU | compute s | fsdp across nodes s | device GB | host GB pinned |"
+            " fits |", "|---|---|---|---|---|---|---|"]
+    for label, fields in LEVERS:
+        p = plan(changed(preset(), fields))
+        t, r = p["step_time"], p["per_rank_bytes"]
+        fits = {(True, True): "yes", (False, True): "no: device", (True, False): "no: host"}.get(
+            (p["fits"]["device"], p["fits"]["host"]), "no: device and host")
+        rows.append(f"| {label} | {t['tokens_per_s_per_gpu_as_built']:,.0f} / "
+                    f"{t['tokens_per_s_per_gpu_serial']:,.0f} | {t['compute_s']:.2f} | "
+                    f"{t['terms_s']['fsdp across nodes']:.2f} | {r['total_device'] / GB:.1f} | "
+                    f"{r['host_pool'] / GB:.1f} | {fits} |")
+    return "\n".join(rows)
+
+
+def search_table(s: dict) -> str:
+    """A search's ranking (fnmoe.plan.search.search) as a markdown table."""
+    from fnmoe.plan.search import DTYPE_SHORT
+    rows = ["| # | fsdp x ep | memory | seq/GPU | mb x acc | reduce | token chunks | CE chunks | device GB | host GB |"
+            " as built | overlapped | serial | compute | fsdp | ep inside | ep across | bound |",
+            "|" + "---|" * 18]
+    for i, r in enumerate(s["ranking"], 1):
+        t = r["terms_s"]
+        rows.append(f"| {i} | {r['fsdp']} x {r['ep']} | {r['policy']} | {r['sequences_per_gpu']} | "
+                    f"{r['micro_batch']} x {r['grad_accum']} | {DTYPE_SHORT[r['reduce_dtype']]} | "
+                    f"{r['token_chunks']} | {r['ce_chunks']} | {r['device_bytes'] / GB:.1f} | "
+                    f"{r['host_bytes'] / GB:.1f} | "
+                    f"{r['tokens_per_s_per_gpu']:,.0f}{'' if r['as_built'] else '*'} | "
+                    f"{r['tokens_per_s_per_gpu_overlapped']:,.0f} | {r['tokens_per_s_per_gpu_serial']:,.0f} | "
+                    f"{t['compute']:.2f} | {t['fsdp inside node'] + t['fsdp across nodes']:.2f} | "
+                    f"{t['ep inside node']:.2f} | {t['ep across nodes']:.2f} | {r['bound']} |")
+    return (f"{s['candidates']:,} layouts planned, {s['fitting']:,} fit {s['hbm_gb']:g} GB HBM and "
+            f"{s['host_gb']:g} GB host (the pool pinned) a GPU, {s['as_built_planned']} projected as built "
+            "(the rest cannot beat the tenth); seconds a step:\n\n" + "\n".join(rows))
+
+
+def search_block() -> str:
+    from fnmoe.plan.search import search
+    return search_table(search(preset()))
+
+
+def dgx_block() -> str:
+    from fnmoe.plan.search import search
+    run = changed(preset(), {"plan.hardware": "dgx-h100"})
+    try:
+        s = search(run, world=256, top=1)
+    except ValueError as e:  # nothing fits: the search's own line
+        return f"> {e}"
+    return search_table(s)
+
+
+BLOCKS = {"preset": preset_block, "levers": levers_block, "search-384": search_block, "dgx-h100": dgx_block}
+
+
+def block_re(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- plan:{name} -->\n)(.*?)(\n<!-- /plan:{name} -->)", re.S)
+
+
+def block_text(doc: str, name: str) -> str:
+    """The text of a block of the page as it stands."""
+    m = block_re(name).search(doc)
+    if not m:
+        raise SystemExit(f"{DOC}: no block <!-- plan:{name} --> ... <!-- /plan:{name} -->")
+    return m.group(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 naming the blocks that differ; write nothing")
+    ap.add_argument("blocks", nargs="*", default=list(BLOCKS), help=f"which of {', '.join(BLOCKS)} (default all)")
+    args = ap.parse_args(argv)
+    doc = DOC.read_text()
+    stale = []
+    for name in args.blocks:
+        new = BLOCKS[name]()
+        if block_text(doc, name) != new:
+            stale.append(name)
+            doc = block_re(name).sub(lambda m: m.group(1) + new + m.group(3), doc)
+    if args.check:
+        print(f"stale blocks: {', '.join(stale)}" if stale else "every block is current", file=sys.stderr)
+        return 1 if stale else 0
+    DOC.write_text(doc)
+    print(f"rewrote {', '.join(stale) or 'nothing'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
