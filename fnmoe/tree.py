@@ -33,6 +33,18 @@ def tree_flatten_with_paths(tree: Tree) -> tuple[list[str], list[Any], Callable[
     return paths, [leaf for _, leaf in pairs], spec.unflatten
 
 
+def leaves_like(tree: Tree, like: Tree) -> list[Any]:
+    """tree's leaves in like's order. torch's pytree flattens a dict in its insertion order (JAX sorts
+    the keys), so two dicts that compare equal can flatten differently: grads, optimizer state and
+    params are paired by path through this, never by position. A path one tree has and the other
+    lacks is a ValueError naming it."""
+    differ = sorted(set(tree_flatten_with_paths(tree)[0]) ^ set(tree_flatten_with_paths(like)[0]))
+    if differ:
+        raise ValueError(f"trees do not pair leaf for leaf by path: {differ[0]!r} is in one and not the other "
+                         f"({len(differ)} paths differ: {differ[:4]})")
+    return _pytree.tree_flatten(like)[1].flatten_up_to(tree)
+
+
 def map_with_path(fn: Callable[[str, Any], Any], tree: Tree) -> Tree:
     paths, leaves, rebuild = tree_flatten_with_paths(tree)
     return rebuild([fn(p, leaf) for p, leaf in zip(paths, leaves)])

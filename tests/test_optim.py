@@ -306,3 +306,38 @@ def test_from_config_builds_and_steps(name):
     assert all(torch.isfinite(x).all() for x in leaves(p))
     no_clip, _ = optim.from_config(OptimConfig(name=name, clip_norm=0.0), total_steps=10)
     assert not isinstance(no_clip.init(params), tuple)
+
+
+def _reordered(tree: dict) -> dict:
+    """The same dict (== compares equal) built in reverse insertion order, at every level."""
+    return {k: _reordered(v) if isinstance(v, dict) else v for k, v in reversed(tree.items())}
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon", "chain"])
+def test_updates_pair_leaves_by_path_not_by_insertion_order(name):
+    """Grads, state and params that are equal dicts built in other insertion orders (a tree read back
+    from a safetensors file lists layers "0", "1", "10", "2", ...) give the same update, leaf for leaf;
+    before, a leaf's moments met another leaf's gradient (a shape error at best)."""
+    torch.manual_seed(0)
+    params = {"layers": {str(i): {"w_DF": torch.randn(4, 3), "norm_D": torch.randn(4)} for i in range(3)},
+              "head_DV": torch.randn(4, 5)}
+    grads = optim.tree_map(torch.randn_like, params)
+    tx = {"adamw": lambda: optim.adamw(lr=0.1, weight_decay=0.1, mask=optim.decay_mask),
+          "muon": lambda: optim.muon(lr=0.1, weight_decay=0.1),
+          "chain": lambda: optim.chain(
+              optim.clip_by_global_norm(1.0), optim.add_decayed_weights(0.1, optim.decay_mask),
+              optim.partition({"a": optim.scale_by_adam(), "b": optim.scale_by_learning_rate(0.1)},
+                              lambda t: optim.tree_map(lambda x: "a" if x.ndim > 1 else "b", t)))}[name]()
+    want, _ = tx.update(grads, tx.init(params), params)
+    for g, s, p in [(_reordered(grads), params, params), (grads, _reordered(params), params),
+                    (grads, params, _reordered(params))]:
+        got, _ = tx.update(g, tx.init(s), p)
+        flat = dict(zip(*optim.tree_flatten_with_paths(got)[:2]))
+        assert all(torch.equal(flat[k], v) for k, v in zip(*optim.tree_flatten_with_paths(want)[:2]))
+
+
+def test_trees_that_differ_in_a_path_are_refused_naming_it():
+    params = {"a_DF": torch.ones(2, 2), "b_D": torch.ones(2)}
+    tx = optim.adamw(lr=0.1)
+    with pytest.raises(ValueError, match=r"pair leaf for leaf by path: 'b_D' is in one and not the other .*'c_D'"):
+        tx.update({"a_DF": torch.ones(2, 2), "c_D": torch.ones(2)}, tx.init(params), params)

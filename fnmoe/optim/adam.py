@@ -57,7 +57,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         count = state.count + 1
         bc1, bc2 = 1 - state.b1 ** count, 1 - state.b2 ** count
         out, mus, nus = [], [], []
-        for g, m, v in zip(g_leaves, leaves_of(state.mu), leaves_of(state.nu), strict=True):
+        for g, m, v in zip(g_leaves, leaves_of(state.mu, updates), leaves_of(state.nu, updates), strict=True):
             m, v = _adam_moments(g, m, v, state.b1, state.b2)
             out.append((m / bc1).div_(_adam_denom(v, bc2, state.eps)))
             mus.append(m)
@@ -96,15 +96,15 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
         if params is None:
             raise ValueError("adamw needs params")
         paths, g_leaves, rebuild = tree_flatten_with_paths(grads)
-        decay = per_leaf_values(mask, params) if mask is not None else [True] * len(paths)
+        decay = per_leaf_values(mask, params, grads) if mask is not None else [True] * len(paths)
         count = state.count + 1
         lr_now = current_lr(lr, state.count, state.lr)
         neg_step_size = -(lr_now / (1 - state.b1 ** count))
         bc2 = 1 - state.b2 ** count
         neg_decay = -(lr_now * state.weight_decay)
         out, mus, nus = [], [], []
-        for g, p, m, v, d in zip(g_leaves, leaves_of(params), leaves_of(state.mu), leaves_of(state.nu), decay,
-                                 strict=True):
+        for g, p, m, v, d in zip(g_leaves, leaves_of(params, grads), leaves_of(state.mu, grads),
+                                 leaves_of(state.nu, grads), decay, strict=True):
             m, v = _adam_moments(g, m, v, state.b1, state.b2)
             step = (neg_step_size * m).div_(_adam_denom(v, bc2, state.eps))
             out.append(torch.addcmul(step, p, neg_decay) if d else step)

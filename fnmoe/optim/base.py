@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from fnmoe.parallel import sharding
-from fnmoe.tree import leaf_kind, tree_flatten_with_paths, tree_map
+from fnmoe.tree import leaf_kind, leaves_like, tree_flatten_with_paths, tree_map
 
 Tree = Any
 """a nested dict (str keys) of tensors; states also hold NamedTuples and tuples"""
@@ -55,8 +55,9 @@ class EmptyState(NamedTuple):
     pass
 
 
-def leaves_of(tree: Tree) -> list[Any]:
-    return tree_flatten_with_paths(tree)[1]
+def leaves_of(tree: Tree, like: Tree | None = None) -> list[Any]:
+    """tree's leaves, in like's order when given (paired by path: fnmoe.tree.leaves_like)."""
+    return tree_flatten_with_paths(tree)[1] if like is None else leaves_like(tree, like)
 
 
 def device_of(tree: Tree) -> torch.device:
@@ -86,10 +87,11 @@ def zero_count(device: torch.device) -> Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
-def per_leaf_values(tree_or_fn: PerLeaf, tree: Tree) -> list[Any]:
-    """Leaves of a per-leaf annotation (labels, masks) given as a tree or as a function of `tree`."""
+def per_leaf_values(tree_or_fn: PerLeaf, tree: Tree, order: Tree | None = None) -> list[Any]:
+    """Leaves of a per-leaf annotation (labels, masks) given as a tree or as a function of `tree`, in
+    the order of `order`'s paths (default tree's)."""
     ann = tree_or_fn(tree) if callable(tree_or_fn) else tree_or_fn
-    paths = tree_flatten_with_paths(tree)[0]
+    paths = tree_flatten_with_paths(tree if order is None else order)[0]
     by_path = dict(zip(*tree_flatten_with_paths(ann)[:2]))
     if by_path.keys() != set(paths):
         raise ValueError(f"labels/mask tree does not match the params tree at "
@@ -148,7 +150,7 @@ def partition(transforms: dict[str, GradientTransformation], labels: PerLeaf) ->
         label_leaves = per_leaf_values(labels, updates)
         paths, _, rebuild = tree_flatten_with_paths(updates)
         u_groups = split(updates, label_leaves)
-        p_groups = split(params, label_leaves) if params is not None else {}
+        p_groups = split(params, per_leaf_values(labels, params)) if params is not None else {}
         out: dict[str, Any] = {}
         new_state = {}
         for name, tx in transforms.items():
@@ -255,9 +257,10 @@ def add_decayed_weights(weight_decay: float, mask: PerLeaf | None = None) -> Gra
         if params is None:
             raise ValueError("add_decayed_weights needs params")
         paths, u_leaves, rebuild = tree_flatten_with_paths(updates)
-        decay = per_leaf_values(mask, params) if mask is not None else [True] * len(paths)
+        decay = per_leaf_values(mask, params, updates) if mask is not None else [True] * len(paths)
         wd = state.weight_decay
-        out = [torch.addcmul(u, p, wd) if d else u for u, p, d in zip(u_leaves, leaves_of(params), decay, strict=True)]
+        out = [torch.addcmul(u, p, wd) if d else u
+               for u, p, d in zip(u_leaves, leaves_of(params, updates), decay, strict=True)]
         return rebuild(out), state
     return GradientTransformation(lambda params: AddDecayedWeightsState(hyper_tensor(weight_decay, device_of(params))),
                                   update)

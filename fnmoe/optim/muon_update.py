@@ -230,7 +230,7 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int =
                                  "(label it 'adamw')")
         mu = state.momentum
         # the same lerps as torch.optim.Muon, so the buffers are bitwise equal
-        M_leaves = [M.lerp(G.to(M.dtype), 1 - mu) for G, M in zip(G_leaves, leaves_of(state.mu), strict=True)]
+        M_leaves = [M.lerp(G.to(M.dtype), 1 - mu) for G, M in zip(G_leaves, leaves_of(state.mu, updates), strict=True)]
         U_leaves = [G.lerp(M.to(G.dtype), mu) for G, M in zip(G_leaves, M_leaves)] if nesterov else M_leaves
         O_leaves = _orthogonalize_leaves(U_leaves, ns_steps, eps, ns_dtype)
         # back to the update dtype before scaling: scaling bf16 O would round it again (~1e-4 off torch)
