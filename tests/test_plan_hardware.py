@@ -36,7 +36,7 @@ def test_profiles_give_the_figures_and_a_given_figure_overrides_its_profile():
     faster = _replace(run, "plan", network_gbps=25.0)
     assert hardware(faster.plan) == dataclasses.replace(hw, network_gbps=25.0)
     dgx = _replace(run, "plan", hardware="dgx-h100")
-    assert hardware(dgx.plan).gpus_per_node == 8 and plan(dgx, as_built=False)["fits"]["hbm_gb"] == 76.0
+    assert hardware(dgx.plan).gpus_per_node == 8 and plan(dgx, as_built=False)["fits"]["hbm_gb"] == 80.0
     # the resolved config keeps what was given: a figure left to the profile is not written out
     again = from_dict(RunConfig, __import__("tomllib").loads(to_toml(faster)))
     assert again.plan == faster.plan and "host_gb" not in to_toml(faster).split("[plan]")[1]
@@ -51,8 +51,8 @@ def test_custom_needs_every_figure_and_bad_figures_are_named():
     assert hardware(validate(_replace(run, "plan", hardware="custom", **full)).plan) == PROFILES["dgx-h100"]
     with pytest.raises(ValueError, match=r"plan\.network_gbps must be > 0, got -1"):
         validate(_replace(run, "plan", network_gbps=-1.0))
-    with pytest.raises(ValueError, match="plan.hardware must be one of .*'jupiter-gh200'.*got 'dgx-b200'"):
-        validate(from_dict(RunConfig, {"plan": {"hardware": "dgx-b200"}}))
+    with pytest.raises(ValueError, match="plan.hardware must be one of .*'jupiter-gh200'.*got 'dgx-b300'"):
+        validate(from_dict(RunConfig, {"plan": {"hardware": "dgx-b300"}}))
 
 
 def test_offload_copies_out_and_back_at_their_own_rates():

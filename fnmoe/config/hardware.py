@@ -60,6 +60,13 @@ PROFILES: dict[str, Hardware] = {
                          hbm_tbps=3.35 * 0.9, attention_tflops=989.0 * 0.4, nvlink_gbps=360.0, nvlink_a2a_gbps=360.0,
                          network_gbps=40.0,
                          network_nominal_gbps=50.0, d2h_gbps=50.0, h2d_gbps=50.0),
+    # DGX B200: 8 B200 SXM (sold as 180 GB HBM3e; CUDA sees ~178.4 GiB = 191.5 GB, 8 TB/s) on NVSwitch (NVLink 5,
+    # 14.4 TB/s a node = 900 GB/s a direction a GPU), 8x ConnectX-7 NDR400 (one a GPU), PCIe Gen5 x16 to the
+    # host, 1.8-2 TB DDR5 a node; 2,250 TFLOP/s dense bf16 a GPU at 1,000 W. The same usable and achieved
+    # fractions as dgx-h100; sources in docs/memory_plan.md
+    "dgx-b200": Hardware(gpus_per_node=8, hbm_gb=179.0, host_gb=200.0, matmul_tflops=2250.0 * 0.55,
+                         hbm_tbps=8.0 * 0.9, attention_tflops=2250.0 * 0.4, nvlink_gbps=720.0, nvlink_a2a_gbps=720.0,
+                         network_gbps=40.0, network_nominal_gbps=50.0, d2h_gbps=50.0, h2d_gbps=50.0),
 }
 
 

@@ -242,7 +242,7 @@ class PlanConfig:
     """assumed max/mean expert load when planning memory"""
     state_dtype: Literal["float32", "bfloat16"] = "float32"
     """optimizer-state dtype the planner assumes (moments / momentum)"""
-    hardware: Literal["jupiter-gh200", "dgx-h100", "custom"] = "jupiter-gh200"
+    hardware: Literal["jupiter-gh200", "dgx-h100", "dgx-b200", "custom"] = "jupiter-gh200"
     """the machine planned for: a profile's figures (fnmoe/config/hardware.py; sources in
     docs/memory_plan.md), each overridden by the figure given below; custom: every figure given"""
     gpus_per_node: Annotated[int, Range(1)] | None = None

@@ -16,6 +16,7 @@ from fnmoe.config import REGIONS, ModelConfig, RunConfig
 from fnmoe.config.hardware import hardware
 from fnmoe.memory.host_pool import pool_bytes_for
 from fnmoe.plan.activations import activation_plan, ep_buffer_bytes, logits_bytes, tokens_per_rank
+from fnmoe.plan.calibration import calibrated
 from fnmoe.plan.comm import comm_bytes
 from fnmoe.plan.flops import flops_per_token, param_counts
 from fnmoe.plan.overlap import exposed_fractions, overlap_key
@@ -34,6 +35,7 @@ def plan(run: RunConfig, as_built: bool = True) -> dict:
     per_rank = per_rank_bytes(run)
     comm = comm_bytes(run)
     hw = hardware(run.plan)
+    exposed = _exposed(run) if as_built else None
     return {"config": run.name, "mesh": {"fsdp": run.mesh.fsdp, "ep": run.mesh.ep, "world": run.mesh.world},
             "tokens_per_rank_microbatch": tokens_per_rank(run), "memory": _policy(run),
             "total_params": total, "active_params": active, "flops_per_token": fpt,
@@ -41,7 +43,8 @@ def plan(run: RunConfig, as_built: bool = True) -> dict:
             "fits": dict(zip(("device", "host"), fits(run, per_rank)), hbm_gb=hw.hbm_gb, host_gb=hw.host_gb),
             "per_host_offload_bytes": per_rank["offload_host"] * hw.gpus_per_node,
             "hardware": {"profile": run.plan.hardware, **dataclasses.asdict(hw)},
-            "step_time": step_time(run, fpt, comm, per_rank["offload_host"], _exposed(run) if as_built else None)}
+            "step_time": step_time(run, fpt, comm, per_rank["offload_host"], exposed),
+            "calibrated": calibrated(run, fpt, comm, per_rank["offload_host"], exposed)}
 
 
 def per_rank_bytes(run: RunConfig) -> dict:
@@ -142,5 +145,11 @@ def format_plan(p: dict) -> str:
         lines.append(f"  as built: {t['tokens_per_s_per_gpu_as_built']:,.0f} tok/s/GPU (" + "; ".join(
             f"{ph} {a[ph]['compute']:.2f} s compute, {a[ph]['hidden']:.2f} hidden, {a[ph]['exposed']:.2f} waited for"
             for ph in ("forward", "backward")) + f"; update {a['update']['exposed']:.2f} waited for)")
+    k = p["calibrated"]
+    built = f"{k['tokens_per_s_per_gpu_as_built']:,.0f} as built, " if "tokens_per_s_per_gpu_as_built" in k else ""
+    lines.append(f"  calibrated rates ({k['rate_factor']:g} x the stated GEMM and attention rates: "
+                 f"{k['matmul_tflops']:.0f} and {k['attention_tflops']:.0f} TFLOP/s; docs/memory_plan.md, "
+                 f"\"Calibration against measured runs\"): {built}{k['tokens_per_s_per_gpu_overlapped']:,.0f} "
+                 f"overlapped, {k['tokens_per_s_per_gpu_serial']:,.0f} serial tok/s/GPU")
     return "\n".join(lines)
 
