@@ -102,3 +102,13 @@ def test_each_chunk_reads_and_writes_the_weight_gradient_autograd_accumulates():
         fwd = sum(s * (I * O + r * (I + O)) for I, O in ((7168, 2048), (7168, 2048), (2048, 7168)))
         want = X * n * n_moe * (fwd + grad) / (hw.hbm_tbps * 1e12)  # input and weight gradients (no recompute)
         assert routed_expert_s(run, recomputed=False)["backward"] == pytest.approx(want, rel=1e-9)
+
+
+def test_memory_figures_are_decimal_gb_of_what_cuda_sees():
+    """GB is 1e9 B everywhere: a card sold as 96 GB of HBM holds 96 GiB (CUDA sees ~97.9k MiB =
+    102.7 GB), so its usable figure is taken from that, not from 96 read as decimal; the plan says
+    its unit where it prints it."""
+    from fnmoe.plan.summary import format_plan, plan
+    assert hardware(K2.plan).hbm_gb == 96.0 < 97_900 * 2**20 / 1e9
+    assert hardware(with_plan(K2, hardware="dgx-h100").plan).hbm_gb == 80.0 < 81_559 * 2**20 / 1e9
+    assert "(GB = 1e9 bytes, TB = 1e12)" in format_plan(plan(K2, as_built=False))
