@@ -20,7 +20,7 @@ _EXPORTS = {
     **{name: "fnmoe.config" for name in (
         "CheckpointConfig", "DataConfig", "DistConfig", "MemoryConfig", "MeshConfig", "ModelConfig",
         "MoEConfig", "OptimConfig", "PlanConfig", "ProfileConfig", "RunConfig", "TrainConfig", "load_config")},
-    **{name: f"fnmoe.{name}" for name in ("checkpoint", "func", "hf", "optim")},
+    **{name: f"fnmoe.{name}" for name in ("checkpoint", "func", "hf", "optim", "routing", "seams")},
     "clear_caches": "fnmoe.caches",
     "forward": "fnmoe.model",
     "init_params": "fnmoe.params",

@@ -138,7 +138,8 @@ def sdpa(q_BHLA, k_BGKA, v_BGKU, mask=None, scale: float | None = None) -> torch
         # kv repeated to every head (what fnmoe.plan.activations.attention_bytes counts in fp32)
         R = q_BHLA.shape[1] // k_BGKA.shape[1]
         k_BGKA, v_BGKU, gqa = k_BGKA.repeat_interleave(R, 1), v_BGKU.repeat_interleave(R, 1), False
-    if mask is None and q_BHLA.device.type == "cpu" and _torch.is_fake(q_BHLA):
+    # dynamo traces with fake tensors of its own and cannot call is_fake: only eager code meets rehearsal's
+    if mask is None and q_BHLA.device.type == "cpu" and not torch.compiler.is_compiling() and _torch.is_fake(q_BHLA):
         return _fused_stand_in(q_BHLA, k_BGKA, v_BGKU, scale)
     if mask is None:
         return F.scaled_dot_product_attention(q_BHLA, k_BGKA, v_BGKU, is_causal=True, scale=scale,

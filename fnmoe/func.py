@@ -15,7 +15,6 @@ import torch
 from torch import func
 
 from fnmoe.config import ModelConfig
-from fnmoe.data.loader import IGNORE
 from fnmoe.model import forward
 from fnmoe.train import loss_fn
 from fnmoe.tree import Tree, tree_leaves, tree_map
@@ -30,8 +29,7 @@ def trainable(params: Tree) -> tuple[Tree, Callable[[Tree], Tree]]:
 
 def example_loss(params: Tree, inputs_L: torch.Tensor, labels_L: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """One example's loss: loss_fn over a batch of one, its mean over the example's labels (at least one)."""
-    n = (labels_L != IGNORE).sum().clamp(min=1)
-    return loss_fn(params, inputs_L[None], labels_L[None], cfg, n)[0]
+    return loss_fn(params, inputs_L[None], labels_L[None], cfg)[0]
 
 
 def per_example_grads(params: Tree, inputs_BL: torch.Tensor, labels_BL: torch.Tensor, cfg: ModelConfig,

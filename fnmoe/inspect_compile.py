@@ -6,14 +6,15 @@ For every region (attention, dense MLP, MoE) of a config this reports the graph 
 breaks with reasons and source lines, recompiles when routing changes, FX node and generated
 kernel counts, and host syncs (data-dependent scalar reads such as `.item()` / `.tolist()` /
 `_local_scalar_dense`, each size read named with its hint for inductor, fnmoe.compile.size_hint).
-Regions trace in bfloat16 (the dtype training compiles in; on CUDA a float32 config's MoE region
-runs the eager loop, which reads counts on the host), so a float32 config is inspected as its bf16
-twin, said once; the MoE region traces the expert GEMM path CPU uses (under impl='auto' fnmoe.kernels.gemm's grouped
-op, which reads nothing on the host; the padded path reads its slab size once, named in the report).
+Regions trace the config as given, in its compute dtype, as training compiles them on CPU; the MoE
+region traces the expert GEMM path CPU uses (under impl='auto' fnmoe.kernels.gemm's grouped op, which
+reads nothing on the host; the padded path reads its slab size once, named in the report), and is
+left out where training runs it eager (the loop, which reads every count on the host), said in a
+note. The last row, forward, is what `torch.compile(fnmoe.forward)` makes of the whole model:
+dynamo's graphs and breaks, nothing compiled.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from fnmoe.kernels import attention as cpu_attention
 from fnmoe.config import ModelConfig
 from fnmoe.attention import rope
 from fnmoe.dtypes import DTYPE
-from fnmoe.model import attention_region, mlp_region, moe_region, layer_params
+from fnmoe.model import attention_region, forward, mlp_region, moe_region, layer_params
 from fnmoe.params import init_params
 from fnmoe.moe import expert_gemm
 
@@ -41,22 +42,13 @@ class RegionReport:
     breaks: list[str] = field(default_factory=list)
     recompiles: list[str] = field(default_factory=list)
     fx_nodes: int = 0
-    kernels: int = 0
+    kernels: int | None = 0  # None: explained only, nothing compiled
     host_syncs: list[str] = field(default_factory=list)
     error: str = ""
 
     @property
     def ok(self) -> bool:
         return not self.breaks and not self.error and self.graphs == 1
-
-
-def traceable_config(cfg: ModelConfig) -> tuple[ModelConfig, str]:
-    """The config regions are traced with (bf16), and a note when it differs from cfg."""
-    if cfg.compute_dtype == "bfloat16":
-        return cfg, ""
-    return (dataclasses.replace(cfg, compute_dtype="bfloat16"),
-            f"note: model.compute_dtype={cfg.compute_dtype!r}: regions are traced in bfloat16 "
-            "(on CUDA, or without fnmoe.kernels.gemm, the float32 MoE path runs eager)")
 
 
 def region_cases(cfg: ModelConfig, B: int = 2, L: int = 64, seed: int = 0) -> list[tuple[str, Callable, list[tuple]]]:
@@ -78,7 +70,8 @@ def region_cases(cfg: ModelConfig, B: int = 2, L: int = 64, seed: int = 0) -> li
             mp = dict(p[kind], norm_D=p["mlp_norm"]["w_D"])
             if kind == "moe":
                 gemm = expert_gemm(cfg, dtype)
-                cases.append(("moe", moe_region, [(mp, x, cfg, gemm) for x in xs]))
+                if gemm != "loop":  # training runs the loop eager (model.block)
+                    cases.append(("moe", moe_region, [(mp, x, cfg, gemm) for x in xs]))
             else:
                 cases.append(("mlp", mlp_region, [(mp, x, cfg) for x in xs]))
         seen |= {"attention", kind}
@@ -100,8 +93,18 @@ def _sync_line(node: torch.fx.Node) -> str:
     return f"{node.op} {node.target}" + (f": {', '.join(hints)}" if hints else "")
 
 
-def inspect_region(name: str, fn: Callable, args_list: list[tuple], dump: Path | None = None) -> RegionReport:
-    rep = RegionReport(name)
+def forward_case(cfg: ModelConfig, B: int = 2, L: int = 64, seed: int = 0) -> tuple[Callable, tuple]:
+    """(fnmoe.forward, its arguments on [B, L] tokens): what a user's torch.compile(fnmoe.forward) traces."""
+    tokens_BL = torch.randint(0, cfg.vocab_size, (B, L), generator=torch.Generator().manual_seed(seed))
+    return forward, (init_params(cfg, seed), tokens_BL, cfg)
+
+
+def inspect_region(name: str, fn: Callable, args_list: list[tuple], dump: Path | None = None,
+                   compile: bool = True) -> RegionReport:
+    """fn's graphs, breaks and host syncs (dynamo's explain of the first arguments); compiled (unless
+    compile=False) on each argument tuple, its kernels and recompiles."""
+    rep = RegionReport(name, kernels=0 if compile else None)
+    fcompile.set_compile_flags()  # explain sees the graphs fnmoe's compiles make
     _torch.dynamo_reset()
     explained = _torch.dynamo_explain(fn)(*args_list[0])
     rep.graphs = explained.graph_count
@@ -112,6 +115,18 @@ def inspect_region(name: str, fn: Callable, args_list: list[tuple], dump: Path |
     for g in explained.graphs:
         rep.fx_nodes += len(g.graph.nodes)
         rep.host_syncs += [_sync_line(n) for n in g.graph.nodes if _is_sync(n)]
+    if compile:
+        _compile_into(rep, fn, args_list, dump)
+    if dump:
+        out = dump / name
+        out.mkdir(parents=True, exist_ok=True)
+        for k, g in enumerate(explained.graphs):
+            (out / f"fx_graph_{k}.py").write_text(g.code)
+    return rep
+
+
+def _compile_into(rep: RegionReport, fn: Callable, args_list: list[tuple], dump: Path | None) -> None:
+    """rep's kernels and recompiles (and inductor's output under dump) from fn compiled on each args tuple."""
     _torch.dynamo_reset()
     _torch.guard_failures.clear()
     compiled = fcompile.compile_fn(fn, fullgraph=False)
@@ -125,13 +140,9 @@ def inspect_region(name: str, fn: Callable, args_list: list[tuple], dump: Path |
     rep.kernels = sum(code.count("= async_compile.") for code in codes)  # one per generated kernel
     rep.recompiles = [str(reason) for reasons in _torch.guard_failures.values() for reason in reasons]
     if dump:
-        out = dump / name
-        out.mkdir(parents=True, exist_ok=True)
-        for k, g in enumerate(explained.graphs):
-            (out / f"fx_graph_{k}.py").write_text(g.code)
+        (dump / rep.name).mkdir(parents=True, exist_ok=True)
         for k, code in enumerate(codes):
-            (out / f"inductor_output_{k}.py").write_text(code)
-    return rep
+            (dump / rep.name / f"inductor_output_{k}.py").write_text(code)
 
 
 def gemm_note(cfg: ModelConfig) -> str:
@@ -142,8 +153,12 @@ def gemm_note(cfg: ModelConfig) -> str:
     why = {"padded": ": it reads the largest expert count on the host, once per MoE layer (its slab "
                      "size; free on CPU; impl='auto' picks grouped, which reads nothing)",
            "grouped": ": one ragged grouped GEMM (fnmoe.kernels.gemm here, torch's grouped_mm on CUDA), "
-                      "no host reads"}.get(gemm, "")
-    return f"note: MoE expert GEMMs {gemm!r} (model.moe.impl={cfg.moe.impl!r}, on CPU){why}"
+                      "no host reads",
+           "loop": ": it reads every expert's count on the host, so training runs the MoE region eager "
+                   "and it is not traced here"}.get(gemm, "")
+    cuda = ("; on CUDA float32 takes the loop (the MoE region eager)"
+            if cfg.compute_dtype == "float32" and cfg.moe.impl == "auto" else "")
+    return f"note: MoE expert GEMMs {gemm!r} (model.moe.impl={cfg.moe.impl!r}, on CPU){why}{cuda}"
 
 
 def attention_note(cfg: ModelConfig, B: int = 2, L: int = 64) -> str:
@@ -156,10 +171,9 @@ def attention_note(cfg: ModelConfig, B: int = 2, L: int = 64) -> str:
 
 def inspect_model(cfg: ModelConfig, dump: Path | None = None,
                   say: Callable[[str], None] | None = None) -> tuple[list[RegionReport], str]:
-    """(a report per region kind, notes on the config's paths); say(line) hears each region as its
-    compile begins, and the time it took."""
-    cfg, note = traceable_config(cfg)
-    note = "\n".join(n for n in (note, attention_note(cfg), gemm_note(cfg)) if n)
+    """(a report per region kind, then forward's, notes on the config's paths); say(line) hears each
+    region as its compile begins, and the time it took."""
+    note = "\n".join(n for n in (attention_note(cfg), gemm_note(cfg)) if n)
     cases, reports = region_cases(cfg), []
     for k, (name, fn, args) in enumerate(cases, 1):
         if say:
@@ -168,6 +182,13 @@ def inspect_model(cfg: ModelConfig, dump: Path | None = None,
         reports.append(inspect_region(name, fn, args, dump))
         if say:
             say(f"inspect: {name} done in {time.perf_counter() - t0:.1f} s")
+    if say:
+        say("inspect: forward: explaining torch.compile(fnmoe.forward)...")
+    t0 = time.perf_counter()
+    fn, args = forward_case(cfg)
+    reports.append(inspect_region("forward", fn, [args], dump, compile=False))
+    if say:
+        say(f"inspect: forward done in {time.perf_counter() - t0:.1f} s")
     return reports, note
 
 
@@ -176,8 +197,9 @@ def format_reports(reports: list[RegionReport]) -> str:
              f"{'kernels':>7} {'host syncs':>10}  status"]
     for r in reports:
         status = "ok" if r.ok else ("ERROR " + r.error if r.error else "BREAKS")
+        kernels = "-" if r.kernels is None else r.kernels
         lines.append(f"{r.name:<10} {r.graphs:>6} {len(r.breaks):>6} {len(r.recompiles):>10} {r.fx_nodes:>8} "
-                     f"{r.kernels:>7} {len(r.host_syncs):>10}  {status}")
+                     f"{kernels:>7} {len(r.host_syncs):>10}  {status}")
         lines += [f"  break: {b}" for b in r.breaks]
         lines += [f"  recompile: {x}" for x in r.recompiles]
         lines += [f"  host sync: {s}" for s in r.host_syncs]

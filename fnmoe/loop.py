@@ -302,7 +302,7 @@ def _train_locked(run: RunConfig, rank: int, mesh, request: stop.Request) -> dic
     # every rank evaluates the same global micro-batches: val_loss is the same on any mesh
     loader, val, weights = training_data(run)
     val = {name: [to_device(b, device) for b in batches] for name, batches in val.items()}
-    tx, _ = optim.from_config(run.optim, run.train.steps)
+    tx = optim.from_config(run.optim, run.train.steps)
     state = _first_state(run, found, loader, tx, mesh, device)
     if state.step >= run.train.steps:
         log.info("%s is at step %d and train.steps=%d: nothing to train", found[0], state.step, run.train.steps)

@@ -22,6 +22,7 @@ from fnmoe.config import ModelConfig
 from fnmoe.dtypes import DTYPE
 from fnmoe.moe import EXPERT_STACKS, expert_gemm, moe_block, swiglu
 from fnmoe.params import check_config, check_params
+from fnmoe.routing import Router
 from fnmoe.seams import CAST, PLAIN, BlockRunner, LayerFeed, ParamsSource
 from fnmoe.tree import Tree
 
@@ -49,21 +50,22 @@ def mlp_region(p, x_BLD, cfg):
     return swiglu(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps))
 
 
-def moe_region(p, x_BLD, cfg, gemm, recompute=None):
-    """recompute: how backward recomputes the token chunks (BlockRunner.chunk_recompute)."""
+def moe_region(p, x_BLD, cfg, gemm, recompute=None, router=None):
+    """recompute: how backward recomputes the token chunks (BlockRunner.chunk_recompute); router:
+    moe_block's."""
     cpu_grouped = gemm == "grouped" and x_BLD.device.type == "cpu"
     p = in_compute_dtype(p, x_BLD.dtype, ("router_bias_E", *(EXPERT_STACKS if cpu_grouped else ())))
     chunked = None  # the dense path (every expert on every token) takes no chunks
     if cfg.moe.token_chunks > 1 and gemm != "dense":
         chunked = functools.partial(moe_chunks.chunked, recompute=recompute)
-    return moe_block(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cfg, gemm, chunked)
+    return moe_block(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cfg, gemm, chunked, router)
 
 
 def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=None,
-          runner: BlockRunner = PLAIN, i: int = 0):
+          runner: BlockRunner = PLAIN, i: int = 0, router: Router | None = None):
     """Block i on compute-dtype params: (x_BLD, the MoE stats of moe_block or None). mask
     (attention.doc_mask's) keeps the documents of packed rows apart; None is plain causal. Each
-    region runs through runner.region (its memory policy)."""
+    region runs through runner.region (its memory policy); router routes the MoE (moe_block's)."""
     run = functools.partial(runner.region, i)
     attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
     attn_cfg = cpu_attention.resolved(cfg, *x_BLD.shape[:2], x_BLD.dtype, x_BLD.device, mask)
@@ -79,7 +81,7 @@ def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=N
                               "backward recomputes its chunks one by one, which dynamo cannot trace); attention and "
                               "MLP are compiled")
         y_BLD, stats = run("moe", moe_region, cfg.compile and gemm != "loop" and not recompute,
-                           dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm, recompute)
+                           dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm, recompute, router)
         return x_BLD + y_BLD, stats
     return x_BLD + run("mlp", mlp_region, cfg.compile, dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg), None
 
@@ -95,8 +97,8 @@ def check_tokens(tokens_BL: torch.Tensor, vocab_size: int, what: str = "tokens")
         raise ValueError(f"{what} must be a non-empty 2-D tensor [batch, seq], got shape {tuple(tokens_BL.shape)}")
     if tokens_BL.dtype.is_floating_point or tokens_BL.dtype.is_complex or tokens_BL.dtype == torch.bool:
         raise TypeError(f"{what} must be an integer tensor of token ids, got {tokens_BL.dtype}")
-    # a traced graph (linearize's) and fake tensors (fnmoe.plan.rehearse's) have no ids to read
-    if tokens_BL.device.type != "cpu" or _torch.tracing() or _torch.is_fake(tokens_BL):
+    # a traced graph (linearize's, dynamo's) and fake tensors (fnmoe.plan.rehearse's) have no ids to read
+    if tokens_BL.device.type != "cpu" or torch.compiler.is_compiling() or _torch.tracing() or _torch.is_fake(tokens_BL):
         return
     tokens_BL = token_ids(_torch.unwrapped(tokens_BL))  # torch compares no uint16/32/64
     bad = (tokens_BL < 0) | (tokens_BL >= vocab_size)
@@ -136,11 +138,11 @@ def layer_params(params: Tree, i: int, dtype: torch.dtype, source: ParamsSource 
 
 
 def fed_block(p: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg: ModelConfig, mask, runner: BlockRunner,
-              i: int, feed: LayerFeed):
+              i: int, feed: LayerFeed, router: Router | None = None):
     """block on layer i's params as its runner holds them (feed.outside's): the feed gives the compute
     params here, inside the runner, so a runner that recomputes in backward takes them again there
     (under FSDP: gathers them again; fnmoe.parallel.fsdp)."""
-    return block(_with_bias(feed.inside(p, i), bias_E), x_BLD, cos_LP, sin_LP, cfg, mask, runner, i)
+    return block(_with_bias(feed.inside(p, i), bias_E), x_BLD, cos_LP, sin_LP, cfg, mask, runner, i, router)
 
 
 @torch.no_grad()
@@ -166,8 +168,8 @@ def _rope_and_mask(tokens_BL: torch.Tensor, cfg: ModelConfig, positions_BL: torc
                                     and cfg.attention_impl != "math")
 
 
-def _aux(stats: list[dict], max_logits: list[torch.Tensor] | None) -> dict:
-    """hidden_states' aux from the MoE blocks' stats (and max_logits when recorded)."""
+def _aux(stats: list[dict], max_logits: list[torch.Tensor] | None, router_logits: list[torch.Tensor] | None) -> dict:
+    """hidden_states' aux from the MoE blocks' stats (and max_logits, router_logits when recorded)."""
     aux = {"expert_counts_NE": None, "balance_loss": None}
     if stats:
         aux = {"expert_counts_NE": torch.stack([s["counts_E"] for s in stats]),
@@ -178,23 +180,29 @@ def _aux(stats: list[dict], max_logits: list[torch.Tensor] | None) -> dict:
                 aux[key] = torch.stack([s[key] for s in stats]).mean()
     if max_logits is not None:
         aux["max_logits_NH"] = torch.stack(max_logits)
+    if router_logits:
+        aux["router_logits_NTE"] = torch.stack(router_logits)
     return aux
 
 
 def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
                   runner: BlockRunner | None = None, record_max_logits: bool = False,
-                  positions_BL: torch.Tensor | None = None, source: ParamsSource = CAST):
+                  positions_BL: torch.Tensor | None = None, source: ParamsSource = CAST, *,
+                  router: Router | None = None, record_router_logits: bool = False):
     """Final-norm hidden states [B, L, D] in the compute dtype, and aux: expert_counts_NE (tokens
     per expert per MoE layer) and balance_loss (the mean over MoE layers, 0-D; both None without
     MoE), plus seq_balance_loss and z_loss (the same means) only when their coefficients are set,
-    and with record_max_logits max_logits_NH (per layer and head, fp32; MuonClip's input).
+    with record_max_logits max_logits_NH (per layer and head, fp32; MuonClip's input), and with
+    record_router_logits router_logits_NTE (per MoE layer, fp32, detached: N·T·E·4 bytes held until
+    aux goes, so off by default in training).
 
     runner (fnmoe.seams.BlockRunner; memory.Runner under a memory policy) runs each block and each
     of its regions: recompute in backward, offload, resharding. source (fnmoe.seams.ParamsSource)
     gives the params in the compute dtype: CAST in one process, fnmoe.parallel.fsdp.GATHER for
     sharded params. Under torch.func's transforms it runs the paths fnmoe.transforms picks.
     positions_BL marks packed documents (positions restart at 0 where one starts): RoPE uses them
-    and attention stays within each document; None is one sequence per row.
+    and attention stays within each document; None is one sequence per row. router
+    (fnmoe.routing.Router) routes every MoE layer; None: the built-in of model.moe.score_func.
     """
     cfg = transforms.model_config(cfg)
     transforms.check_transformable(params["embed"]["w_VD"])
@@ -205,18 +213,22 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     runner = runner or PLAIN
     layers = [params["layers"][str(i)] for i in range(cfg.n_layers)]
     feed = source.layers(layers, dtype, cast_inside=cfg.compile and not runner.offloads)
-    stats, max_logits = [], []
+    stats, max_logits, router_logits = [], [], []
     for i in range(cfg.n_layers):
         p, bias_E = feed.outside(i), _router_bias(params, i)
         if record_max_logits:  # outside the runner, so recompute in backward does not repeat it
             with torch.no_grad():
                 p_max = _with_bias(source(layers[i], dtype), bias_E)
             max_logits.append(_block_max_logits_H(p_max, x_BLD, cos_LP, sin_LP, cfg, positions_BL))
-        x_BLD, layer_stats = runner(i, fed_block, p, x_BLD, bias_E, cos_LP, sin_LP, cfg, mask, runner, i, feed)
+        x_BLD, layer_stats = runner(i, fed_block, p, x_BLD, bias_E, cos_LP, sin_LP, cfg, mask, runner, i, feed,
+                                    router)
         if layer_stats is not None:
+            logits_TE = layer_stats.pop("router_logits_TE")  # let go at once unless recorded
+            if record_router_logits:
+                router_logits.append(logits_TE)
             stats.append(layer_stats)
     x_BLD = rms_norm(x_BLD, source(params["final_norm"], dtype)["w_D"], cfg.norm_eps)
-    return x_BLD, _aux(stats, max_logits if record_max_logits else None)
+    return x_BLD, _aux(stats, max_logits if record_max_logits else None, router_logits)
 
 
 def head_weight(params: Tree, cfg: ModelConfig, source: ParamsSource = CAST) -> torch.Tensor:
@@ -226,11 +238,15 @@ def head_weight(params: Tree, cfg: ModelConfig, source: ParamsSource = CAST) -> 
 
 
 def forward(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig, positions_BL: torch.Tensor | None = None,
-            source: ParamsSource = CAST):
-    """(logits_BLV fp32, aux): aux["expert_counts_NE"] holds tokens per expert per MoE layer;
-    positions_BL marks packed documents (see hidden_states); source: how params reach compute (CAST;
-    fnmoe.parallel.fsdp.params_source(params) for sharded ones). Its inputs are checked first: cfg as
-    the CLI validates it, params against cfg's leaves and shapes, tokens (check_tokens)."""
+            source: ParamsSource = CAST, *, runner: BlockRunner | None = None, router: Router | None = None,
+            record_router_logits: bool = False):
+    """(logits_BLV fp32, aux): aux["expert_counts_NE"] holds tokens per expert per MoE layer, with
+    record_router_logits aux["router_logits_NTE"] the router logits (see hidden_states); positions_BL
+    marks packed documents; source: how params reach compute (CAST; fnmoe.parallel.fsdp.params_source(params)
+    for sharded ones); runner: how blocks run (fnmoe.seams.BlockRunner, default PLAIN); router: how MoE
+    layers route (fnmoe.routing.Router, default by model.moe.score_func). Its inputs are checked first:
+    cfg as the CLI validates it, params against cfg's leaves and shapes, tokens (check_tokens)."""
     check_inputs(params, tokens_BL, cfg)
-    h_BLD, aux = hidden_states(params, tokens_BL, cfg, positions_BL=positions_BL, source=source)
+    h_BLD, aux = hidden_states(params, tokens_BL, cfg, runner, positions_BL=positions_BL, source=source,
+                               router=router, record_router_logits=record_router_logits)
     return upcast(h_BLD @ head_weight(params, cfg, source).to(h_BLD.dtype)), aux

@@ -1,7 +1,7 @@
 """MoE block: route -> permute -> expert_mlp -> unpermute, plus shared experts; the router-bias rule.
 
 Legend: B batch, L sequence, T tokens (B·L), D model, F expert hidden, E experts, K top-k,
-R routed rows (T·K; per sequence L·K), G expert groups, S experts per group (E/G), N MoE layers,
+R routed rows (T·K; per sequence L·K), N MoE layers,
 C rows per expert slab (padded path), P slab slots (E·C).
 Expert weights are stacked [E, in, out]. Dropless by default: every token reaches its K experts, so R is
 fixed and no shape depends on routing (a compiled region never recompiles as counts change); with
@@ -24,44 +24,12 @@ import torch.nn.functional as F
 
 from fnmoe import _torch
 from fnmoe.kernels import gemm as cpu_gemm
-from fnmoe.attention import upcast
 from fnmoe.compile import size_hint
 from fnmoe.config import ModelConfig
 from fnmoe.parallel.dispatch import ep_expert_mlp
+from fnmoe.routing import Router, route
 
 _grouped_mm = _torch.grouped_mm  # None on a torch without it
-
-
-def route(x_TD: torch.Tensor, w_router_DE: torch.Tensor, cfg: ModelConfig,
-          bias_E: torch.Tensor | None = None):
-    """Top-k router in fp32: (weights_TK, idx_TK, scores_TE, logits_TE).
-
-    Scores are softmax(logits) or sigmoid(logits). The score-correction bias and the group limit
-    decide which experts are chosen; the weights are the chosen experts' unbiased scores,
-    renormalised if norm_topk_prob, times routed_scaling_factor.
-    """
-    m = cfg.moe
-    logits_TE = upcast(x_TD) @ upcast(w_router_DE)
-    scores_TE = torch.softmax(logits_TE, dim=-1) if m.score_func == "softmax" else torch.sigmoid(logits_TE)
-    choice_TE = scores_TE if bias_E is None else scores_TE + bias_E.detach().to(scores_TE.dtype)
-    if m.n_group > 1:
-        choice_TE = limit_groups(choice_TE, m.n_group, m.topk_group)
-    idx_TK = torch.topk(choice_TE, m.top_k, dim=-1).indices
-    w_TK = scores_TE.gather(1, idx_TK)
-    if m.norm_topk_prob:  # + 1e-20 guards all-zero sigmoid scores; it cannot change a softmax sum
-        w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)
-    return w_TK * m.routed_scaling_factor, idx_TK, scores_TE, logits_TE
-
-
-def limit_groups(choice_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
-    """choice_TE with every expert outside the token's best topk_group groups set to -inf; a
-    group's score is the sum of its two best choice scores (DeepSeek-V3)."""
-    T, E = choice_TE.shape
-    choice_TGS = choice_TE.view(T, n_group, E // n_group)
-    group_TG = choice_TGS.topk(2, dim=-1).values.sum(-1)
-    keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
-    keep_TG = keep_TG.scatter(1, group_TG.topk(topk_group, dim=-1).indices, True)
-    return choice_TGS.masked_fill(~keep_TG[:, :, None], float("-inf")).view(T, E)
 
 
 class _RepeatRows(torch.autograd.Function):
@@ -241,6 +209,8 @@ def expert_mlp(x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, counts_E, gemm: str) -> t
         return _grouped_mm(h_RF, w_down_EFD, offs=offs_E)
     if gemm == "padded":
         return padded_expert_mlp(x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, counts_E)
+    if gemm != "loop":
+        raise ValueError(f"unknown expert GEMM path gemm={gemm!r}: expert_mlp takes 'grouped', 'padded' or 'loop'")
     outs, start = [], 0
     for e, n in enumerate(counts_E.tolist()):  # host sync: the reference path only
         xe = x_RD[start:start + n]
@@ -306,24 +276,27 @@ def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits_TE, dim=-1).square().mean()
 
 
-def _balance_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
-    """Scores as a distribution over experts (sigmoid scores are normalised per token)."""
-    return scores_TE if score_func == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
+GEMMS = ("grouped", "padded", "loop", "dense")
+"""the expert GEMM paths moe_block takes (expert_gemm picks one from model.moe.impl)"""
 
 
-def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed: Callable | None = None):
+def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed: Callable | None = None,
+              router: Router | None = None):
     """(out_BLD, stats): routed experts (+ shared experts) for every token. p holds w_router_DE,
     the expert stacks, optionally shared.* and router_bias_E, and with expert parallelism ep_group
     (the stacks then hold that ep rank's experts; fnmoe.parallel.sharding.gather adds it). stats: counts_E,
     balance_loss, probs_sum_E (the Switch loss's parts, for data parallelism), dropped (rows over
-    capacity), and seq_balance_loss / z_loss when their coefficients are non-zero.
+    capacity), router_logits_TE (fp32, detached), and seq_balance_loss / z_loss when their coefficients
+    are non-zero. router (fnmoe.routing.Router) routes; None: the built-in of model.moe.score_func.
     routed(p, x_TD, w_TK, idx_TK, cfg, gemm) -> (out_TD, counts_E, kept_E), the shared experts included,
     runs the experts in place of the unchunked sparse path: fnmoe.model passes fnmoe.moe_chunks.chunked
     for model.moe.token_chunks > 1."""
+    if gemm not in GEMMS:
+        raise ValueError(f"unknown expert GEMM path gemm={gemm!r}: one of {', '.join(map(repr, GEMMS))}")
     m = cfg.moe
     B, L, D = x_BLD.shape
     x_TD = x_BLD.reshape(B * L, D)
-    w_TK, idx_TK, scores_TE, logits_TE = route(x_TD, p["w_router_DE"], cfg, p.get("router_bias_E"))
+    w_TK, idx_TK, probs_TE, logits_TE = route(x_TD, p["w_router_DE"], cfg, p.get("router_bias_E"), router)
     if gemm == "dense":
         out_TD, counts_E, kept_E = _dense_routed(p, x_TD, w_TK, idx_TK, cfg)
     elif routed is not None:
@@ -332,9 +305,9 @@ def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed:
         out_TD, counts_E, kept_E = _sparse_routed(p, x_TD, w_TK, idx_TK, cfg, gemm)
     if "shared" in p and (gemm == "dense" or routed is None):
         out_TD = out_TD + swiglu(p["shared"], x_TD)
-    probs_TE = _balance_probs(scores_TE, m.score_func)
     stats = {"counts_E": counts_E, "balance_loss": balance_loss(probs_TE, counts_E, m.top_k),
-             "probs_sum_E": probs_TE.sum(0), "dropped": (counts_E - kept_E).sum()}
+             "probs_sum_E": probs_TE.sum(0), "dropped": (counts_E - kept_E).sum(),
+             "router_logits_TE": logits_TE.detach()}
     if m.seq_aux_loss_coeff:
         stats["seq_balance_loss"] = seq_balance_loss(probs_TE.view(B, L, -1), idx_TK.view(B, L, -1))
     if m.z_loss_coeff:

@@ -6,7 +6,8 @@ features (H heads, G kv heads, A head dim); MLA letters (Q, C, W, X, Y) as in at
 Tree (dotted paths): embed.w_VD; layers.<i>.{attn_norm.w_D, attn.{...}, mlp_norm.w_D,
 mlp.{w_gate_DF, w_up_DF, w_down_FD} | moe.{w_router_DE, w_gate_EDF, w_up_EDF, w_down_EFD,
 shared.{...}}}; final_norm.w_D; head.w_DV (absent when tied); buffers.layers.<i>.moe.router_bias_E
-(non-trainable state, present with model.moe.router_bias).
+(non-trainable state, present with model.moe.router_bias); extra.* and buffers.extra.* (EXTRA: the
+user's own leaves, which the model leaves alone).
 attn is GQA {w_q_DN, w_k_DM, w_v_DM, w_o_ND, q_norm_A, k_norm_A} or MLA {w_q_DN | (w_q_a_DQ,
 q_a_norm_Q, w_q_b_QN), w_kv_a_DW, kv_a_norm_C, w_kv_b_CX, w_o_YD}.
 
@@ -97,25 +98,39 @@ def leaf_inits(cfg: ModelConfig) -> Tree:
 
 
 @functools.cache
-def _config_errors(cfg: ModelConfig) -> tuple[str, ...]:
+def _cached_config_errors(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(validate_model(cfg))
+
+
+# dynamo cannot trace the validation (typing's introspection): a compiled caller such as
+# torch.compile(fnmoe.forward) takes its verdict while it traces, as a constant of the config
+@torch.compiler.assume_constant_result
+def _config_errors(cfg: ModelConfig) -> tuple[str, ...]:
+    try:
+        return _cached_config_errors(cfg)
+    except TypeError:  # unhashable (a list where the schema says tuple): validation names the field
+        return tuple(validate_model(cfg))
 
 
 def check_config(cfg: ModelConfig) -> None:
     """Raise unless cfg is a ModelConfig that validates as the CLI validates it (once per config)."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"the model config must be a fnmoe.ModelConfig, got {type(cfg).__name__}")
-    try:
-        errors = _config_errors(cfg)
-    except TypeError:  # unhashable (a list where the schema says tuple): validation names the field
-        errors = tuple(validate_model(cfg))
+    errors = _config_errors(cfg)
     if errors:
         raise ValueError("invalid ModelConfig: " + "; ".join(errors))
 
 
 @functools.cache
-def _leaf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return {p: tuple(i.shape) for p, i in flatten_dict(leaf_inits(cfg)).items()}
+def _cached_leaf_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((p, tuple(i.shape)) for p, i in flatten_dict(leaf_inits(cfg)).items())
+
+
+# a compiled caller takes them while it traces (dynamo honours the mark on a plain function, and a
+# tuple as a constant; through the cache it would trace leaf_inits)
+@torch.compiler.assume_constant_result
+def _leaf_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return _cached_leaf_shapes(cfg)
 
 
 def _shapes(tree: dict, prefix: str = "", out: dict | None = None) -> dict[str, tuple[int, ...]]:
@@ -130,29 +145,38 @@ def _shapes(tree: dict, prefix: str = "", out: dict | None = None) -> dict[str, 
     return out
 
 
+EXTRA = ("extra.", "buffers.extra.")
+"""path prefixes of the user's own leaves beside the model's (adapters, extra heads, frozen tables):
+forward and loss_fn accept them and leave them alone; a custom loss (make_train_step's loss=) reads
+them. Under `extra` a leaf trains like any other (a gradient, the optimizer's default label by its
+path); under `buffers.extra` it is frozen (no gradient, labelled 'frozen', never updated)."""
+
+
 def check_params(params: Tree, cfg: ModelConfig) -> None:
     """Raise unless params has exactly cfg's leaves with their shapes (global shapes for sharded
-    leaves), naming the missing, extra and mis-shaped ones: a tree of another model must not run,
-    least of all a subset of its layers."""
+    leaves), besides any under EXTRA, naming the missing, extra and mis-shaped ones: a tree of
+    another model must not run, least of all a subset of its layers."""
     if not isinstance(params, dict):
         raise TypeError(f"params must be a dict tree of tensors (fnmoe.init_params'), got {type(params).__name__}")
-    want = _leaf_shapes(cfg)
-    have = _shapes(params)
+    want = dict(_leaf_shapes(cfg))
+    have = {p: s for p, s in _shapes(params).items() if not p.startswith(EXTRA)}
     if have == want:
         return
     n = len(want.keys() - have.keys()) + len(have.keys() - want.keys()) + sum(
         have[p] != s for p, s in want.items() if p in have)
     raise ValueError(f"params do not fit the model config ({n} leaves differ): "
-                     + "; ".join(shape_mismatches(params, cfg, limit=8)) + ("; ..." if n > 8 else ""))
+                     + "; ".join(shape_mismatches(params, cfg, limit=8, extra=True)) + ("; ..." if n > 8 else ""))
 
 
-def shape_mismatches(params: Tree, cfg: ModelConfig, limit: int = 4) -> list[str]:
-    """The first few ways params differ from the leaves of cfg's model: missing, extra, other shapes."""
+def shape_mismatches(params: Tree, cfg: ModelConfig, limit: int = 4, extra: bool = False) -> list[str]:
+    """The first few ways params differ from the leaves of cfg's model: missing, extra, other shapes;
+    with extra, leaves under EXTRA are the user's and differ in no way."""
     want = {p: tuple(i.shape) for p, i in flatten_dict(leaf_inits(cfg)).items()}
-    have = {p: tuple(t.shape) for p, t in flatten_dict(params).items()}
+    have = {p: tuple(t.shape) for p, t in flatten_dict(params).items() if not (extra and p.startswith(EXTRA))}
     out = [f"{p}: missing (expected {list(s)})" for p, s in want.items() if p not in have]
     out += [f"{p}: shape {list(have[p])}, expected {list(s)}" for p, s in want.items() if p in have and have[p] != s]
-    return (out + [f"{p}: not a leaf of this model" for p in have if p not in want])[:limit]
+    hint = " (the user's own leaves go under extra.* or buffers.extra.*)" if extra else ""
+    return (out + [f"{p}: not a leaf of this model{hint}" for p in have if p not in want])[:limit]
 
 
 def _mla_inits(cfg: ModelConfig, normal: Callable, ones: Callable, out_std: float) -> dict:

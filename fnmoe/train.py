@@ -31,6 +31,7 @@ from fnmoe.model import check_inputs, check_tokens, head_weight, hidden_states
 from fnmoe.moe import balance_loss_part, update_router_bias
 from fnmoe.parallel.fsdp import params_source
 from fnmoe.parallel.sharding import all_sum
+from fnmoe.routing import Router
 from fnmoe.seams import CAST, BlockRunner, ParamsSource, mark
 from fnmoe.train_state import TrainState
 from fnmoe.tree import Tree, tree_flatten, tree_unflatten, value_and_grad
@@ -79,21 +80,30 @@ def _check_n_global(n_global) -> None:
 
 
 def loss_fn(params: Tree, inputs_BL: torch.Tensor, labels_BL: torch.Tensor, cfg: ModelConfig,
-            n_global: torch.Tensor | int, ce_chunks: int = 1, runner: BlockRunner | None = None,
+            n_global: torch.Tensor | int | None = None, ce_chunks: int = 1, runner: BlockRunner | None = None,
             record_max_logits: bool = False, positions_BL: torch.Tensor | None = None,
-            source: ParamsSource = CAST):
+            source: ParamsSource = CAST, *, router: Router | None = None, record_router_logits: bool = False):
     """(this micro-batch's share of the step loss, aux); n_global counts the step's non-ignored labels.
+
+    The loss is the summed cross-entropy of the labels that are not IGNORE (-100) divided by
+    n_global, plus the router losses. n_global None counts this batch's own (at least 1): the mean
+    cross-entropy of one batch in one process. A step split into micro-batches or over data-parallel
+    ranks passes the count over all of them (as make_train_step does): each part's own count would
+    weight it as if it were the whole step.
 
     The router losses (load balance, sequence-wise balance, z-loss) are weighted by this
     micro-batch's share of the labels, so the step's total weights each once; aux["ce_loss"] is
     the cross-entropy part alone; with record_max_logits, aux["max_logits_NH"] feeds MuonClip;
-    positions_BL marks packed documents, runner and source are the model's seams (model.hidden_states;
-    sharded params: source=fnmoe.parallel.fsdp.params_source(params)).
+    positions_BL marks packed documents, runner, source and router are the model's seams
+    (model.hidden_states; sharded params: source=fnmoe.parallel.fsdp.params_source(params)); with
+    record_router_logits aux["router_logits_NTE"] holds the router logits.
     """
     check_inputs(params, inputs_BL, cfg)
     _check_labels(labels_BL, inputs_BL)
+    n_global = (labels_BL != IGNORE).sum().clamp(min=1) if n_global is None else n_global
     _check_n_global(n_global)
-    h_BLD, aux = hidden_states(params, inputs_BL, cfg, runner, record_max_logits, positions_BL, source)
+    h_BLD, aux = hidden_states(params, inputs_BL, cfg, runner, record_max_logits, positions_BL, source,
+                               router=router, record_router_logits=record_router_logits)
     ce = ce_loss_sum(h_BLD, head_weight(params, cfg, source), labels_BL, ce_chunks) / n_global
     aux["ce_loss"] = ce.detach()
     m = cfg.moe
@@ -149,9 +159,9 @@ def microbatched(grad_fn: Callable, fold: Callable, init: Callable) -> Callable:
     return over
 
 
-def _micro_grad(run: RunConfig, runner: BlockRunner) -> Callable:
+def _micro_grad(run: RunConfig, runner: BlockRunner, loss: Callable) -> Callable:
     """micro_grad(params, micro_batch, n_global, source) -> (aux, grads) of one micro-batch's loss share."""
-    grad_fn = value_and_grad(loss_fn, has_aux=True)
+    grad_fn = value_and_grad(loss, has_aux=True)
     reduce_dtype = DTYPE[run.mesh.reduce_dtype]
 
     def micro_grad(params: Tree, micro_batch: tuple, n_global: int, source: ParamsSource):
@@ -217,13 +227,14 @@ def _apply(run: RunConfig, tx: optim.GradientTransformation, state: TrainState, 
                                                            "updated": updated}
 
 
-def make_device_step(run: RunConfig, tx: optim.GradientTransformation, runner: BlockRunner) -> Callable:
+def make_device_step(run: RunConfig, tx: optim.GradientTransformation, runner: BlockRunner,
+                     loss: Callable = loss_fn) -> Callable:
     """device_step(state, micro_batches, n_global) -> (state, out): train_step without its host reads
     (the token check, the label count, the metrics), so that it also runs on fake tensors
     (fnmoe.plan.rehearse). runner runs the blocks (fnmoe.memory.policies.train_runner: the caller
-    builds it, and sizes its host pool). out holds device tensors: loss, grad_norm, finite, updated,
-    counts, dropped."""
-    grads_of = microbatched(_micro_grad(run, runner), *_folding(run))
+    builds it, and sizes its host pool); loss: make_train_step's. out holds device tensors: loss,
+    grad_norm, finite, updated, counts, dropped."""
+    grads_of = microbatched(_micro_grad(run, runner, loss), *_folding(run))
 
     def device_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, ...]], n_global: int):
         # the params' source, once a step: FSDP's gathers for sharded params, else a cast
@@ -235,12 +246,17 @@ def make_device_step(run: RunConfig, tx: optim.GradientTransformation, runner: B
     return device_step
 
 
-def make_train_step(run: RunConfig, tx: optim.GradientTransformation, runner: BlockRunner) -> Callable:
+def make_train_step(run: RunConfig, tx: optim.GradientTransformation, runner: BlockRunner,
+                    loss: Callable = loss_fn) -> Callable:
     """train_step(state, micro_batches) -> (state, metrics); micro_batches: [(inputs_BL, labels_BL)]
     or, for packed documents, [(inputs_BL, labels_BL, positions_BL)] (Loader.batch_at's). runner runs
     the blocks under run.memory: fnmoe.memory.policies.train_runner(run, pool_bytes), its host pool
-    sized by fnmoe.plan.activations.pool_bytes(run) when the run offloads."""
-    device_step = make_device_step(run, tx, runner)
+    sized by fnmoe.plan.activations.pool_bytes(run) when the run offloads (fnmoe.seams.PLAIN runs them
+    as they are). loss is differentiated on each micro-batch: loss_fn's signature and (loss, aux)
+    result, aux holding what the step folds (loss_fn's ce_loss, expert_counts_NE, dropped_N with a
+    capacity, max_logits_NH with QK-clip); wrap loss_fn to add a term or pass it a router
+    (functools.partial(loss_fn, router=...))."""
+    device_step = make_device_step(run, tx, runner, loss)
 
     def train_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
         for inputs_BL, *_ in micro_batches:

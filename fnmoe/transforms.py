@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import torch
 from torch.distributed.tensor import DTensor
 
 from fnmoe import _torch, caches
@@ -29,6 +30,9 @@ BATCHING = ("vmap", "jvp", "forward_ad")
 """transforms that need the composite paths (as do two nested grads)"""
 
 
+# dynamo cannot trace functorch's interpreter stack: a compiled caller (torch.compile(fnmoe.forward))
+# takes it while it traces, and dynamo compiles again under other transforms (it guards them)
+@torch.compiler.assume_constant_result
 def active() -> tuple[str, ...]:
     """The torch.func transforms around this call (see fnmoe._torch.functorch_transforms)."""
     return _torch.functorch_transforms()

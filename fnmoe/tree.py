@@ -65,6 +65,8 @@ def flatten_dict(tree: Tree) -> dict[str, Any]:
 
 
 def unflatten_dict(flat: dict[str, Any]) -> dict[str, Any]:
+    """flatten_dict's inverse for nested dicts (params); an optimizer state's NamedTuples and tuples
+    come back with fnmoe.optim.state_from_flat."""
     out: dict[str, Any] = {}
     for path, leaf in flat.items():
         node = out
@@ -75,11 +77,16 @@ def unflatten_dict(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _detached(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
 def value_and_grad(fn: Callable, argnums: int = 0, has_aux: bool = False) -> Callable:
     """JAX's value_and_grad on autograd: grads of fn's 0-D output w.r.t. the tree args[argnums].
 
     Leaves that the output does not depend on (buffers, integer leaves) get zero gradients so
-    the grads tree always matches the params tree.
+    the grads tree always matches the params tree. The aux comes back detached, values as in JAX:
+    its tensors (the router losses) would otherwise hold the spent graph's nodes alive.
     """
 
     def wrapped(*args: Any, **kwargs: Any):
@@ -93,7 +100,7 @@ def value_and_grad(fn: Callable, argnums: int = 0, has_aux: bool = False) -> Cal
         grads = [(next(got) if x.requires_grad else None) for x in diff]
         grads = [torch.zeros_like(x) if g is None else g for x, g in zip(diff, grads)]
         value = value.detach()
-        out = (value, out[1]) if has_aux else value
+        out = (value, tree_map(_detached, out[1])) if has_aux else value
         return out, tree_unflatten(grads, spec)
 
     return wrapped

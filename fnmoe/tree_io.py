@@ -45,13 +45,14 @@ def umask() -> int:
 
 
 @contextlib.contextmanager
-def new_dir(out_dir: str | Path):
-    """A temporary sibling of out_dir (new or empty) to write into, renamed to out_dir when the
-    block ends without an error and removed when it raises: a full disk or a crash never leaves
-    half a model that a rerun would refuse as "not empty". An OSError in the block (a full disk, a
-    file-size limit) is one line naming the file as out_dir would hold it and the OS's reason."""
+def new_dir(out_dir: str | Path, overwrite: bool = False):
+    """A temporary sibling of out_dir (new or empty, or with overwrite any directory) to write into,
+    renamed to out_dir when the block ends without an error and removed when it raises: a full disk
+    or a crash never leaves half a model that a rerun would refuse as "not empty", and an overwritten
+    out_dir is removed only once its replacement is complete. An OSError in the block (a full disk,
+    a file-size limit) is one line naming the file as out_dir would hold it and the OS's reason."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if not overwrite and out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"{out_dir} is not empty")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -70,7 +71,9 @@ def new_dir(out_dir: str | Path):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out_dir.exists():
+    if out_dir.exists() and overwrite:
+        shutil.rmtree(out_dir)
+    elif out_dir.exists():
         out_dir.rmdir()
     os.replace(tmp, out_dir)
 

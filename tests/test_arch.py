@@ -317,7 +317,7 @@ def test_router_bias_moves_exactly_by_its_rule_under_adamw():
     x, y = torch.randint(0, 256, (2, 16), generator=gen), torch.randint(0, 256, (2, 16), generator=gen)
     _, grads = value_and_grad(loss_fn, has_aux=True)(params, x, y, BIAS_CFG, 32)
     assert all(torch.equal(g, torch.zeros_like(g)) for g in flatten_dict(grads["buffers"]).values())
-    tx, _ = optim.from_config(run.optim, 10)
+    tx = optim.from_config(run.optim, 10)
     state = init_state(params, tx)
     for step in range(2):
         before = flatten_dict(state.params)

@@ -91,7 +91,7 @@ def test_expert_ids_in_files_are_global(tmp_path):
     expert's own init values, shard by shard, so the test holds for any number of ranks."""
     run = parse_run(SMALL, "fnmoe train")
     params = init_params(run.model, seed=run.train.seed)
-    tx, _ = optim.from_config(run.optim, run.train.steps)
+    tx = optim.from_config(run.optim, run.train.steps)
     data = load_data(run.data, run.model.vocab_size)
     loader = Loader(data, run.data.seq_len, run.train.batch_size, 1, run.train.seed)
     ckpt = checkpoint.write(checkpoint.snapshot(init_state(params, tx), run, loader.position(0)), tmp_path, keep_last=1)
@@ -117,7 +117,7 @@ def test_a_checkpoint_with_an_earlier_leaf_name_loads_and_resumes(tmp_path):
     w_router_DE; fnmoe.params.RENAMED) loads for export and resumes: params and optimizer state."""
     run = parse_run(SMALL, "fnmoe train")
     params = init_params(run.model, seed=run.train.seed)
-    tx, _ = optim.from_config(run.optim, run.train.steps)
+    tx = optim.from_config(run.optim, run.train.steps)
     loader = Loader(load_data(run.data, run.model.vocab_size), run.data.seq_len, run.train.batch_size, 1,
                     run.train.seed)
     ckpt = checkpoint.write(checkpoint.snapshot(init_state(params, tx), run, loader.position(0)), tmp_path, keep_last=1)
@@ -142,7 +142,7 @@ def test_resume_restores_the_saved_rng_state(tmp_path):
     RNG during a step today, so a bit-exact resume alone cannot tell)."""
     run = parse_run(args(tmp_path, 1), "fnmoe train")
     params = init_params(run.model, seed=run.train.seed)
-    tx, _ = optim.from_config(run.optim, run.train.steps)
+    tx = optim.from_config(run.optim, run.train.steps)
     loader = Loader(load_data(run.data, run.model.vocab_size), run.data.seq_len, run.train.batch_size, 1,
                     run.train.seed)
     torch.manual_seed(1234)
@@ -302,19 +302,19 @@ def test_resume_refuses_model_changes_and_warns_about_others(tmp_path, warnings_
     assert [r["step"] for r in rows(tmp_path) if "loss" in r] == [1, 2, 3, 4]
 
     run = parse_run(args(tmp_path, 6, "--optim.weight-decay", "0.3"), "fnmoe train")
-    tx, _ = optim.from_config(run.optim, 6)
+    tx = optim.from_config(run.optim, 6)
     loader = Loader(load_data(run.data, run.model.vocab_size), 32, 4, 1, 0)
     ckpt = tmp_path / "checkpoints" / "step_4"
     state = checkpoint.load_state(ckpt, verify(ckpt), run, tx, loader.data.fingerprint)
     assert state.step == 4 and state.opt_state[1]["adamw"].weight_decay.item() == 0.3  # the new value applies
     assert state.opt_state[1]["adamw"].count.item() == 4
     muon_run = parse_run(args(tmp_path, 6, "--optim.name", "muon"), "fnmoe train")
-    fresh = checkpoint.load_state(ckpt, verify(ckpt), muon_run, optim.from_config(muon_run.optim, 6)[0],
+    fresh = checkpoint.load_state(ckpt, verify(ckpt), muon_run, optim.from_config(muon_run.optim, 6),
                                    loader.data.fingerprint)
     assert fresh.opt_state[1]["adamw"].count.item() == 0 and "does not fit the configured optimizer" in warnings_text()
     # resumed with that fresh state, the logged lr is the one the optimizer used: its schedule restarts
     train_here(*args(tmp_path, 6, "--optim.name", "muon", "--resume", "auto"))
-    schedule = optim.from_config(muon_run.optim, 6)[1]
+    schedule = optim.schedule_from_config(muon_run.optim, muon_run.optim.lr, 6)
     assert [r["lr"] for r in rows(tmp_path) if "loss" in r][4:] == [schedule(torch.tensor(i)).item() for i in (0, 1)]
 
 

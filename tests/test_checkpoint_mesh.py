@@ -39,7 +39,7 @@ def _run(fsdp: int, ep: int):
 
 def _setup(run):
     """(tx, loader, mesh or None) of a run; call inside fdist.simulate(run.mesh.world) for a mesh."""
-    tx, _ = optim.from_config(run.optim, run.train.steps)
+    tx = optim.from_config(run.optim, run.train.steps)
     loader = Loader(load_data(run.data, run.model.vocab_size), run.data.seq_len, run.train.batch_size, 1,
                     run.train.seed)
     return tx, loader, sharding.make_mesh(run.mesh) if run.mesh.world > 1 else None

@@ -14,17 +14,19 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch._inductor import metrics
 
-from fnmoe import optim
+from fnmoe import load_config, optim
 from fnmoe.cli import main
 from fnmoe.compile import compile_fn
 from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig
 from fnmoe.inspect_compile import inspect_region
+from fnmoe.kernels import attention as cpu_attention
+from fnmoe.kernels import gemm as cpu_gemm
 from fnmoe.model import forward
 from fnmoe.params import init_params
 from fnmoe.moe import padded_expert_mlp
-from fnmoe.train import init_state, make_train_step
+from fnmoe.train import init_state, loss_fn, make_train_step
 from fnmoe.memory.policies import train_runner
-from fnmoe.tree import flatten_dict
+from fnmoe.tree import flatten_dict, value_and_grad
 
 ROOT = Path(__file__).resolve().parent.parent
 HINTS = hasattr(torch._dynamo, "override_optimization_hint")  # size hints reach inductor (not on torch 2.11)
@@ -39,7 +41,7 @@ def test_no_breaks_and_no_recompiles_as_routing_and_lr_change():
     cfg = ModelConfig(dim=64, ffn_hidden=128, moe=MoEConfig(expert_hidden=64), compute_dtype="bfloat16", compile=True)
     run = RunConfig(model=cfg, train=TrainConfig(batch_size=4), data=DataConfig(seq_len=32),
                     optim=OptimConfig(warmup_steps=3))
-    tx, schedule = optim.from_config(run.optim, 6)
+    tx, schedule = optim.from_config(run.optim, 6), optim.schedule_from_config(run.optim, run.optim.lr, 6)
     step = make_train_step(run, tx, train_runner(run))
     state = init_state(init_params(cfg, 0), tx)
     gen = torch.Generator().manual_seed(0)
@@ -64,7 +66,11 @@ def test_inspect_reports_clean_regions_and_dumps(tmp_path, capsys):
     code = main(["inspect", "--config", str(ROOT / "configs/tiny.toml"), "--dump", str(tmp_path), *SMALL])
     out, err = capsys.readouterr()
     assert code == 0, out
-    assert "traced in bfloat16" in out
+    # the float32 preset traced as given: attention through SDPA (the bf16 twin took fnmoe's kernel)
+    assert "bfloat16" not in out and "note: attention 'sdpa'" in out
+    assert "scaled_dot_product_attention" in (tmp_path / "attention" / "fx_graph_0.py").read_text()
+    # torch.compile(fnmoe.forward): one graph, explained only (no kernels)
+    assert re.search(r"^forward\s+1\s+0\s+0\s+\d+\s+-\s+0\s+ok$", out, re.M), out
     # progress on stderr, a line as each region's compile begins and one when it ends
     for k, region in enumerate(("attention", "mlp", "moe"), 1):
         assert f"inspect: region {k} of 3, {region}: compiling" in err and f"inspect: {region} done in " in err, err
@@ -230,3 +236,65 @@ def test_slab_size_hint_lets_inductor_fuse_the_slab_kernels(monkeypatch):
     hinted = _padded_mlp_kernels()
     monkeypatch.setattr("fnmoe.moe.size_hint", lambda n, estimate: None)
     assert hinted < _padded_mlp_kernels()
+
+
+def test_default_float32_preset_trains_compiled_as_eager():
+    """Issue 44: the default preset (float32, attention through SDPA on CPU) compiles: it crashed in
+    SDPA's fake-tensor check, which dynamo cannot call. Two steps of its train step, compiled and
+    eager, on the same batches: the losses agree to fp32 rounding (fused kernels sum in another order).
+    Measured: step 1 equal, step 2 8.5e-8 relative (the CLI's 2 full-batch steps: 1e-7); the bound,
+    1e-5, leaves 100x for other CPUs' kernels."""
+    run = load_config("tiny")
+    assert run.model.compute_dtype == "float32" and not run.model.compile
+    B, L = 4, 64  # a smaller batch than the preset's, the same model
+    assert cpu_attention.choice(run.model, B, L, torch.float32, torch.device("cpu")) == "sdpa"
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (B, L + 1), generator=gen) for _ in range(2)]
+
+    def losses(compile: bool) -> list[float]:
+        r = dataclasses.replace(run, model=dataclasses.replace(run.model, compile=compile))
+        tx = optim.from_config(r.optim, 2)
+        step, state, out = make_train_step(r, tx, train_runner(r)), init_state(init_params(r.model, 0), tx), []
+        for t in batches:
+            state, m = step(state, [(t[:, :-1], t[:, 1:])])
+            out.append(m["loss"])
+        return out
+
+    eager, compiled = losses(False), losses(True)
+    assert compiled == pytest.approx(eager, rel=1e-5), (compiled, eager)
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="without fnmoe's C++ kernels the MoE experts read counts")
+def test_torch_compile_of_forward_has_no_graph_breaks():
+    """Issue 44: torch.compile(fnmoe.forward) on the tiny preset is one graph (README "Compile": the
+    Python-side decisions are constants while dynamo traces, the token-id check is skipped); it had 12
+    breaks. A new break fails here with its reason."""
+    cfg = load_config("tiny").model
+    params = init_params(cfg, 0)
+    tokens_BL = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    counters.clear()
+    logits_BLV, aux = torch.compile(forward, backend="eager")(params, tokens_BL, cfg)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
+    ref_BLV, ref_aux = forward(params, tokens_BL, cfg)
+    assert torch.equal(logits_BLV, ref_BLV) and torch.equal(aux["expert_counts_NE"], ref_aux["expert_counts_NE"])
+
+
+def test_torch_compile_of_a_users_step_breaks_only_at_the_gradient():
+    """README "Compile": a user's compiled step breaks only where value_and_grad takes gradients
+    (dynamo traces neither torch.autograd.grad nor the leaves it differentiates)."""
+    cfg = ModelConfig(dim=64, ffn_hidden=128, n_layers=2, moe=MoEConfig(expert_hidden=64))
+    params = init_params(cfg, 0)
+    tokens_BL = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def step(params, inputs_BL, labels_BL):
+        return value_and_grad(loss_fn, has_aux=True)(params, inputs_BL, labels_BL, cfg, labels_BL.numel())
+
+    torch._dynamo.reset()
+    counters.clear()
+    (loss, _), _ = torch.compile(step, backend="eager")(params, tokens_BL[:, :-1], tokens_BL[:, 1:])
+    reasons = {k.splitlines()[0] for k in counters["graph_break"]}
+    assert reasons <= {"using `torch.autograd.grad` with `torch._dynamo.config.trace_autograd_ops=False`",
+                       "requires_grad_() intermediate leaked as output"}, reasons
+    assert loss == step(params, tokens_BL[:, :-1], tokens_BL[:, 1:])[0][0]

@@ -182,3 +182,38 @@ def test_configs_made_in_code_are_checked_by_type():
         validate(RunConfig(model=ModelConfig(dim="128")))
     with pytest.raises(ValueError, match=r"model.moe.dense_layers\[1\] = 2.5 is a float, expected int"):
         validate(RunConfig(model=ModelConfig(moe=MoEConfig(dense_layers=(0, 2.5)))))
+
+
+def test_a_bare_name_loads_the_shipped_preset_and_configs_links_to_them():
+    assert load_config("tiny") == load_config(ROOT / "configs" / "tiny.toml") == RunConfig(name="tiny")
+    # one copy of the presets: the package's, which a checkout's configs/ points at
+    assert (ROOT / "configs").resolve() == (ROOT / "fnmoe" / "presets").resolve()
+    with pytest.raises(FileNotFoundError, match=r"no preset named 'tinyy' \(presets: .*kimi_k2_1t.*tiny.*\./tinyy"):
+        load_config("tinyy")
+
+
+@pytest.mark.launch
+@pytest.mark.slow
+def test_presets_load_from_a_wheel_installed_outside_the_checkout(tmp_path):
+    """A wheel built from the sources, installed into a directory of its own (torch and the rest from
+    this environment) and imported from elsewhere, reads every preset by name (~19 s: pip twice)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    src = tmp_path / "src"  # a copy: the build writes build/ and egg-info beside the sources
+    shutil.copytree(ROOT / "fnmoe", src / "fnmoe", ignore=shutil.ignore_patterns("__pycache__", "*.so", "build"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "-q"]
+    subprocess.run([*pip, "wheel", str(src), "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheel")],
+                   check=True, cwd=tmp_path)
+    wheel = next((tmp_path / "wheel").glob("fnmoe-*.whl"))
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(tmp_path / "site"), str(wheel)], check=True)
+    names = sorted(p.stem for p in (ROOT / "fnmoe" / "presets").glob("*.toml"))
+    code = ("import sys, fnmoe; print(fnmoe.__file__); "
+            "print(*[fnmoe.load_config(n).name for n in sys.argv[1:]])")
+    out = subprocess.run([sys.executable, "-c", code, *names], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / "site")}, check=True).stdout
+    where, loaded = out.splitlines()
+    assert Path(where).is_relative_to(tmp_path / "site") and loaded.split() == names

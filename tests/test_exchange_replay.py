@@ -68,7 +68,8 @@ def _planned_activations(keep: bool) -> int:
 
     run = RunConfig(model=CFG, mesh=MeshConfig(fsdp=2, ep=2), train=TrainConfig(batch_size=B),
                     data=DataConfig(seq_len=L), memory=MemoryConfig(recompute="full", keep_exchange=keep))
-    return plan(run, as_built=False)["per_rank_bytes"]["activations"]
+    # check=False: the test model's 64-token vocabulary, which the byte tokenizer's data would refuse, plans alike
+    return plan(run, as_built=False, check=False)["per_rank_bytes"]["activations"]
 
 
 def test_replayed_exchange_matches_kept_with_six_passes_and_less_memory(monkeypatch):

@@ -31,7 +31,7 @@ def test_a_step_on_a_mesh_names_each_kind_of_collective(monkeypatch):
     named = []
     monkeypatch.setattr(fdist, "entering", named.append)
     run = RunConfig(model=CFG, mesh=MeshConfig(fsdp=2, ep=2), train=TrainConfig(batch_size=8, steps=1))
-    tx, _ = optim.from_config(run.optim, 1)
+    tx = optim.from_config(run.optim, 1)
     tokens_BL = torch.randint(0, CFG.vocab_size, (8, 9), generator=torch.Generator().manual_seed(0))
     with fdist.simulate(4):
         mesh = sharding.make_mesh(run.mesh)

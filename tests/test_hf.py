@@ -626,3 +626,20 @@ def test_every_config_json_field_is_typed(kind, arch, tmp_path):
                     failures.append(f"{field} = {bad!r}: {e}")
     assert not failures, "\n".join(failures)
     assert n >= 40
+
+
+def test_save_refuses_a_directory_in_use_unless_told_to_overwrite(tmp_path):
+    """An existing model directory is refused with one line saying how to replace it; overwrite=True
+    replaces it whole (no stale shard of the old model is left beside the new one)."""
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16,
+                      moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16))
+    first, second = init_params(cfg, seed=0), init_params(cfg, seed=1)
+    out = tmp_path / "model"
+    hf.save(out, first, cfg, max_shard_bytes=20_000)
+    assert (out / hf.INDEX).is_file()
+    with pytest.raises(ValueError, match=r"^hf.save: .*model is not empty; pass overwrite=True to replace it$"):
+        hf.save(out, second, cfg)
+    assert hf.save(out, second, cfg, overwrite=True) == out
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", hf.SINGLE]  # the old shards are gone
+    got = flatten_dict(hf.load(out)[1])
+    assert all(torch.equal(got[k], v) for k, v in flatten_dict(second).items())

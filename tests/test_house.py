@@ -251,7 +251,7 @@ def test_clear_caches_between_steps_on_a_simulated_mesh():
     def losses(clear: bool) -> list[float]:
         run = RunConfig(model=CFG, mesh=MeshConfig(fsdp=2, ep=2), train=TrainConfig(batch_size=B, steps=2),
                         optim=OptimConfig(warmup_steps=2))
-        tx, _ = optim.from_config(run.optim, 2)
+        tx = optim.from_config(run.optim, 2)
         out = []
         with fdist.simulate(4):
             mesh = sharding.make_mesh(run.mesh, run.dist)

@@ -211,7 +211,7 @@ def test_recompute_leaves_the_router_bias_update_as_it_is(mem):
 
     run = load_config(ROOT / "configs" / "tiny_mla.toml")
     run = dataclasses.replace(run, model=dataclasses.replace(run.model, compute_dtype="float32", compile=False))
-    tx, _ = optim.from_config(run.optim, 10)
+    tx = optim.from_config(run.optim, 10)
     tokens = _tokens(2, 32)
     out = {}
     for name, m in (("none", MemoryConfig()), ("policy", mem)):

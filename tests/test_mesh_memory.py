@@ -177,7 +177,7 @@ def _check_leak(run, mesh, rank) -> dict:
     """_LiveStorages' live bytes after each of STEPS AdamW steps with full recompute, and the bytes of
     the train state (params and optimizer state) they include."""
     rr = dataclasses.replace(run, memory=MemoryConfig(recompute="full"))
-    tx, _ = optim.from_config(rr.optim, STEPS)
+    tx = optim.from_config(rr.optim, STEPS)
     train_step = make_train_step(rr, tx, train_runner(rr))
     meter, live = _LiveStorages(), []
     with meter:
@@ -197,11 +197,11 @@ COMM_CONFIGS = {  # name: (reshard_after_forward, memory)
         False, MemoryConfig(recompute="full", offload=True, keep_exchange=False))}
 
 
-def _pinned_route(x_TD, w_router_DE, cfg, bias_E=None):
+def _pinned_route(x_TD, w_router_DE, cfg, bias_E=None, router=None):
     """Token t of a rank picks experts t+2 and t+5 mod 8 (bias 10 on them): exactly balanced."""
     T, E = x_TD.shape[0], w_router_DE.shape[1]
     pin_TE = (torch.arange(T)[:, None] * 5 + torch.arange(E) * 3) % E
-    return _ROUTE(x_TD, w_router_DE, cfg, pin_TE.float() * 10)
+    return _ROUTE(x_TD, w_router_DE, cfg, pin_TE.float() * 10, router)
 
 
 _ROUTE = moe.route
@@ -227,7 +227,7 @@ def _check_comm(run, mesh, rank) -> dict:
         for name, (reshard, memory) in COMM_CONFIGS.items():
             rr = dataclasses.replace(run, model=dataclasses.replace(run.model, compute_dtype="bfloat16"),
                                      mesh=dataclasses.replace(run.mesh, reshard_after_forward=reshard), memory=memory)
-            tx, _ = optim.from_config(rr.optim, STEPS)
+            tx = optim.from_config(rr.optim, STEPS)
             state = init_state(init_params(rr.model, 0, mesh=mesh), tx)
             x = _tokens(rank, 0)
             with CommMeter(sharding.group_axes(mesh)) as counter:
@@ -257,7 +257,7 @@ def _check_rehearsal(run, mesh, rank) -> dict:
     try:
         for name, (preset, memory) in TRUTH.items():
             rr = _truth_run(preset, memory)
-            tx, _ = optim.from_config(rr.optim, rr.train.steps)
+            tx = optim.from_config(rr.optim, rr.train.steps)
             state = init_state(init_params(rr.model, rr.train.seed, mesh=mesh), tx)
             x = _tokens(rank, 0)
             report, _ = rehearse.measure_step(rr, mesh, state, tx, [(x[:, :-1], x[:, 1:])], B * L)

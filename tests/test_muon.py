@@ -331,7 +331,7 @@ def test_train_step_clips_after_the_update():
     runs = [RunConfig(model=cfg, train=TrainConfig(batch_size=4, grad_accum=2), data=DataConfig(seq_len=12),
                       optim=OptimConfig(name="muon", warmup_steps=0, qk_clip=clip, qk_clip_tau=tau))
             for clip in (False, True)]
-    tx = optim.from_config(runs[0].optim, 10)[0]
+    tx = optim.from_config(runs[0].optim, 10)
     plain, clipped = (make_train_step(run, tx, train_runner(run))(init_state(params, tx), micro)[0] for run in runs)
     want = optim.qk_clip(plain.params, before_LH, cfg, tau)
     assert all(torch.equal(a, b) for a, b in zip(flatten_dict(clipped.params).values(), flatten_dict(want).values()))

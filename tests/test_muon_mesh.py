@@ -145,7 +145,7 @@ def _train(mesh_shape, steps: int):
                     # reduction order (~1e-8), which in bf16 can flip a rounding (2^-8) of a leaf
                     # whose iteration sits on a tie (seen on an AVX512-BF16 CPU: w_down_FD, 3.5e-3)
                     optim=OptimConfig(name="muon", lr=0.02, adamw_lr=3e-3, warmup_steps=2, ns_dtype="float32"))
-    tx, _ = optim.from_config(run.optim, steps)
+    tx = optim.from_config(run.optim, steps)
     state = init_state(init_params(CFG, 0, mesh=sharding.make_mesh(run.mesh) if n > 1 else None), tx)
     train_step = make_train_step(run, tx, train_runner(run))
     losses, first = [], None
@@ -196,7 +196,7 @@ def _skips_everywhere(name: str) -> bool:
     """One 2x2 step with NaN in rank 1's gradient shard: skipped, params and state bitwise unchanged."""
     run = RunConfig(model=CFG, mesh=MeshConfig(fsdp=2, ep=2), train=TrainConfig(batch_size=B, steps=1),
                     optim=OptimConfig(name=name, warmup_steps=0), dist=DistConfig(timeout_s=10))
-    tx, _ = optim.from_config(run.optim, 1)
+    tx = optim.from_config(run.optim, 1)
     state = init_state(init_params(CFG, 0, mesh=sharding.make_mesh(run.mesh, run.dist)), tx)
     real = ftrain.value_and_grad
     ftrain.value_and_grad = _poison_one_rank(real, rank=1)

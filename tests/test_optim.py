@@ -286,7 +286,7 @@ def test_scheduled_lr_is_used_and_logged():
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_from_config_builds_and_steps(name):
     ocfg = OptimConfig(name=name, lr=0.02, adamw_lr=0.004, warmup_steps=2, schedule="wsd", clip_norm=1.0)
-    tx, sched = optim.from_config(ocfg, total_steps=10)
+    tx, sched = optim.from_config(ocfg, total_steps=10), optim.schedule_from_config(ocfg, ocfg.lr, total_steps=10)
     assert sched(torch.tensor(1)).item() == pytest.approx(0.02)
     params = model_like()
     state = tx.init(params)
@@ -304,7 +304,7 @@ def test_from_config_builds_and_steps(name):
     assert torch.equal(p["buffers"]["layers"]["0"]["router_bias_E"], params["buffers"]["layers"]["0"]["router_bias_E"])
     assert not torch.equal(p["layers"]["0"]["attn"]["w_q_DN"], params["layers"]["0"]["attn"]["w_q_DN"])
     assert all(torch.isfinite(x).all() for x in leaves(p))
-    no_clip, _ = optim.from_config(OptimConfig(name=name, clip_norm=0.0), total_steps=10)
+    no_clip = optim.from_config(OptimConfig(name=name, clip_norm=0.0), total_steps=10)
     assert not isinstance(no_clip.init(params), tuple)
 
 
@@ -341,3 +341,109 @@ def test_trees_that_differ_in_a_path_are_refused_naming_it():
     tx = optim.adamw(lr=0.1)
     with pytest.raises(ValueError, match=r"pair leaf for leaf by path: 'b_D' is in one and not the other .*'c_D'"):
         tx.update({"a_DF": torch.ones(2, 2), "c_D": torch.ones(2)}, tx.init(params), params)
+
+
+# ------------------------------------------------------------------ ensembles (torch.func.vmap)
+
+def _members(n: int = 3) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    return [optim.tree_map(lambda x: x + 0.01 * torch.randn(x.shape, generator=g) if x.is_floating_point() else x,
+                           model_like()) for _ in range(n)]
+
+
+ENSEMBLE_TX = {
+    "adamw": lambda: optim.adamw(lr=3e-3, weight_decay=0.1, mask=optim.decay_mask),
+    "muon": lambda: optim.muon(lr=0.02, weight_decay=0.1),
+    "from_config muon": lambda: optim.from_config(
+        OptimConfig(name="muon", lr=0.02, warmup_steps=2, schedule="wsd", clip_norm=0.5), total_steps=10),
+}
+
+
+@pytest.mark.parametrize("name", ENSEMBLE_TX)
+def test_vmap_of_init_and_update_equals_a_loop_over_members(name):
+    """An ensemble of optimizers as one batched call: vmap over tx.init and tx.update of stacked
+    params, grads and states is each member's own optimizer, bitwise (its 0-D float64
+    hyperparameters batched, Newton-Schulz per member)."""
+    from fnmoe.func import stack, unstack
+    tx, members = ENSEMBLE_TX[name](), _members()
+    g = torch.Generator().manual_seed(2)
+    grads = [[optim.tree_map(lambda x: torch.randn(x.shape, generator=g) * 0.1, p) for p in members]
+             for _ in range(3)]
+    params, state = stack(members), torch.func.vmap(tx.init)(stack(members))
+    loop_params, loop_states = members, [tx.init(p) for p in members]
+    for step_grads in grads:
+        updates, state = torch.func.vmap(tx.update)(stack(step_grads), state, params)
+        params = optim.apply_updates(params, updates)
+        stepped = [tx.update(gr, s, p) for gr, s, p in zip(step_grads, loop_states, loop_params)]
+        loop_states = [s for _, s in stepped]
+        loop_params = [optim.apply_updates(p, u) for p, (u, _) in zip(loop_params, stepped)]
+    for want, got in [(stack(loop_params), params), (stack(loop_states), state)]:
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(leaves(want), leaves(got)))
+    assert len(unstack(state)) == 3
+
+
+def test_an_ensemble_state_holds_one_lr_per_member():
+    """A batched state's hyperparameters are the members' own: an lr sweep in one call."""
+    from fnmoe.func import stack
+    tx, members, lrs = optim.adamw(lr=1e-3), _members(), [1e-3, 3e-3, 1e-2]
+    grads = [optim.tree_map(torch.ones_like, p) for p in members]
+    state = stack([optim.set_hyperparams(tx.init(p), lr=lr) for p, lr in zip(members, lrs)])
+    updates, _ = torch.func.vmap(tx.update)(stack(grads), state, stack(members))
+    for m, lr in enumerate(lrs):
+        want, _ = tx.update(grads[m], optim.set_hyperparams(tx.init(members[m]), lr=lr), members[m])
+        assert all(torch.equal(a, b[m]) for a, b in zip(leaves(want), leaves(updates)))
+
+
+def test_labels_of_a_stacked_tree_follow_the_leaf_role_not_its_rank():
+    """A stacked tree's leaves have one more dim; their names' shape suffixes still say what they are:
+    norms stay on AdamW without decay, matrices on Muon with it."""
+    from fnmoe.func import stack
+    params = model_like()
+    stacked = stack([params, params])
+    assert optim.default_labels(stacked) == optim.default_labels(params)
+    assert optim.default_labels(stacked)["final_norm"]["w_D"] == "adamw"
+    assert optim.decay_mask(stacked) == optim.decay_mask(params)
+    state = optim.muon(lr=0.02).init(stacked)
+    assert "final_norm.w_D" in state["adamw"].mu and "layers.0.attn.w_q_DN" in state["muon"][0].mu
+    # names without a shape suffix keep the rank rule
+    assert optim.default_labels({"w": torch.ones(2, 2), "b": torch.ones(2)}) == {"w": "muon", "b": "adamw"}
+
+
+# ------------------------------------------------------------------ state files, schedules, from_config
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_a_state_saved_flat_comes_back_with_state_from_flat(name, tmp_path):
+    """Saved as checkpoints flatten it (dotted paths, safetensors) and read back into tx.init's
+    structure, a state is the one saved and the next update is the same."""
+    from safetensors.torch import load_file, save_file
+    from fnmoe.tree import flatten_dict
+    tx, params = ENSEMBLE_TX[name](), model_like()
+    grads = optim.tree_map(torch.randn_like, params)
+    _, state = tx.update(grads, tx.init(params), params)
+    save_file(flatten_dict(state), tmp_path / "state.safetensors")
+    back = optim.state_from_flat(load_file(tmp_path / "state.safetensors"), tx.init(params))
+    assert optim.tree_flatten_with_paths(back)[0] == optim.tree_flatten_with_paths(state)[0]
+    for want, got in [(state, back), (tx.update(grads, state, params), tx.update(grads, back, params))]:
+        assert all(torch.equal(a, b) for a, b in zip(leaves(want), leaves(got)))
+    flat = load_file(tmp_path / "state.safetensors")
+    with pytest.raises(ValueError, match=r"the flat state and the template differ at \[.*count"):
+        optim.state_from_flat({k: v for k, v in flat.items() if not k.endswith("count")}, tx.init(params))
+
+
+def test_a_schedule_may_return_python_floats():
+    params = model_like()
+    for tx, lr in [(optim.adamw(lambda step: 1e-3 * 0.5 ** int(step)), 5e-4),  # step 1's
+                   (optim.muon(lambda step: 0.02, adamw_lr=lambda step: 1e-3), 0.02)]:
+        state = tx.init(params)
+        for _ in range(2):
+            _, state = tx.update(optim.tree_map(torch.ones_like, params), state, params)
+        assert optim.last_lr(state) == pytest.approx(lr)
+
+
+def test_from_config_returns_a_gradient_transformation_like_the_other_constructors():
+    ocfg = OptimConfig(name="muon", lr=0.02, warmup_steps=2)
+    tx = optim.from_config(ocfg, total_steps=10)
+    assert isinstance(tx, optim.GradientTransformation)
+    params = model_like()
+    _, state = tx.update(optim.tree_map(torch.ones_like, params), tx.init(params), params)
+    assert optim.last_lr(state) == pytest.approx(optim.schedule_from_config(ocfg, ocfg.lr, 10)(torch.tensor(0)).item())

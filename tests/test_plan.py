@@ -91,7 +91,7 @@ def _measure(run):
     """Live-byte deltas at phase boundaries of one fp32 eager step, measured by MemTracker."""
     params = init_params(run.model, 0)
     leaves = flatten_dict(params)
-    tx, _ = optim.from_config(run.optim, 10)
+    tx = optim.from_config(run.optim, 10)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, run.model.vocab_size, (run.micro_batch, run.data.seq_len + 1), generator=g)
     mt = MemTracker()

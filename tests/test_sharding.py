@@ -185,7 +185,7 @@ def test_bf16_reduce_scatter_sends_half_the_bytes_and_returns_float32_gradients(
         run = RunConfig(model=CFG, mesh=MeshConfig(fsdp=2, ep=2, reduce_dtype=reduce), train=TrainConfig(batch_size=B))
         with fdist.simulate(4):
             mesh = sharding.make_mesh(run.mesh)
-            tx, _ = optim.from_config(run.optim, 1)
+            tx = optim.from_config(run.optim, 1)
             params = init_params(CFG, 0, mesh=mesh)
             want = {a: e * DTYPE[reduce].itemsize for a, e in _scatter_elements(params).items()}
             with _GatherBytes(sharding.group_axes(mesh)) as meter:
@@ -217,7 +217,7 @@ def _train(mesh_shape, steps: int, grad_accum: int = 1, reshard: bool = True,
     run = RunConfig(model=cfg, mesh=MeshConfig(fsdp=f, ep=e, reshard_after_forward=reshard, reduce_dtype=reduce_dtype),
                     train=TrainConfig(batch_size=B, steps=steps, grad_accum=grad_accum),
                     optim=optim_cfg, dist=DistConfig(timeout_s=10))
-    tx, _ = optim.from_config(run.optim, steps)
+    tx = optim.from_config(run.optim, steps)
     mesh = sharding.make_mesh(run.mesh, run.dist) if n > 1 else None
     state = init_state(init_params(cfg, 0, mesh=mesh), tx)
     train_step = make_train_step(run, tx, train_runner(run))
@@ -415,10 +415,10 @@ def _pin_routing() -> None:
 
     route = moe.route
 
-    def pinned(x_TD, w_router_DE, cfg, bias_E=None):
+    def pinned(x_TD, w_router_DE, cfg, bias_E=None, router=None):
         T, E = x_TD.shape[0], w_router_DE.shape[1]
         pin_TE = (torch.arange(T, device=x_TD.device)[:, None] * 5 + torch.arange(E, device=x_TD.device) * 3) % E
-        return route(x_TD, w_router_DE, cfg, pin_TE.float() * 10)
+        return route(x_TD, w_router_DE, cfg, pin_TE.float() * 10, router)
     moe.route = pinned
 
 

@@ -138,7 +138,7 @@ def test_non_finite_gradients_skip_the_step():
     x, y = batch(4)
     x[0, 0] = 7
     run = _run(batch_size=4)
-    tx, _ = optim.from_config(run.optim, 10)
+    tx = optim.from_config(run.optim, 10)
     state0 = init_state(params, tx)
     state, m = make_train_step(run, tx, train_runner(run))(state0, [(x, y)])
     assert m["skipped"] == 1 and state.step == 1
@@ -157,7 +157,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def test_every_label_ignored_is_an_error():
     x, y = batch(5)
     run = _run(batch_size=4)
-    tx, _ = optim.from_config(run.optim, 10)
+    tx = optim.from_config(run.optim, 10)
     with pytest.raises(ValueError, match="every label"):
         state = init_state(init_params(SMALL, 0), tx)
         make_train_step(run, tx, train_runner(run))(state, [(x, torch.full_like(y, IGNORE))])

@@ -250,7 +250,7 @@ def train_losses(run: RunConfig, device: str, steps: int) -> list[tuple[float, f
     from fnmoe.data.loader import Loader
 
     torch.manual_seed(run.train.seed)
-    tx, _ = optim.from_config(run.optim, run.train.steps)
+    tx = optim.from_config(run.optim, run.train.steps)
     params = tree_map(lambda t: t.to(device), init_params(run.model, run.train.seed))
     state = init_state(params, tx)
     step_fn, _ = build_step(run, tx)
@@ -503,7 +503,7 @@ class ModelBench:
 
     def measure(self, memory: dict | None = None) -> dict:
         run = self.run_cfg(memory or {})
-        tx, _ = optim.from_config(run.optim, run.train.steps)
+        tx = optim.from_config(run.optim, run.train.steps)
         if self.state is None:
             self.state, self.params = init_state(self.params, tx), None  # the state holds them: not twice
         step_fn, runner = build_step(run, tx)
@@ -688,7 +688,7 @@ def step_determinism(rec: Recorder, device: str, dry: bool) -> None:
     if base and det:
         rec.row("cost of deterministic mode", f"tokens/s ratio det/default {det['tps'] / base['tps']:.2f}")
         run = mb.run_cfg({})
-        tx, _ = optim.from_config(run.optim, run.train.steps)
+        tx = optim.from_config(run.optim, run.train.steps)
         step_fn, _ = build_step(run, tx)
         _, m1 = step_fn(mb.state, mb.batch)
         _, m2 = step_fn(mb.state, mb.batch)

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("parallel",),                              # process groups, the mesh, gathers, the EP exchange
     ("params", "optim", "kernels", "data", "transforms", "train_state", "run"),
     ("attention", "tree_io", "checkpoint"),     # checkpoint/ imports neither the step nor the data
-    ("moe", "hf"),
+    ("moe", "routing", "hf"),                   # routing: the router seam and its built-ins
     ("moe_chunks",),
     ("model",),
     ("memory",),                                # what a block keeps for backward: runs the model's blocks

@@ -54,7 +54,8 @@ Run `fnmoe SUBCOMMAND --help` for the flags of one subcommand.
 @dataclasses.dataclass(frozen=True)
 class TrainArgs:
     config: str = ""
-    """TOML preset whose values are the defaults of every flag below (e.g. configs/tiny.toml)"""
+    """TOML preset whose values are the defaults of every flag below: a file (configs/tiny.toml) or the
+    name of a preset shipped with fnmoe (tiny)"""
     run: Annotated[RunConfig, tyro.conf.arg(name="", prefix_name=False)] = dataclasses.field(
         default_factory=lambda: RunConfig(name="tiny"))
 

@@ -1,12 +1,15 @@
 """TOML presets <-> config dataclasses: read a preset (`load_config`), write a resolved config (`to_toml`).
 
 A preset's tables mirror the dataclass tree; an unknown key, or a value not of its field's type
-(fnmoe/config/types.py), is an error naming the file and the field.
+(fnmoe/config/types.py), is an error naming the file and the field. The presets ship in the package
+(fnmoe/presets/, which a checkout's configs/ links to), so a bare name ("tiny") reads one from an
+installed fnmoe too.
 """
 from __future__ import annotations
 
 import dataclasses
 import tomllib
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +164,21 @@ def config_from_tables(d: dict[str, Any], source: Path, validate_config: bool = 
     return validate(cfg) if validate_config else cfg
 
 
+def preset_path(path: str | Path) -> Path:
+    """path as a Path; a bare name (a str without a directory or suffix: "tiny") is the shipped
+    preset of that name, a FileNotFoundError listing them when there is none."""
+    if not isinstance(path, str) or Path(path).name != path or Path(path).suffix:
+        return Path(path)
+    presets = Path(str(resources.files("fnmoe").joinpath("presets")))
+    if not (presets / f"{path}.toml").is_file():
+        names = ", ".join(sorted(p.stem for p in presets.glob("*.toml")))
+        raise FileNotFoundError(f"no preset named {path!r} (presets: {names}); a file of that name is ./{path}")
+    return presets / f"{path}.toml"
+
+
 def load_config(path: str | Path, validate_config: bool = True) -> RunConfig:
     """Read a TOML preset into a RunConfig (named after the file's stem), every value checked
-    against its field's type, and validate it."""
-    return config_from_tables(read_toml(path), Path(path), validate_config)
+    against its field's type, and validate it. path is a TOML file, or the name of a preset that
+    ships with fnmoe ("tiny", "kimi_k2_1t": preset_path)."""
+    path = preset_path(path)
+    return config_from_tables(read_toml(path), path, validate_config)

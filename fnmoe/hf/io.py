@@ -109,13 +109,17 @@ def _without_zero_bias(cfg: ModelConfig, reader: HFReader) -> ModelConfig:
 # ---------------------------------------------------------------- save
 
 def save(hf_dir: str | Path, params: Tree, cfg: ModelConfig, max_shard_bytes: int = 5 * 2**30,
-         tokenizer: TokenizerFiles | None = None) -> Path:
+         tokenizer: TokenizerFiles | None = None, overwrite: bool = False) -> Path:
     """Write params as a Hugging Face checkpoint (config.json + safetensors, sharded with an index
-    above max_shard_bytes) that transformers loads, into a new or empty directory; weights keep
+    above max_shard_bytes) that transformers loads, into a new or empty directory, or with
+    overwrite in place of an existing one (removed once the new one is complete); weights keep
     the params' dtype. With a tokenizer (fnmoe.hf.tokenizer), its files too, and its end-of-text id
     in config.json and generation_config.json; without, config.json states no token ids (rather
     than the architecture's defaults, which would name a token of another vocabulary). Weights
     holding NaN or inf are refused before anything is written."""
+    hf_dir = Path(hf_dir)
+    if not overwrite and hf_dir.is_dir() and any(hf_dir.iterdir()):  # before the weights are converted
+        raise ValueError(f"hf.save: {hf_dir} is not empty; pass overwrite=True to replace it")
     broken = [p for p, t in flatten_dict(params).items()
               if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if broken:
@@ -123,7 +127,7 @@ def save(hf_dir: str | Path, params: Tree, cfg: ModelConfig, max_shard_bytes: in
                          f"{len(broken)} leaves, e.g. {broken[:3]}; nothing was written")
     arch = hf_architecture(cfg)
     tensors = hf_tensors(params, cfg, arch)
-    with new_dir(hf_dir) as tmp:  # stale shards or an index in hf_dir would mix with ours: new or empty
+    with new_dir(hf_dir, overwrite) as tmp:  # stale shards or an index would mix with ours: never written into
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for key, t in tensors.items():
@@ -149,4 +153,4 @@ def save(hf_dir: str | Path, params: Tree, cfg: ModelConfig, max_shard_bytes: in
         (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, arch, dtype) | ids, indent=1) + "\n")
         if tokenizer:
             tokenizer.write(tmp)
-    return Path(hf_dir)
+    return hf_dir

@@ -72,12 +72,26 @@ def choice(cfg: ModelConfig, B: int, L: int, dtype: torch.dtype, device: torch.d
         if why:
             raise ValueError(f"model.attention_impl='cpu' cannot run here: {why}; use 'auto' or 'sdpa'")
         return "cpu"
-    return "cpu" if why is None and L <= AUTO_MAX_LEN and B * kv_heads >= torch.get_num_threads() else "sdpa"
+    return "cpu" if why is None and L <= AUTO_MAX_LEN and B * kv_heads >= _threads() else "sdpa"
+
+
+# dynamo cannot trace the thread count: a compiled caller (torch.compile(fnmoe.forward)) keeps the one it
+# traced with, a choice of speed only (both paths compute the same attention)
+@torch.compiler.assume_constant_result
+def _threads() -> int:
+    return torch.get_num_threads()
 
 
 def resolved(cfg: ModelConfig, B: int, L: int, dtype: torch.dtype, device: torch.device, mask=None) -> ModelConfig:
     """cfg with attention_impl set to choice(...): what a compiled attention region is given."""
-    return _with_impl(cfg, choice(cfg, B, L, dtype, device, mask))
+    return _config_with(cfg, choice(cfg, B, L, dtype, device, mask))
+
+
+# a compiled caller (torch.compile(fnmoe.forward)) takes the object while it traces (dynamo honours the
+# mark on a plain function only; through the cache it would trace dataclasses.replace)
+@torch.compiler.assume_constant_result
+def _config_with(cfg: ModelConfig, impl: str) -> ModelConfig:
+    return _with_impl(cfg, impl)
 
 
 @caches.register

@@ -144,6 +144,7 @@ def vector_isa() -> tuple[str, list[str]]:
     return str(isa).split()[0], flags
 
 
+@torch.compiler.assume_constant_result  # compiled callers take it while they trace: never trace the build
 def available() -> bool:
     """Whether the C++ CPU ops (grouped GEMM, attention) run here (builds them on the first call)."""
     why = build_error()

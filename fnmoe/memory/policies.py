@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from fnmoe import _torch, caches
+from fnmoe import _torch, caches, transforms
 from fnmoe import compile as fcompile
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import reshard
@@ -272,6 +272,8 @@ class Runner:
             self.stats, self.handles, self.reloaded = {}, {}, set()
 
     def __call__(self, i: int, fn: Callable, p: dict, x_BLD: torch.Tensor, *rest):
+        if self.mem.recompute == "full" or self.mem.offload or self.reshard:
+            _check_untransformed()
         inner = _plain
         if self.mem.recompute == "full":  # what it keeps (routing, the exchange) goes to the pool too
             pool = self.pool if self.mem.offload and self._offloading(i) else None
@@ -291,6 +293,8 @@ class Runner:
 
     def region(self, i: int, name: str, fn: Callable, compile: bool, *args):
         policy = getattr(self.mem, name)
+        if policy != "none":
+            _check_untransformed()
         call = with_policy(fn, policy)
         call = fcompile.compiled(call) if compile else call
         if policy != "offload" or not self._offloading(i):
@@ -340,6 +344,15 @@ class Runner:
         for j in (i, i - 1):
             for handle in reversed(self.handles.get(j, ())):
                 self.pool.prefetch(handle)
+
+
+def _check_untransformed() -> None:
+    """Raise under torch.func's transforms: checkpoints and saved-tensor hooks have no batching rule
+    (offload reads storages a vmapped tensor has not) and torch.func's grad refuses them."""
+    names = transforms.active()
+    if names:
+        raise ValueError(f"memory policies (recompute, offload, resharding) do not run under torch.func's "
+                         f"transforms ({', '.join(names)}): pass runner=None (fnmoe.seams.PLAIN) inside the transform")
 
 
 def block_runner(mem: MemoryConfig, n_layers: int = 0, pool: HostPool | None = None,

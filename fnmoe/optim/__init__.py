@@ -1,6 +1,6 @@
 """Optimizers as (init, update) pairs over parameter trees, in the style of optax.
 
-    base.py         GradientTransformation, chain, partition, clipping, apply_updates, labels
+    base.py         GradientTransformation, chain, partition, clipping, apply_updates, labels, state_from_flat
     schedules.py    lr schedules of the 0-based step (cosine, wsd, constant)
     adam.py         scale_by_adam, adamw (torch.optim.AdamW's arithmetic)
     muon_update.py  newton_schulz, scale_by_muon, muon (matrices on Muon, the rest on AdamW)
@@ -17,7 +17,7 @@ from fnmoe.optim.base import (AddDecayedWeightsState, ClipState, EmptyState, Gra
                               ScalarOrSchedule, ScaleByLearningRateState, Schedule, Tree, add_decayed_weights,
                               apply_updates, chain, clip_by_global_norm, decay_mask, default_labels, global_norm,
                               identity, last_lr, partition, scale_by_learning_rate, select, set_hyperparams,
-                              set_to_zero)
+                              set_to_zero, state_from_flat)
 from fnmoe.optim.build import from_config
 from fnmoe.optim.muon_update import (NS_COEFFICIENTS, AdjustLR, ScaleByMuonState, lr_scale, muon, newton_schulz,
                                      scale_by_muon)
@@ -29,6 +29,7 @@ __all__ = [
     # base
     "GradientTransformation", "EmptyState", "Tree", "Schedule", "ScalarOrSchedule", "PerLeaf",
     "identity", "set_to_zero", "chain", "partition", "apply_updates", "select", "set_hyperparams", "last_lr",
+    "state_from_flat",
     "global_norm", "ClipState", "clip_by_global_norm", "AddDecayedWeightsState", "add_decayed_weights",
     "ScaleByLearningRateState", "scale_by_learning_rate", "default_labels", "decay_mask",
     # schedules

@@ -30,11 +30,15 @@ class ScaleByAdamState(NamedTuple):
 def _adam_moments(g: Tensor, mu: Tensor, nu: Tensor, b1: Tensor, b2: Tensor) -> tuple[Tensor, Tensor]:
     # torch: exp_avg.lerp_(g, 1-b1); exp_avg_sq.mul_(b2).addcmul_(g, g, value=1-b2). Pre-scaling
     # one factor and calling addcmul keeps torch's fused multiply-add, so the moments are bitwise equal.
-    return mu.lerp(g, 1 - b1), (nu * b2).addcmul_(g * (1 - b2), g)
+    # lerp's weight in mu's dtype: lerp casts a 0-D weight so anyway, and under vmap (an ensemble of
+    # optimizers) a batched weight is no longer 0-D and must match.
+    return mu.lerp(g, (1 - b1).to(mu.dtype)), (nu * b2).addcmul_(g * (1 - b2), g)
 
 
 def _adam_denom(nu: Tensor, bc2: Tensor, eps: Tensor) -> Tensor:
-    return nu.sqrt().div_(bc2.sqrt()).add_(eps)
+    # the 0-D float64 scalars in nu's dtype, as torch casts them; under vmap in-place ops would
+    # otherwise divide in float64 and round once more
+    return nu.sqrt().div_(bc2.sqrt().to(nu.dtype)).add_(eps.to(nu.dtype))
 
 
 def _adam_init(params: Tree, b1: float, b2: float, eps: float) -> tuple[Tensor, ...]:
@@ -107,7 +111,7 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
                                  leaves_of(state.nu, grads), decay, strict=True):
             m, v = _adam_moments(g, m, v, state.b1, state.b2)
             step = (neg_step_size * m).div_(_adam_denom(v, bc2, state.eps))
-            out.append(torch.addcmul(step, p, neg_decay) if d else step)
+            out.append(torch.addcmul(step, p, neg_decay.to(p.dtype)) if d else step)  # dtype: see _adam_moments
             mus.append(m)
             nus.append(v)
         return rebuild(out), AdamWState(count, lr_now, state.b1, state.b2, state.eps, state.weight_decay,

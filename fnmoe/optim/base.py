@@ -35,8 +35,8 @@ from fnmoe.tree import leaf_kind, leaves_like, tree_flatten_with_paths, tree_map
 
 Tree = Any
 """a nested dict (str keys) of tensors; states also hold NamedTuples and tuples"""
-Schedule = Callable[[Tensor], Tensor]
-"""0-based step (0-D int64) -> lr (0-D float32)"""
+Schedule = Callable[[Tensor], Tensor | float]
+"""0-based step (0-D int64) -> lr (a 0-D tensor, fnmoe's schedules float32, or a Python float)"""
 ScalarOrSchedule = float | Schedule
 PerLeaf = Any
 """a per-leaf annotation (labels, decay mask): a tree shaped like the params, or params -> that tree"""
@@ -72,7 +72,7 @@ def hyper_tensor(value: float, device: torch.device) -> Tensor:
 def hyper(what: str, value: Any, lo: float = 0.0, hi: float = math.inf, hi_open: bool = False) -> Any:
     """value, checked where an optimizer is built: a hyperparameter that is NaN, inf or out of its range
     would make every update non-finite (every step skipped) or turn descent into ascent. A schedule
-    (a callable lr) passes as it is: its values are tensors, checked when it is built."""
+    (a callable lr) passes as it is: fnmoe's check their peaks when they are built."""
     if callable(value):
         return value
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and lo <= value \
@@ -208,6 +208,23 @@ def set_hyperparams(state: Tree, **values: float) -> Tree:
     return state
 
 
+def state_from_flat(flat: dict[str, Tensor], template: Tree) -> Tree:
+    """A state flattened by dotted path (fnmoe.tree.flatten_dict, as checkpoints store it) put back
+    in the structure of template (tx.init(params)): its NamedTuples and tuples, which the paths
+    alone cannot tell from dicts (fnmoe.tree.unflatten_dict builds dicts). A path that one has and
+    the other lacks, or a tensor of another shape, is a ValueError naming it."""
+    paths, leaves, rebuild = tree_flatten_with_paths(template)
+    differ = sorted(flat.keys() ^ set(paths))
+    if differ:
+        raise ValueError(f"state_from_flat: the flat state and the template differ at {differ[:4]} "
+                         f"({len(differ)} paths)")
+    bad = [p for p, x in zip(paths, leaves) if tuple(flat[p].shape) != tuple(x.shape)]
+    if bad:
+        raise ValueError(f"state_from_flat: '{bad[0]}' has shape {tuple(flat[bad[0]].shape)}, the template's "
+                         f"{tuple(dict(zip(paths, leaves))[bad[0]].shape)}")
+    return rebuild([flat[p] for p in paths])
+
+
 def last_lr(state: Tree) -> float:
     """The lr of the optimizer's latest update: its first `lr` state field (Muon's matrix group,
     AdamW's only one). It follows the optimizer's own step count, which a fresh optimizer state
@@ -259,7 +276,8 @@ def add_decayed_weights(weight_decay: float, mask: PerLeaf | None = None) -> Gra
         paths, u_leaves, rebuild = tree_flatten_with_paths(updates)
         decay = per_leaf_values(mask, params, updates) if mask is not None else [True] * len(paths)
         wd = state.weight_decay
-        out = [torch.addcmul(u, p, wd) if d else u
+        # wd in the leaf's dtype, as addcmul casts a 0-D one; under vmap a batched wd would promote the update
+        out = [torch.addcmul(u, p, wd.to(p.dtype)) if d else u
                for u, p, d in zip(u_leaves, leaves_of(params, updates), decay, strict=True)]
         return rebuild(out), state
     return GradientTransformation(lambda params: AddDecayedWeightsState(hyper_tensor(weight_decay, device_of(params))),
@@ -272,12 +290,17 @@ class ScaleByLearningRateState(NamedTuple):
     """the constant lr, or with a schedule the lr of the latest step (for logging)"""
 
 
+def _lr_like(value: Tensor | float, like: Tensor) -> Tensor:
+    # a schedule may return a Python float (a user's lambda); full_like also batches under vmap
+    return value.to(like) if isinstance(value, Tensor) else torch.full_like(like, value)
+
+
 def current_lr(lr: ScalarOrSchedule, count: Tensor, state_lr: Tensor) -> Tensor:
-    return lr(count).to(state_lr) if callable(lr) else state_lr
+    return _lr_like(lr(count), state_lr) if callable(lr) else state_lr
 
 
 def initial_lr(lr: ScalarOrSchedule, device: torch.device) -> Tensor:
-    return lr(zero_count(device)).to(torch.float64) if callable(lr) else hyper_tensor(lr, device)
+    return _lr_like(lr(zero_count(device)), hyper_tensor(0.0, device)) if callable(lr) else hyper_tensor(lr, device)
 
 
 def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
@@ -295,13 +318,23 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
 
 # ------------------------------------------------------------------ labels
 
+def logical_ndim(path: str, ndim: int) -> int:
+    """The dims a leaf has by its name's shape suffix (`w_up_EDF` 3, `attn_norm.w_D` 1), so that the
+    leading dims a stack adds (an ensemble's members, fnmoe.func.stack) leave its role as it was; ndim
+    for a name without one, or one naming more dims than the leaf has."""
+    stem, sep, suffix = path.rpartition(".")[2].rpartition("_")
+    named = len(suffix) if sep and stem and suffix.isalpha() and suffix.isupper() else ndim
+    return min(named, ndim)
+
+
 def default_label(path: str, ndim: int, muon: bool = True) -> str:
-    """A leaf's default label: 'frozen' under `buffers`; with muon, 'muon' for leaves of >= 2 dims
-    outside the embedding (`embed`) and output head (`head`); everything else 'adamw' (the planner
-    counts optimizer state by it)."""
+    """A leaf's default label: 'frozen' under `buffers`; with muon, 'muon' for matrices (>= 2 dims by
+    logical_ndim) outside the embedding (`embed`) and output head (`head`); everything else 'adamw'
+    (the planner counts optimizer state by it)."""
     if leaf_kind(path) == "buffer":
         return "frozen"
-    return "muon" if muon and ndim >= 2 and not path.startswith(("embed.", "head.")) else "adamw"
+    matrix = logical_ndim(path, ndim) >= 2
+    return "muon" if muon and matrix and not path.startswith(("embed.", "head.")) else "adamw"
 
 
 def default_labels(params: Tree, muon: bool = True) -> Tree:
@@ -311,5 +344,6 @@ def default_labels(params: Tree, muon: bool = True) -> Tree:
 
 
 def decay_mask(params: Tree) -> Tree:
-    """Weight decay on matrices (>= 2 dims), not on norms and biases."""
-    return tree_map(lambda x: x.ndim >= 2, params)
+    """Weight decay on matrices (>= 2 dims by logical_ndim), not on norms and biases."""
+    paths, leaves, rebuild = tree_flatten_with_paths(params)
+    return rebuild([logical_ndim(p, x.ndim) >= 2 for p, x in zip(paths, leaves)])

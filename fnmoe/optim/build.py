@@ -8,17 +8,19 @@ from __future__ import annotations
 from fnmoe.config import OptimConfig
 from fnmoe.dtypes import DTYPE
 from fnmoe.optim.adam import adamw
-from fnmoe.optim.base import (GradientTransformation, Schedule, chain, clip_by_global_norm, decay_mask,
-                              default_labels, partition, set_to_zero)
+from fnmoe.optim.base import (GradientTransformation, chain, clip_by_global_norm, decay_mask, default_labels,
+                              partition, set_to_zero)
 from fnmoe.optim.muon_update import muon
 from fnmoe.optim.schedules import schedule_from_config
 
 
-def from_config(ocfg: OptimConfig, total_steps: int) -> tuple[GradientTransformation, Schedule]:
-    """The optimizer a RunConfig's `optim` section describes, and its lr schedule (for logging).
+def from_config(ocfg: OptimConfig, total_steps: int) -> GradientTransformation:
+    """The optimizer a RunConfig's `optim` section describes, for a run of total_steps.
 
     Gradients are clipped by global norm first (clip_norm > 0), then AdamW or Muon; buffers
-    are frozen. Muon's AdamW leaves follow the same schedule shape with peak adamw_lr (0: lr).
+    are frozen. The lr follows schedule_from_config(ocfg, ocfg.lr, total_steps) (the lr of each
+    update is also in the state: last_lr); Muon's AdamW leaves follow the same schedule shape with
+    peak adamw_lr (0: lr).
     """
     schedule = schedule_from_config(ocfg, ocfg.lr, total_steps)
     if ocfg.name == "muon":
@@ -35,4 +37,4 @@ def from_config(ocfg: OptimConfig, total_steps: int) -> tuple[GradientTransforma
         raise ValueError(f"optim.name must be 'adamw' or 'muon', got {ocfg.name!r}")
     if ocfg.clip_norm > 0:
         tx = chain(clip_by_global_norm(ocfg.clip_norm), tx)
-    return tx, schedule
+    return tx

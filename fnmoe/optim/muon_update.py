@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from fnmoe import transforms
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.parallel.dispatch import all_to_all
@@ -56,8 +57,12 @@ def newton_schulz(G_BIO: Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch
     Works on torch's [out, in] view G.mT, made wide (transposed when out > in) as
     torch.optim.Muon does, with the same addmm-form updates in baddbmm, so each matrix
     comes out bitwise equal to torch's `_zeropower_via_newtonschulz(G.mT).mT`. The
-    iteration runs in four buffers allocated once (fresh large tensors are costly on CPU).
+    iteration runs in four buffers allocated once (fresh large tensors are costly on CPU). Under
+    vmap (an ensemble of optimizers) the members join the leading dims (_newton_schulz_op), so each
+    comes out bitwise as it would alone.
     """
+    if _under_vmap():
+        return _newton_schulz_op(G_BIO, steps, eps, dtype)
     a, b, c = NS_COEFFICIENTS
     I, O = G_BIO.shape[-2:]
     tall = O > I  # torch's view [O, I] has more rows than columns
@@ -76,6 +81,26 @@ def newton_schulz(G_BIO: Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch
     return (X_BRC if tall else X_BRC.mT).reshape(G_BIO.shape)
 
 
+def _under_vmap() -> bool:
+    # torch.compile traces the plain path: dynamo cannot call functorch's interpreter stack
+    return not torch.compiler.is_compiling() and "vmap" in transforms.active()
+
+
+@torch.library.custom_op("fnmoe::newton_schulz", mutates_args=())
+def _newton_schulz_op(G_BIO: Tensor, steps: int, eps: float, dtype: torch.dtype) -> Tensor:
+    """newton_schulz as an op with a batching rule of its own: vmap's rule for baddbmm computes
+    beta*input + alpha*product with two roundings where baddbmm has one (in bf16, entries many ulps
+    off after five steps), and out= buffers take no batched tensors."""
+    return newton_schulz(G_BIO, steps, eps, dtype)
+
+
+@_newton_schulz_op.register_vmap
+def _newton_schulz_vmap(info, in_dims: tuple, G_BIO: Tensor, steps: int, eps: float,
+                        dtype: torch.dtype) -> tuple[Tensor, int | None]:
+    d = in_dims[0]  # the members are one more leading (batch) dim of the matrices
+    return newton_schulz(G_BIO if d is None else G_BIO.movedim(d, 0), steps, eps, dtype), None if d is None else 0
+
+
 def lr_scale(I: int, O: int, adjust_lr: AdjustLR) -> float:
     """The per-matrix lr factor s, from torch's [rows=out, cols=in] view."""
     if adjust_lr == "original":
@@ -89,6 +114,8 @@ def lr_scale(I: int, O: int, adjust_lr: AdjustLR) -> float:
 
 def _orthogonalize(U_leaves: list[Tensor], steps: int, eps: float, dtype: torch.dtype) -> list[Tensor]:
     """newton_schulz on every leaf, with one batched call per (matrix shape, device)."""
+    if _under_vmap():  # vmap batches the members already, and its batched leaves copy into no plain buffer
+        return [newton_schulz(U, steps, eps, dtype) for U in U_leaves]
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, U in enumerate(U_leaves):
         groups[(*U.shape[-2:], U.device)].append(i)
@@ -229,9 +256,11 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int =
                 raise ValueError(f"muon: leaf '{path}' has shape {tuple(G.shape)}; Muon needs >= 2 dims "
                                  "(label it 'adamw')")
         mu = state.momentum
-        # the same lerps as torch.optim.Muon, so the buffers are bitwise equal
-        M_leaves = [M.lerp(G.to(M.dtype), 1 - mu) for G, M in zip(G_leaves, leaves_of(state.mu, updates), strict=True)]
-        U_leaves = [G.lerp(M.to(G.dtype), mu) for G, M in zip(G_leaves, M_leaves)] if nesterov else M_leaves
+        # the same lerps as torch.optim.Muon, so the buffers are bitwise equal; weights in the lerp's dtype
+        # as in adam._adam_moments (vmap)
+        M_leaves = [M.lerp(G.to(M.dtype), (1 - mu).to(M.dtype))
+                    for G, M in zip(G_leaves, leaves_of(state.mu, updates), strict=True)]
+        U_leaves = [G.lerp(M.to(G.dtype), mu.to(G.dtype)) for G, M in zip(G_leaves, M_leaves)] if nesterov else M_leaves
         O_leaves = _orthogonalize_leaves(U_leaves, ns_steps, eps, ns_dtype)
         # back to the update dtype before scaling: scaling bf16 O would round it again (~1e-4 off torch)
         out = [O.to(G.dtype, copy=True).mul_(lr_scale(*G.shape[-2:], adjust_lr)) for G, O in zip(G_leaves, O_leaves)]
@@ -253,6 +282,11 @@ def muon(lr: ScalarOrSchedule, weight_decay: float = 0.1, momentum: float = 0.95
     Muon leaves: W <- W(1 - lr*wd) - lr*s*NS(U), the decay with the unadjusted lr. AdamW
     leaves: lr adamw_lr (None: lr), decay adamw_weight_decay (None: weight_decay) on
     matrices only. Set hyperparameters between steps with optim.set_hyperparams.
+
+    The default scale s differs from torch.optim.Muon's: adjust_lr="match_rms_adamw" (s =
+    0.2*sqrt(max(in, out)): updates of AdamW's RMS, so AdamW's lr and weight decay carry over, as in
+    Moonlight and Kimi K2), where torch.optim.Muon's default (adjust_lr_fn=None) is "original" (s =
+    sqrt(max(1, out/in))). adjust_lr="original" takes torch's steps (lr_scale lists the three).
     """
     hyper("muon: learning rate", lr)
     if adamw_lr is not None:

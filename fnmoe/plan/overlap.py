@@ -114,7 +114,7 @@ def _record(key: tuple, n_layers: int) -> dict[tuple[str, str], tuple[int, int]]
     # reduce-scatter is met by its wait at once), which would misreport the overlap
     with fdist.simulate(n):
         mesh = sharding.make_mesh(run.mesh, run.dist)
-        tx, _ = optim.from_config(run.optim, 1)
+        tx = optim.from_config(run.optim, 1)
         state = init_state(init_params(run.model, 0, mesh=mesh), tx)
         part = fdist.rank_map(lambda r: tokens_BL[r * (B // n):(r + 1) * (B // n)].clone())
         step = make_train_step(run, tx, train_runner(run))  # nothing offloaded: no pool

@@ -172,7 +172,7 @@ def _rehearse(run: RunConfig, rank: int, clock: Clock | None = None) -> dict:
 
 def _step(run: RunConfig, mesh, rank: int, clock: Clock | None = None) -> dict:
     cfg = run.model
-    tx, _ = optim.from_config(run.optim, run.train.steps)
+    tx = optim.from_config(run.optim, run.train.steps)
     T = run.micro_batch * run.data.seq_len
     if clock:
         clock.begin(f"init: rank {rank} of {run.mesh.world} (fsdp {run.mesh.fsdp} x ep {run.mesh.ep}), its "

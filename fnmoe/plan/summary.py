@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import torch.distributed as dist
 
-from fnmoe.config import REGIONS, ModelConfig, RunConfig
+from fnmoe.config import REGIONS, ModelConfig, RunConfig, validate
 from fnmoe.config.hardware import hardware
 from fnmoe.memory.host_pool import pool_bytes_for
 from fnmoe.plan.activations import activation_plan, ep_buffer_bytes, logits_bytes, tokens_per_rank
@@ -26,11 +26,14 @@ from fnmoe.plan.step_time import step_time
 log = logging.getLogger(__name__)
 
 
-def plan(run: RunConfig, as_built: bool = True) -> dict:
+def plan(run: RunConfig, as_built: bool = True, check: bool = True) -> dict:
     """Everything `fnmoe plan` reports, as one JSON-ready dict (bytes are per rank). With as_built
     and more than one rank, the step time as fnmoe runs it too (overlap.exposed_fractions records
     a proxy step on simulated ranks: a few seconds, once per code path in a process; not where a
-    process group already runs)."""
+    process group already runs). run is validated first (check=False: the search's candidates, valid
+    by construction): numbers for a config that train refuses would mislead."""
+    if check:
+        validate(run)
     total, active, fpt = _counts(run.model, run.data.seq_len)
     per_rank = per_rank_bytes(run)
     comm = comm_bytes(run)

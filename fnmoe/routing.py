@@ -1,0 +1,82 @@
+"""Routing: each token's experts and weights from the router logits. The router is a seam: a pure
+function (`Router`) passed to fnmoe.forward / loss_fn as router=..., the built-ins chosen by
+model.moe.score_func (ROUTERS: top-k of softmax scores; top-k of sigmoid scores with the bias and
+group limit of DeepSeek-V3).
+
+Legend: T tokens, D model, E experts, K top-k, G expert groups, S experts per group (E/G).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from fnmoe.attention import upcast
+from fnmoe.config import ModelConfig, MoEConfig
+
+
+Router = Callable[[torch.Tensor, MoEConfig, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""router(logits_TE, cfg.moe, bias_E) -> (weights_TK, idx_TK, probs_TE): the MoE block's routing
+decision from the fp32 router logits [T, E]. weights_TK scale each token's K expert outputs (gradients
+reach the router through them), idx_TK (int64 [T, K], K = cfg.moe.top_k) names the experts, probs_TE
+(each token's distribution over experts) feeds the balance losses. bias_E is the router bias buffer
+(model.moe.router_bias), else None. The built-ins, by model.moe.score_func: ROUTERS. A router is a pure
+function of its inputs: recompute policies run it again in backward (keeping only torch.topk's outputs
+from the forward), and a compiled MoE region traces it (a module-level function: a new function object
+recompiles)."""
+
+
+def route(x_TD: torch.Tensor, w_router_DE: torch.Tensor, cfg: ModelConfig,
+          bias_E: torch.Tensor | None = None, router: Router | None = None):
+    """(weights_TK, idx_TK, probs_TE, logits_TE): the router logits in fp32, then router's decision
+    (default: ROUTERS[model.moe.score_func])."""
+    logits_TE = upcast(x_TD) @ upcast(w_router_DE)
+    w_TK, idx_TK, probs_TE = (router or ROUTERS[cfg.moe.score_func])(logits_TE, cfg.moe, bias_E)
+    T, K = x_TD.shape[0], cfg.moe.top_k
+    if (w_TK.shape, idx_TK.shape, idx_TK.dtype, probs_TE.shape) != ((T, K), (T, K), torch.int64, logits_TE.shape):
+        raise ValueError(f"a router returns (weights_TK, idx_TK int64, probs_TE) of shapes [{T}, {K}], [{T}, {K}], "
+                         f"{list(logits_TE.shape)}; got {list(w_TK.shape)}, {list(idx_TK.shape)} {idx_TK.dtype}, "
+                         f"{list(probs_TE.shape)}")
+    return w_TK, idx_TK, probs_TE, logits_TE
+
+
+def top_k_routing(scores_TE: torch.Tensor, m: MoEConfig, bias_E: torch.Tensor | None = None):
+    """(weights_TK, idx_TK) of the top-k experts by scores: the score-correction bias and the group
+    limit decide which experts are chosen; the weights are the chosen experts' unbiased scores,
+    renormalised if norm_topk_prob, times routed_scaling_factor."""
+    choice_TE = scores_TE if bias_E is None else scores_TE + bias_E.detach().to(scores_TE.dtype)
+    if m.n_group > 1:
+        choice_TE = limit_groups(choice_TE, m.n_group, m.topk_group)
+    idx_TK = torch.topk(choice_TE, m.top_k, dim=-1).indices
+    w_TK = scores_TE.gather(1, idx_TK)
+    if m.norm_topk_prob:  # + 1e-20 guards all-zero sigmoid scores; it cannot change a softmax sum
+        w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)
+    return w_TK * m.routed_scaling_factor, idx_TK
+
+
+def softmax_router(logits_TE: torch.Tensor, m: MoEConfig, bias_E: torch.Tensor | None = None):
+    """Top-k of softmax scores (Qwen3, Mixtral); the scores are the balance losses' probabilities."""
+    scores_TE = torch.softmax(logits_TE, dim=-1)
+    return *top_k_routing(scores_TE, m, bias_E), scores_TE
+
+
+def sigmoid_router(logits_TE: torch.Tensor, m: MoEConfig, bias_E: torch.Tensor | None = None):
+    """Top-k of per-expert sigmoid scores (DeepSeek-V3: with the bias and groups); the balance losses
+    take the scores normalised per token."""
+    scores_TE = torch.sigmoid(logits_TE)
+    return *top_k_routing(scores_TE, m, bias_E), scores_TE / scores_TE.sum(-1, keepdim=True)
+
+
+ROUTERS: dict[str, Router] = {"softmax": softmax_router, "sigmoid": sigmoid_router}
+"""the built-in routers by model.moe.score_func"""
+
+
+def limit_groups(choice_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """choice_TE with every expert outside the token's best topk_group groups set to -inf; a
+    group's score is the sum of its two best choice scores (DeepSeek-V3)."""
+    T, E = choice_TE.shape
+    choice_TGS = choice_TE.view(T, n_group, E // n_group)
+    group_TG = choice_TGS.topk(2, dim=-1).values.sum(-1)
+    keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
+    keep_TG = keep_TG.scatter(1, group_TG.topk(topk_group, dim=-1).indices, True)
+    return choice_TGS.masked_fill(~keep_TG[:, :, None], float("-inf")).view(T, E)
