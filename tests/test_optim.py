@@ -447,3 +447,14 @@ def test_from_config_returns_a_gradient_transformation_like_the_other_constructo
     params = model_like()
     _, state = tx.update(optim.tree_map(torch.ones_like, params), tx.init(params), params)
     assert optim.last_lr(state) == pytest.approx(optim.schedule_from_config(ocfg, ocfg.lr, 10)(torch.tensor(0)).item())
+
+
+def test_a_bare_adamw_leaves_buffers_frozen():
+    """Buffers are frozen under every fnmoe optimizer, a bare adamw too: a router bias is not decayed,
+    and a buffer a loss reads (so with a gradient) is not moved."""
+    params = {"w_DF": torch.ones(2, 2), "buffers": {"router_bias_E": torch.ones(3), "extra": {"t_D": torch.ones(2)}}}
+    grads = {"w_DF": torch.ones(2, 2), "buffers": {"router_bias_E": torch.zeros(3), "extra": {"t_D": torch.ones(2)}}}
+    tx = optim.adamw(lr=0.1, weight_decay=0.5)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert updates["w_DF"].abs().min() > 0
+    assert not updates["buffers"]["router_bias_E"].any() and not updates["buffers"]["extra"]["t_D"].any()

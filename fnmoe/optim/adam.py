@@ -15,7 +15,7 @@ from torch import Tensor
 
 from fnmoe.optim.base import (GradientTransformation, PerLeaf, ScalarOrSchedule, Tree, current_lr, device_of, hyper,
                               hyper_tensor, initial_lr, leaves_of, per_leaf_values, zero_count)
-from fnmoe.tree import tree_flatten_with_paths, tree_map
+from fnmoe.tree import leaf_kind, tree_flatten_with_paths, tree_map
 
 
 class ScaleByAdamState(NamedTuple):
@@ -86,7 +86,8 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
           weight_decay: float = 0.01, mask: PerLeaf | None = None) -> GradientTransformation:
     """torch.optim.AdamW as one transform: decoupled decay p*(1 - lr*wd), bias correction,
     eps added after sqrt(v)/sqrt(bc2). `mask` (bools, or params -> bools) picks the decayed
-    leaves; None decays all.
+    leaves; None decays all. Leaves under `buffers` are frozen, as every fnmoe optimizer labels them
+    (a router bias has its own rule; a loss that reads a frozen buffer gives it a gradient).
 
     Exactness: the moments and the step term (lr/bc1)*m/denom are computed in torch's order
     and are bitwise equal, so leaves without decay match torch.optim.AdamW bitwise. With
@@ -107,8 +108,13 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
         bc2 = 1 - state.b2 ** count
         neg_decay = -(lr_now * state.weight_decay)
         out, mus, nus = [], [], []
-        for g, p, m, v, d in zip(g_leaves, leaves_of(params, grads), leaves_of(state.mu, grads),
-                                 leaves_of(state.nu, grads), decay, strict=True):
+        for path, g, p, m, v, d in zip(paths, g_leaves, leaves_of(params, grads), leaves_of(state.mu, grads),
+                                       leaves_of(state.nu, grads), decay, strict=True):
+            if leaf_kind(path) == "buffer":
+                out.append(torch.zeros_like(g))
+                mus.append(m)
+                nus.append(v)
+                continue
             m, v = _adam_moments(g, m, v, state.b1, state.b2)
             step = (neg_step_size * m).div_(_adam_denom(v, bc2, state.eps))
             out.append(torch.addcmul(step, p, neg_decay.to(p.dtype)) if d else step)  # dtype: see _adam_moments
