@@ -178,7 +178,12 @@ class HostPool:
         return sum(b.numel() for b in self.buffers)
 
     def rewind(self) -> None:
-        self._wait_inflight(0)
+        # every copy into the slots waited for, not only those over the bound: after a forward whose
+        # backward never ran (an error, an abandoned step) copies may still be writing where the next
+        # forward's go
+        while self.inflight:
+            self.inflight.popleft()[0].synchronize()
+        self._inflight_bytes = 0
         self.segment, self.offset, self.used = 0, 0, 0
 
     def inflight_bytes(self) -> int:
