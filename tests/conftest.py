@@ -1,4 +1,5 @@
 """Shared test setup: one inductor cache per test run, so only the first compile of a graph is cold."""
+import logging
 import os
 import socket
 import tempfile
@@ -73,3 +74,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.fixture
+def warnings_text():
+    """The fnmoe logger's warnings so far, from a handler on that logger itself (the CLI's
+    logging.basicConfig(force=True) replaces the root handlers that caplog relies on)."""
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("fnmoe").addHandler(handler)
+    yield lambda: "\n".join(records)
+    logging.getLogger("fnmoe").removeHandler(handler)

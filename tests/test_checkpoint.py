@@ -1,7 +1,6 @@
 """Checkpoints: the index format, verify, bit-exact resume, metrics rewind, and faults with real
 processes (kill -9 mid-save, corrupt and truncated shards, a full disk, Ctrl-C, torchrun restarts)."""
 import json
-import logging
 import os
 import resource
 import shutil
@@ -42,18 +41,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture
-def warnings_text():
-    """The fnmoe logger's warnings so far, from a handler on that logger itself (the CLI's
-    logging.basicConfig(force=True) replaces the root handlers that caplog relies on)."""
-    records = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("fnmoe").addHandler(handler)
-    yield lambda: "\n".join(records)
-    logging.getLogger("fnmoe").removeHandler(handler)
 
 
 def args(run_dir, steps, *extra):

@@ -5,37 +5,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from pathlib import Path
 
 import pytest
-import torch
 
 from fnmoe.checkpoint import saved_config, verify
 from fnmoe.checkpoint.format import CheckpointError
 from fnmoe.cli import main
 from conftest import tiny_flags
+from test_checkpoint import one_thread  # noqa: F401 (the fixture: in-process runs on one thread)
 
 SMALL = tiny_flags(1, "--train.eval-every", "0")
 PARAMS = "params-rank00000.safetensors"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def warnings_text():
-    records = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("fnmoe").addHandler(handler)
-    yield lambda: "\n".join(records)
-    logging.getLogger("fnmoe").removeHandler(handler)
 
 
 def train(run_dir: Path, steps: int, *extra: str) -> int:
