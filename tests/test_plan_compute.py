@@ -112,3 +112,12 @@ def test_memory_figures_are_decimal_gb_of_what_cuda_sees():
     assert hardware(K2.plan).hbm_gb == 96.0 < 97_900 * 2**20 / 1e9
     assert hardware(with_plan(K2, hardware="dgx-h100").plan).hbm_gb == 80.0 < 81_559 * 2**20 / 1e9
     assert "(GB = 1e9 bytes, TB = 1e12)" in format_plan(plan(K2, as_built=False))
+
+
+def test_a_dense_model_is_priced_at_the_flat_formula():
+    """No routed experts: nothing at the roofline, the whole step at the stated rates."""
+    dense = load_config("tiny")
+    dense = dataclasses.replace(dense, model=dataclasses.replace(
+        dense.model, moe=dataclasses.replace(dense.model.moe, n_experts=0)),
+        memory=dataclasses.replace(dense.memory, recompute="full"))  # flat_compute_s counts full recompute
+    assert compute_s(dense) == pytest.approx(flat_compute_s(dense), rel=1e-9)

@@ -72,7 +72,7 @@ def _check_model(ckpt: Path, index: dict) -> None:
     """What a resume reads beyond the files, checked without reading a tensor: its config.toml reads,
     and the params index.json lists are the leaves of that config's model, each of its shape. A
     CheckpointError naming the first that is not."""
-    run = saved_config(ckpt)
+    run = saved_config(ckpt, say_unknown=False)
     meta = unflatten_dict({current_path(p): torch.empty(e["shape"], device="meta")
                            for p, e in index["tensors"].items()})
     diff = shape_mismatches(meta, run.model)
@@ -174,11 +174,12 @@ def _read_section(ckpt: Path, index: dict, section: str) -> dict[str, torch.Tens
                 for path, e in index[section].items()}
 
 
-def saved_config(ckpt: Path) -> RunConfig:
+def saved_config(ckpt: Path, say_unknown: bool = True) -> RunConfig:
     """The RunConfig a checkpoint was saved with (validated when it was written; each value's type
     is checked as it is read). Fields this release does not know (a newer release wrote it) are
-    ignored with a warning outside the model; in the model they could change its shape or numerics,
-    so the checkpoint is refused naming them."""
+    ignored outside the model, with a warning when say_unknown (verify, which a load follows, does
+    not say it again); in the model they could change its shape or numerics, so the checkpoint is
+    refused naming them."""
     path = Path(ckpt) / CONFIG
     try:
         tables, unknown = drop_unknown(RunConfig, read_toml(path))
@@ -186,17 +187,13 @@ def saved_config(ckpt: Path) -> RunConfig:
         if model:
             raise CheckpointError(f"{path}: model fields this fnmoe does not know: {', '.join(model)} (a newer "
                                   "release wrote it?); read it with that release")
-        if unknown and rank_in_job()[0] == 0 and path not in _WARNED:
-            _WARNED.add(path)
+        if unknown and say_unknown and rank_in_job()[0] == 0:
             log.warning("%s: ignoring fields this fnmoe does not know, none of the model's: %s", path,
                         ", ".join(unknown))
         return config_from_tables(tables, path, validate_config=False)
     except (FileNotFoundError, ValueError) as e:  # each names the file
         raise CheckpointError(str(e)) from None
 
-
-_WARNED: set[Path] = set()
-"""config files whose unknown fields were reported: verify and resume read each one more than once"""
 
 
 def load_params(ckpt: str | Path) -> tuple[RunConfig, Tree]:

@@ -52,6 +52,8 @@ def routed_expert_s(run: RunConfig, recomputed: bool) -> dict:
     forward, and backward (input and weight gradients, plus the forward again when the MoE region
     is `recomputed`)."""
     hw, m = hardware(run.plan), run.model.moe
+    if not m.n_experts:  # a dense model
+        return {"forward": 0.0, "backward": 0.0}
     rate, hbm = hw.matmul_tflops * 1e12, hw.hbm_tbps * 1e12
     s = DTYPE_BYTES[run.model.compute_dtype]
     r, X, N = rows_per_expert(run), m.n_experts // run.mesh.ep, m.token_chunks
