@@ -318,7 +318,8 @@ def _setup(run: RunConfig, rank: int, state: TrainState, resumed: bool, data: tu
     and --memory.report's table."""
     t, L, run_dir = run.train, run.data.seq_len, run_dir_of(run)
     writer = _open_outputs(run, run_dir, state, resumed, rank)
-    train_step = make_train_step(run, tx, train_runner(run, pool_bytes(run)))  # the pool sized here
+    # the pool sized here; the loop owns its state, so the step may update it in place (--train.donate)
+    train_step = make_train_step(run, tx, train_runner(run, pool_bytes(run)), donate=run.train.donate)
     fpt = flops_per_token(run.model, L)
     saver = checkpoint.Saver(run_dir / "checkpoints", run.checkpoint, last_step=state.step)  # on every rank: collective
     prof = profile_window(run.profile.steps, run_dir, state.step + 1, rank)

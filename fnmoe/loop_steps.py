@@ -29,7 +29,7 @@ from fnmoe.run.progress import (ProfileWindow, eval_line, progress_line, progres
                                 val_row)
 from fnmoe.sampling import log_sample
 from fnmoe.train import eval_loss
-from fnmoe.train_state import TrainState
+from fnmoe.train_state import TrainState, donated
 from fnmoe.tree import tree_map
 
 log = logging.getLogger("fnmoe")
@@ -45,8 +45,14 @@ def to_device(tree, device: torch.device):
 
 
 def _save_on_interrupt(saver: checkpoint.Saver, state: TrainState, run: RunConfig, loader: Loader) -> str:
-    """Ctrl-C: finish the save in flight, save the last finished step; say where the work is."""
+    """Ctrl-C: finish the save in flight, save the last finished step; say where the work is. A state
+    a donating step was given (cut short, or its row unwritten) is not saved: the step wrote into it."""
     saver.join()
+    if donated(state):
+        where = (f"checkpoint {saver.root / f'step_{saver.last_step}'} holds step {saver.last_step}; continue with "
+                 "--resume auto" if saver.last_step else "there is no checkpoint")
+        return (f"step {state.step + 1} wrote into step {state.step}'s state in place (train.donate), so that is not "
+                f"saved: {where}")
     if state.step > saver.last_step:
         saved = saver.save(state, run, loader.position(state.step), blocking=True)
         return f"saved checkpoint {saved}; continue with --resume auto"
@@ -138,6 +144,8 @@ def _step(s: Session, step: int) -> tuple[TrainState, dict]:
     """One optimizer step, timed: (its state, its metrics); its metrics row in s.row."""
     t, L = s.run.train, s.run.data.seq_len
     batch = [to_device(s.data[0].batch_at(step - 1, s.rank, s.run.dp_size, m), s.device) for m in range(t.grad_accum)]
+    if s.run.train.donate:  # a background save copies the state this step updates in place: done first
+        s.saver.wait_staged()
     t_step = time.perf_counter()
     new_state, m = s.train_step(s.state, batch)
     dt = time.perf_counter() - t_step

@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from fnmoe import _torch, moe_chunks, transforms
+from fnmoe import _torch, block_chunks, moe_chunks, transforms
 from fnmoe import compile as fcompile
 from fnmoe.kernels import attention as cpu_attention
 from fnmoe.attention import attention, doc_mask, max_logits_H, rms_norm, rope, upcast
@@ -141,14 +141,33 @@ def fed_block(p: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg: ModelCo
               i: int, feed: LayerFeed, router: Router | None = None):
     """block on layer i's params as its runner holds them (feed.outside's): the feed gives the compute
     params here, inside the runner, so a runner that recomputes in backward takes them again there
-    (under FSDP: gathers them again; fnmoe.parallel.fsdp)."""
-    return block(_with_bias(feed.inside(p, i), bias_E), x_BLD, cos_LP, sin_LP, cfg, mask, runner, i, router)
+    (under FSDP: gathers them again; fnmoe.parallel.fsdp). A runner that chunks the block
+    (BlockRunner.block_chunks) runs it over chunks of its sequences on params taken once."""
+    w = _with_bias(feed.inside(p, i), bias_E)
+    chunking = runner.block_chunks(i)
+    if chunking is None:
+        return block(w, x_BLD, cos_LP, sin_LP, cfg, mask, runner, i, router)
+
+    def compute(w: dict, x_BLD: torch.Tensor, rows: slice):
+        return block(w, x_BLD, _rows_of(cos_LP, rows), _rows_of(sin_LP, rows), cfg, _rows_of(mask, rows),
+                     runner, i, router)
+    return block_chunks.run(compute, w, x_BLD, chunking, cfg.moe.top_k)
+
+
+def _rows_of(t, rows: slice):
+    """Sequences `rows` of a per-sequence table or mask: RoPE tables of packed rows [B, L, P] and
+    masks (a tensor or flex attention's BlockMask) lead with the batch; one table for every row
+    [L, P], and no mask, stay as they are."""
+    return t[rows] if t is not None and getattr(t, "ndim", 4) > 2 else t
 
 
 @torch.no_grad()
-def _block_max_logits_H(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig,
-                        positions_BL: torch.Tensor | None) -> torch.Tensor:
-    """max_logits_H of block p's attention on the block input x_BLD (normed here, as the block does)."""
+def _block_max_logits_H(layer: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig,
+                        positions_BL: torch.Tensor | None, source: ParamsSource) -> torch.Tensor:
+    """max_logits_H of the attention of a layer (its stored params) on the block input x_BLD (normed
+    here, as the block does). The source gives only the leaves it reads: under FSDP the layer's
+    expert stacks would be gathered once more for nothing (the block gathers its own)."""
+    p = source({"attn": layer["attn"], "attn_norm": layer["attn_norm"]}, DTYPE[cfg.compute_dtype])
     return max_logits_H(p["attn"], rms_norm(x_BLD, p["attn_norm"]["w_D"], cfg.norm_eps), cos_LP, sin_LP, cfg,
                         positions_BL=positions_BL)
 
@@ -188,13 +207,14 @@ def _aux(stats: list[dict], max_logits: list[torch.Tensor] | None, router_logits
 def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
                   runner: BlockRunner | None = None, record_max_logits: bool = False,
                   positions_BL: torch.Tensor | None = None, source: ParamsSource = CAST, *,
-                  router: Router | None = None, record_router_logits: bool = False):
-    """Final-norm hidden states [B, L, D] in the compute dtype, and aux: expert_counts_NE (tokens
-    per expert per MoE layer) and balance_loss (the mean over MoE layers, 0-D; both None without
-    MoE), plus seq_balance_loss and z_loss (the same means) only when their coefficients are set,
-    with record_max_logits max_logits_NH (per layer and head, fp32; MuonClip's input), and with
-    record_router_logits router_logits_NTE (per MoE layer, fp32, detached: N·T·E·4 bytes held until
-    aux goes, so off by default in training).
+                  router: Router | None = None, record_router_logits: bool = False, final_norm: bool = True):
+    """Final-norm hidden states [B, L, D] in the compute dtype (final_norm False: the last block's
+    output, which fnmoe.train's loss norms inside each cross-entropy chunk), and aux:
+    expert_counts_NE (tokens per expert per MoE layer) and balance_loss (the mean over MoE layers,
+    0-D; both None without MoE), plus seq_balance_loss and z_loss (the same means) only when their
+    coefficients are set, with record_max_logits max_logits_NH (per layer and head, fp32; MuonClip's
+    input), and with record_router_logits router_logits_NTE (per MoE layer, fp32, detached: N·T·E·4
+    bytes held until aux goes, so off by default in training).
 
     runner (fnmoe.seams.BlockRunner; memory.Runner under a memory policy) runs each block and each
     of its regions: recompute in backward, offload, resharding. source (fnmoe.seams.ParamsSource)
@@ -217,9 +237,7 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     for i in range(cfg.n_layers):
         p, bias_E = feed.outside(i), _router_bias(params, i)
         if record_max_logits:  # outside the runner, so recompute in backward does not repeat it
-            with torch.no_grad():
-                p_max = _with_bias(source(layers[i], dtype), bias_E)
-            max_logits.append(_block_max_logits_H(p_max, x_BLD, cos_LP, sin_LP, cfg, positions_BL))
+            max_logits.append(_block_max_logits_H(layers[i], x_BLD, cos_LP, sin_LP, cfg, positions_BL, source))
         x_BLD, layer_stats = runner(i, fed_block, p, x_BLD, bias_E, cos_LP, sin_LP, cfg, mask, runner, i, feed,
                                     router)
         if layer_stats is not None:
@@ -227,8 +245,14 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
             if record_router_logits:
                 router_logits.append(logits_TE)
             stats.append(layer_stats)
-    x_BLD = rms_norm(x_BLD, source(params["final_norm"], dtype)["w_D"], cfg.norm_eps)
+    if final_norm:
+        x_BLD = rms_norm(x_BLD, final_norm_weight(params, cfg, source), cfg.norm_eps)
     return x_BLD, _aux(stats, max_logits if record_max_logits else None, router_logits)
+
+
+def final_norm_weight(params: Tree, cfg: ModelConfig, source: ParamsSource = CAST) -> torch.Tensor:
+    """[D] weight of the final norm, in the compute dtype."""
+    return source(params["final_norm"], DTYPE[cfg.compute_dtype])["w_D"]
 
 
 def head_weight(params: Tree, cfg: ModelConfig, source: ParamsSource = CAST) -> torch.Tensor:

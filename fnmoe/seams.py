@@ -21,7 +21,7 @@ Legend: B batch, L sequence, D model.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -50,6 +50,20 @@ class BlockRunner(Protocol):
         what they save; "keep" when it recomputes them, keeping the expert-parallel exchange's outputs
         (the recompute around the region replays them); "replay" when the chunks send their rows again."""
 
+    def block_chunks(self, i: int) -> Chunking | None:
+        """Whether block i runs in chunks of its sequences (fnmoe.block_chunks), recomputed one at a
+        time in backward; None runs it whole (under the runner's policy)."""
+
+
+class Chunking(NamedTuple):
+    """How a block runs in chunks of its sequences (BlockRunner.block_chunks)."""
+    n: int
+    """chunks: they divide the block's sequences"""
+    modes: Callable[[], tuple[Any, Any]]
+    """a new chunk's (forward mode, recompute mode): context managers under which the chunk's
+    forward keeps the outputs a recompute must not change (its routing, its exchange) and the
+    recompute takes them back, in the forward's order (fnmoe.memory.policies)"""
+
 
 class Plain:
     """Every block and region as it is (regions compiled when asked)."""
@@ -65,6 +79,9 @@ class Plain:
         return (fcompile.compiled(fn) if compile else fn)(*args)
 
     def chunk_recompute(self, i: int) -> str | None:
+        return None
+
+    def block_chunks(self, i: int) -> Chunking | None:
         return None
 
 

@@ -23,34 +23,41 @@ from fnmoe import _torch
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import gather as fgather
 from fnmoe import optim
-from fnmoe.attention import upcast
+from fnmoe.attention import rms_norm, upcast
 from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.data.loader import IGNORE
 from fnmoe.dtypes import DTYPE
-from fnmoe.model import check_inputs, check_tokens, head_weight, hidden_states
+from fnmoe.model import check_inputs, check_tokens, final_norm_weight, head_weight, hidden_states
 from fnmoe.moe import balance_loss_part, update_router_bias
 from fnmoe.parallel.fsdp import params_source
 from fnmoe.parallel.sharding import all_sum
 from fnmoe.routing import Router
 from fnmoe.seams import CAST, BlockRunner, ParamsSource, mark
-from fnmoe.train_state import TrainState
-from fnmoe.tree import Tree, tree_flatten, tree_unflatten, value_and_grad
+from fnmoe.optim import in_place
+from fnmoe.train_state import DonatedError, TrainState, check_live
+from fnmoe.train_state import donate as donate_state
+from fnmoe.tree import Tree, tree_flatten, tree_map, tree_unflatten, value_and_grad
 
 
-def _ce_sum(h_TD: torch.Tensor, w_DV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
-    logits_TV = upcast(h_TD @ w_DV)
+def _ce_sum(x_TD: torch.Tensor, norm_D: torch.Tensor, w_DV: torch.Tensor, labels_T: torch.Tensor,
+            eps: float) -> torch.Tensor:
+    logits_TV = upcast(rms_norm(x_TD, norm_D, eps) @ w_DV)
     return F.cross_entropy(logits_TV, labels_T, ignore_index=IGNORE, reduction="sum")
 
 
-def ce_loss_sum(h_BLD: torch.Tensor, w_DV: torch.Tensor, labels_BL: torch.Tensor, chunks: int = 1):
-    """Sum of fp32 cross-entropy over non-ignored labels; with chunks > 1 only one chunk's logits
-    exist at a time (each chunk's are recomputed in backward)."""
-    h_TD, labels_T = h_BLD.reshape(-1, h_BLD.shape[-1]), labels_BL.reshape(-1).long()  # cross_entropy: int64
-    w_DV = w_DV.to(h_TD.dtype)
+def ce_loss_sum(x_BLD: torch.Tensor, norm_D: torch.Tensor, w_DV: torch.Tensor, labels_BL: torch.Tensor,
+                eps: float, chunks: int = 1):
+    """Sum of fp32 cross-entropy over non-ignored labels of the head on the final norm (weight norm_D)
+    of x_BLD, the last block's output (hidden_states(..., final_norm=False)). With chunks > 1 each
+    chunk's norm and logits are recomputed in backward from its rows of x_BLD, which is all that is
+    kept: one chunk's normed states and logits exist at a time, not the norm's fp32 saves at full T.
+    The rows' values and gradients are the unchunked ones; norm_D's gradient is summed chunk by chunk."""
+    x_TD, labels_T = x_BLD.reshape(-1, x_BLD.shape[-1]), labels_BL.reshape(-1).long()  # cross_entropy: int64
+    w_DV = w_DV.to(x_TD.dtype)
     if chunks == 1:
-        return _ce_sum(h_TD, w_DV, labels_T)
-    parts = [checkpoint(_ce_sum, h, w_DV, y, use_reentrant=False)
-             for h, y in zip(h_TD.chunk(chunks), labels_T.chunk(chunks))]
+        return _ce_sum(x_TD, norm_D, w_DV, labels_T, eps)
+    parts = [checkpoint(_ce_sum, x, norm_D, w_DV, y, eps, use_reentrant=False)
+             for x, y in zip(x_TD.chunk(chunks), labels_T.chunk(chunks))]
     return torch.stack(parts).sum()
 
 
@@ -102,9 +109,10 @@ def loss_fn(params: Tree, inputs_BL: torch.Tensor, labels_BL: torch.Tensor, cfg:
     _check_labels(labels_BL, inputs_BL)
     n_global = (labels_BL != IGNORE).sum().clamp(min=1) if n_global is None else n_global
     _check_n_global(n_global)
-    h_BLD, aux = hidden_states(params, inputs_BL, cfg, runner, record_max_logits, positions_BL, source,
-                               router=router, record_router_logits=record_router_logits)
-    ce = ce_loss_sum(h_BLD, head_weight(params, cfg, source), labels_BL, ce_chunks) / n_global
+    x_BLD, aux = hidden_states(params, inputs_BL, cfg, runner, record_max_logits, positions_BL, source,
+                               router=router, record_router_logits=record_router_logits, final_norm=False)
+    norm_D = final_norm_weight(params, cfg, source)
+    ce = ce_loss_sum(x_BLD, norm_D, head_weight(params, cfg, source), labels_BL, cfg.norm_eps, ce_chunks) / n_global
     aux["ce_loss"] = ce.detach()
     m = cfg.moe
     terms = [(m.aux_loss_coeff, aux["balance_loss"]), (m.seq_aux_loss_coeff, aux.get("seq_balance_loss")),
@@ -163,12 +171,14 @@ def _micro_grad(run: RunConfig, runner: BlockRunner, loss: Callable) -> Callable
     """micro_grad(params, micro_batch, n_global, source) -> (aux, grads) of one micro-batch's loss share."""
     grad_fn = value_and_grad(loss, has_aux=True)
     reduce_dtype = DTYPE[run.mesh.reduce_dtype]
+    expert_dtype = None if run.mesh.expert_gather_dtype == "compute" else getattr(torch, run.mesh.expert_gather_dtype)
 
     def micro_grad(params: Tree, micro_batch: tuple, n_global: int, source: ParamsSource):
         inputs_BL, labels_BL, *positions = micro_batch
         runner.begin()
         mark("forward")
-        with fgather.reducing(reduce_dtype):  # backward too: a recompute there issues gathers again
+        # backward too: a recompute there issues gathers again
+        with fgather.reducing(reduce_dtype), fgather.expert_dtype(expert_dtype):
             (_, aux), g = grad_fn(params, inputs_BL, labels_BL, run.model, n_global, run.train.ce_chunks, runner,
                                   run.optim.qk_clip, positions[0] if positions else None, source)
         mark("grads", g)
@@ -205,11 +215,15 @@ def _reduced(acc: dict, qk_clip: bool) -> dict:
     return {"loss": loss, "max_logits_NH": max_logits_NH, "counts": counts, "dropped": acc["dropped"]}
 
 
-def _apply(run: RunConfig, tx: optim.GradientTransformation, state: TrainState, grads: Tree, sums: dict):
+def _apply(run: RunConfig, tx: optim.GradientTransformation, state: TrainState, grads: Tree, sums: dict,
+           donate: bool = False):
     """(the new state, its flags): the optimizer's update, then the router bias's rule and QK-clip;
-    a non-finite loss, gradient or new param leaves params and optimizer state bitwise as they were."""
+    a non-finite loss, gradient or new param leaves params and optimizer state bitwise as they were.
+    donate: the update is written into state's own tensors (_apply_in_place)."""
     grad_norm = optim.global_norm(grads)
     finite = torch.isfinite(grad_norm) & torch.isfinite(sums["loss"])
+    if donate:
+        return _apply_in_place(run, tx, state, grads, sums, grad_norm, finite)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optim.apply_updates(state.params, updates)
     # the router bias follows its own rule, after the optimizer (which leaves buffers alone)
@@ -227,27 +241,66 @@ def _apply(run: RunConfig, tx: optim.GradientTransformation, state: TrainState, 
                                                            "updated": updated}
 
 
+def _apply_in_place(run: RunConfig, tx: optim.GradientTransformation, state: TrainState, grads: Tree, sums: dict,
+                    grad_norm: torch.Tensor, finite: torch.Tensor):
+    """_apply with state donated: the same values written into its own tensors, leaf by leaf
+    (fnmoe.optim.in_place), so the update holds one leaf's workspace instead of a second state.
+
+    What can be checked before a write is: the loss, the gradients' norm and QK-clip's max logits (a
+    clip by gamma <= 1 of finite weights stays finite); a skip they decide leaves everything bitwise
+    as it was. A new param leaf that is still not finite (a huge lr) is not written, nor any after it,
+    nor the router bias and QK-clip: the step says "non-finite update", and the leaves before it keep
+    their step (undoing them would need the old state's copy)."""
+    ok = finite & torch.isfinite(sums["max_logits_NH"]).all() if run.optim.qk_clip else finite
+    written = in_place.update_in_place(tx, grads, state.opt_state, state.params, ok, grad_norm)
+    # the router bias and QK-clip are pure rules of the new params: their few changed leaves written back
+    rules = update_router_bias(state.params, sums["counts"], run.model)
+    if run.optim.qk_clip:
+        rules = optim.qk_clip(rules, sums["max_logits_NH"], run.model, run.optim.qk_clip_tau)
+    in_place.write_changed(written, rules, state.params)
+    # every rank's verdict, as the pure step's norm of the new params gives (a rank checks its own leaves)
+    updated = all_sum((~written).to(torch.int32), "the in-place update's non-finite leaves") == 0
+    # new containers over the same tensors: the donated state's trees are told apart from the new ones
+    return TrainState(tree_map(lambda x: x, state.params), tree_map(lambda x: x, state.opt_state), state.step + 1), \
+        {"grad_norm": grad_norm, "finite": finite, "updated": updated}
+
+
 def make_device_step(run: RunConfig, tx: optim.GradientTransformation, runner: BlockRunner,
-                     loss: Callable = loss_fn) -> Callable:
+                     loss: Callable = loss_fn, donate: bool = False) -> Callable:
     """device_step(state, micro_batches, n_global) -> (state, out): train_step without its host reads
     (the token check, the label count, the metrics), so that it also runs on fake tensors
     (fnmoe.plan.rehearse). runner runs the blocks (fnmoe.memory.policies.train_runner: the caller
-    builds it, and sizes its host pool); loss: make_train_step's. out holds device tensors: loss,
-    grad_norm, finite, updated, counts, dropped."""
+    builds it, and sizes its host pool); loss and donate: make_train_step's. out holds device
+    tensors: loss, grad_norm, finite, updated, counts, dropped."""
     grads_of = microbatched(_micro_grad(run, runner, loss), *_folding(run))
+    last_donated: list = []  # the trees of the state donated last (their containers: no tensor is kept)
 
     def device_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, ...]], n_global: int):
+        if donate:
+            _check_donatable(state, last_donated)
         # the params' source, once a step: FSDP's gathers for sharded params, else a cast
         sums, grads = grads_of(state.params, micro_batches, n_global, params_source(state.params))
         mark("update")
         sums = _reduced(sums, run.optim.qk_clip)
-        new, flags = _apply(run, tx, state, grads, sums)
+        if donate:
+            donate_state(state)  # from here its tensors change
+            last_donated[:] = [state.params, state.opt_state]
+        new, flags = _apply(run, tx, state, grads, sums, donate)
         return new, {"loss": sums["loss"], **flags, "counts": sums["counts"], "dropped": sums["dropped"]}
     return device_step
 
 
+def _check_donatable(state: TrainState, last_donated: list) -> None:
+    """A donating step's input: not donated before (DonatedError), its leaves each their own memory."""
+    check_live(state, "train_step")
+    if any(tree is old for tree, old in zip((state.params, state.opt_state), last_donated)):
+        raise DonatedError("train_step: this TrainState's params or opt_state were donated to the previous step, "
+                           "which updated them in place; use the TrainState that step returned")
+    in_place.check_no_aliases((state.params, state.opt_state), "the train state")
+
+
 def make_train_step(run: RunConfig, tx: optim.GradientTransformation, runner: BlockRunner,
-                    loss: Callable = loss_fn) -> Callable:
+                    loss: Callable = loss_fn, donate: bool = False) -> Callable:
     """train_step(state, micro_batches) -> (state, metrics); micro_batches: [(inputs_BL, labels_BL)]
     or, for packed documents, [(inputs_BL, labels_BL, positions_BL)] (Loader.batch_at's). runner runs
     the blocks under run.memory: fnmoe.memory.policies.train_runner(run, pool_bytes), its host pool
@@ -255,8 +308,13 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation, runner: Bl
     as they are). loss is differentiated on each micro-batch: loss_fn's signature and (loss, aux)
     result, aux holding what the step folds (loss_fn's ce_loss, expert_counts_NE, dropped_N with a
     capacity, max_logits_NH with QK-clip); wrap loss_fn to add a term or pass it a router
-    (functools.partial(loss_fn, router=...))."""
-    device_step = make_device_step(run, tx, runner, loss)
+    (functools.partial(loss_fn, router=...)).
+
+    donate (JAX's donate_argnums): the step owns the state it is given and updates its params and
+    optimizer state in place, leaf by leaf (_apply_in_place): bitwise the values of the pure update,
+    without a second copy of them. The given TrainState is then spent: giving it (or its params or
+    opt_state trees) to the step again raises DonatedError; its tensors are the new state's."""
+    device_step = make_device_step(run, tx, runner, loss, donate)
 
     def train_step(state: TrainState, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
         for inputs_BL, *_ in micro_batches:
@@ -289,9 +347,11 @@ def eval_loss(params: Tree, batches: list[tuple[torch.Tensor, ...]], run: RunCon
     total, count, source = 0.0, 0, params_source(params)
     with torch.no_grad():
         for inputs_BL, labels_BL, *positions in batches:
-            h_BLD, _ = hidden_states(params, inputs_BL, run.model, positions_BL=positions[0] if positions else None,
-                                     source=source)
-            total += ce_loss_sum(h_BLD, head_weight(params, run.model, source), labels_BL, run.train.ce_chunks).item()
+            x_BLD, _ = hidden_states(params, inputs_BL, run.model, positions_BL=positions[0] if positions else None,
+                                     source=source, final_norm=False)
+            norm_D = final_norm_weight(params, run.model, source)
+            total += ce_loss_sum(x_BLD, norm_D, head_weight(params, run.model, source), labels_BL,
+                                 run.model.norm_eps, run.train.ce_chunks).item()
             count += int((labels_BL != IGNORE).sum())
     return total / max(count, 1)
 

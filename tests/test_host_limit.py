@@ -51,3 +51,32 @@ def test_pools_that_fit_pass_and_simulated_ranks_each_count():
     with fdist.simulate(4):  # four ranks in this process: four pools
         assert host_limit.host_memory_error(OFFLOAD, available=4 * pinned) is None
         assert "for 4 pool(s)" in host_limit.host_memory_error(OFFLOAD, available=4 * pinned - 1)
+
+
+def test_the_pool_takes_its_margin_on_the_routed_bytes_only():
+    """Replaying the exchange, a block keeps its input and its routing: nothing on the host depends on
+    how tokens route, so the pool is the planned bytes (+ 1 MiB) in whole segments, no margin. Keeping
+    the exchange, its outputs (sized by the routing) take the 1.25 margin and the rest does not. A
+    rehearsal of the replaying run fills its pool without overflowing it."""
+    from fnmoe.config import MeshConfig
+    from fnmoe.memory.host_pool import POOL_MARGIN
+    from fnmoe.plan.activations import activation_plan, exchange_bytes, tokens_per_rank
+    from fnmoe.plan.rehearse import rehearse, rehearsed_bytes
+
+    k2 = load_config(ROOT / "configs" / "kimi_k2_1t.toml")  # GBs a GPU: the margin is whole segments
+    mesh = dataclasses.replace(k2, memory=dataclasses.replace(k2.memory, keep_exchange=True))
+    replay = dataclasses.replace(k2, memory=dataclasses.replace(k2.memory, keep_exchange=False))
+    acts = activation_plan(replay)
+    assert acts["host_routed"] == 0
+    assert pool_bytes(replay) == sum(pool_segments(acts["host"] + (1 << 20)))
+    keep = activation_plan(mesh)
+    moe_blocks = sum(mesh.model.is_moe_layer(i) for i in range(mesh.model.n_layers - 1))  # the last stays
+    assert keep["host_routed"] == moe_blocks * exchange_bytes(mesh, tokens_per_rank(mesh)) > 0
+    assert pool_bytes(mesh) == sum(pool_segments(int(keep["host"] + keep["host_routed"] * (POOL_MARGIN - 1))
+                                                 + (1 << 20)))
+    assert pool_bytes(mesh) > pool_bytes(replay) * 1.5  # the kept exchange: T·K·(1 + imbalance) rows a layer
+    tiny = dataclasses.replace(OFFLOAD, mesh=MeshConfig(fsdp=2, ep=2),
+                               memory=dataclasses.replace(replay.memory, block_chunks=2),
+                               train=dataclasses.replace(OFFLOAD.train, batch_size=16))
+    got = rehearsed_bytes(rehearse(tiny, 0, fresh_process=False))["offload_host"]
+    assert activation_plan(tiny)["host"] * 0.99 <= got <= pool_bytes(tiny), (got, pool_bytes(tiny))

@@ -25,7 +25,7 @@ class _Watched:
 
     def __init__(self, runner: memory.Runner, backs: list):
         self.runner, self.backs, self.alive_after = runner, backs, {}
-        self.offloads, self.region = runner.offloads, runner.region
+        self.offloads, self.region, self.block_chunks = runner.offloads, runner.region, runner.block_chunks
 
     def _alive(self) -> set[int]:
         hosts = {id(h.host): i for i, hs in self.runner.handles.items() for h in hs}

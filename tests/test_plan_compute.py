@@ -15,7 +15,14 @@ from fnmoe.plan.step_time import step_time
 from fnmoe.plan.comm import comm_bytes
 from fnmoe.tree import leaf_kind
 
-K2 = load_config("configs/kimi_k2_1t.toml")
+PRESET = load_config("configs/kimi_k2_1t.toml")
+# the layout these figures were written on (issue 42's preset): 14 sequences a GPU, the MoE layer in
+# 16 token chunks, bf16 gathers; the token-chunk terms are the ones checked here
+K2 = dataclasses.replace(PRESET, train=dataclasses.replace(PRESET.train, batch_size=5376),
+                         memory=dataclasses.replace(PRESET.memory, block_chunks=1),
+                         mesh=dataclasses.replace(PRESET.mesh, expert_gather_dtype="compute"),
+                         model=dataclasses.replace(PRESET.model, moe=dataclasses.replace(PRESET.model.moe,
+                                                                                         token_chunks=16)))
 
 
 def with_plan(run, **plan):

@@ -32,7 +32,9 @@ def kimi_search(kimi):
 
 
 def _mesh(run, fsdp, ep, **plan_fields):
-    return dataclasses.replace(run, mesh=dataclasses.replace(run.mesh, fsdp=fsdp, ep=ep),
+    """run on fsdp x ep (fp8 expert gathers only where fsdp shards the experts)."""
+    gather = run.mesh.expert_gather_dtype if fsdp > 1 else "compute"
+    return dataclasses.replace(run, mesh=dataclasses.replace(run.mesh, fsdp=fsdp, ep=ep, expert_gather_dtype=gather),
                                plan=dataclasses.replace(run.plan, **plan_fields))
 
 
@@ -53,7 +55,9 @@ def test_search_returns_only_valid_fitting_layouts_sorted(kimi, kimi_search):
 def test_the_preset_is_the_best_layout_and_passes_the_config_check(kimi, kimi_search):
     best = kimi_search[0]["ranking"][0]
     run = with_layout(kimi, best["fsdp"], best["ep"], best["policy"], best["micro_batch"],
-                      best["sequences_per_gpu"], best["reduce_dtype"], best["token_chunks"])
+                      best["sequences_per_gpu"], best["reduce_dtype"], best["token_chunks"],
+                      expert_gather=best["expert_gather_dtype"])
+    run = dataclasses.replace(run, memory=dataclasses.replace(run.memory, block_chunks=best["block_chunks"]))
     assert (run.mesh, run.memory, run.train.batch_size, run.train.grad_accum, run.model.moe.token_chunks) == \
         (kimi.mesh, kimi.memory, kimi.train.batch_size, kimi.train.grad_accum, kimi.model.moe.token_chunks)
     assert best["ce_chunks"] == kimi.train.ce_chunks

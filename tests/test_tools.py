@@ -63,14 +63,17 @@ def test_gpu_check_dry_run(tmp_path):
     summary = proc.stdout.split("GPU CHECK SUMMARY", 1)
     assert len(summary) == 2, out[-3000:]
     table = summary[1]
-    for section in ("1 correctness", "2 moe bench", "3 model 16B-cut", "4 determinism"):
+    for section in ("1 correctness", "2 K2 MoE layer", "3 moe bench", "4 model 16B-cut", "5 determinism"):
         assert section in table, f"section {section!r} missing from the summary:\n{table}"
     for check in ("grouped GEMM", "compiled MoE block", "tiny preset", "offload", "memory none",
-                  "memory recompute=full", "deterministic replay"):
+                  "memory recompute=full", "deterministic replay", "K2 layer work", "K2 expert_mlp, balanced",
+                  "K2 expert_mlp, imbalance 1.25", "K2 moe_block, balanced", "K2 moe_block, imbalance 1.25"):
         assert check in table, f"{check!r} missing:\n{table}"
     assert " FAIL" not in table and "TIMEOUT" not in table, table
     written = (tmp_path / "out" / "gpu_check.txt").read_text()
-    assert "GPU CHECK SUMMARY" in written and "4 determinism" in written
+    assert "GPU CHECK SUMMARY" in written and "5 determinism" in written
+    # the K2 layer's rows print a measured rate beside the planner's
+    assert re.search(r"K2 expert_mlp, balanced .* TFLOP/s; planner [0-9.e+-]+ ms", table), table
 
 
 @pytest.mark.launch

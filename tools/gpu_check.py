@@ -6,6 +6,20 @@ Steps (in the priority order gpu_check.sh runs them):
                 preset on the device vs on CPU; every memory policy fnmoe.config.MemoryConfig offers
                 (recompute, offload, per-region) against none, or a skip row with the reason this
                 build refuses it (e.g. offload on CUDA not built yet)
+  k2layer       one MoE layer of the Kimi-K2 preset (configs/kimi_k2_1t.toml) at its per-GPU shapes:
+                its E/ep = 96 experts, dim 7168, expert hidden 2048, top-8, the tokens of one chunk of
+                its micro-batch (memory.block_chunks, else model.moe.token_chunks: 3,584 tokens in 16
+                chunks of 14 x 4096), bf16, grouped GEMMs, forward + recompute + backward, timed with
+                CUDA events after warmup; once through expert_mlp alone (what the planner prices) and
+                once through moe_block (router, permute, combine too), with the experts chosen
+                round-robin (balanced: every expert the same rows) and at plan.imbalance (1.25: the
+                busiest rank's rows, spread evenly over its experts). Each row: achieved TFLOP/s
+                (executed FLOPs: forward, recompute, input and weight gradients, 2·R·I·O a matrix
+                each, as fnmoe/plan/gemm_time.py counts) beside the planner's time for the same
+                layer and chunk (gemm_time.moe_layer_expert_s at the preset's hardware profile).
+                At ~400 TFLOP/s: 10.1 TFLOP an iteration balanced, 12.6 at 1.25, 26 iterations of
+                each: ~1.5 s of GPU; memory ~22 GB (8.5 GB of weights, as much gradient, ~5 GB for
+                a chunk), far under an H200's 139 GB, so the whole chunk runs
   moe           tools/bench_moe.py on the device (against TorchTitan when it imports, else fnmoe alone)
   model         a DeepSeek-V3-16B-shaped model cut to 4 layers (MLA), bf16, compiled, AdamW, 2 x 4096
                 tokens, per memory policy: tokens/s, MFU (989 TFLOP/s peak), peak memory; policies
@@ -20,16 +34,17 @@ Steps (in the priority order gpu_check.sh runs them):
 
 Each step appends rows (section, check, result, status) to DIR/<step>.json as it goes, so a
 step that times out still reports what it finished. --dry-run runs the same code on CPU at tiny
-sizes (CI runs it, with tyro blocked as on the GPU image): steps 1 and 2 compile the MoE block as
-the GPU run does (once: step 1 compiles it under bench_moe's inductor settings, so step 2 loads it
-from the inductor cache); steps 3 and 4 run their model eager there (a cold compile of it per
+sizes (CI runs it, with tyro blocked as on the GPU image): steps 1 and 3 compile the MoE block as
+the GPU run does (once: step 1 compiles it under bench_moe's inductor settings, so step 3 loads it
+from the inductor cache); steps 4 and 5 run their model eager there (a cold compile of it per
 memory policy took ~45 s each on 2 CPU cores). The summary is tools/gpu_check_summary.py (no torch).
 
 Needs only torch and fnmoe (no tyro, no torchtitan, no network): Python functions of fnmoe
 are called directly, never the `fnmoe` CLI. If safetensors is missing, it is stubbed (no step
 reads or writes checkpoints).
 
-Legend: T tokens, D model dim, F expert hidden, E experts, K top-k, R routed rows.
+Legend: T tokens, D model dim, F expert hidden, E experts, K top-k, R routed rows,
+X experts a GPU holds (E/ep).
 """
 from __future__ import annotations
 
@@ -79,6 +94,7 @@ def _stub_safetensors() -> None:
 _stub_safetensors()
 
 import torch  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from fnmoe import compile as fcompile  # noqa: E402
 from fnmoe import optim  # noqa: E402
@@ -86,9 +102,11 @@ from fnmoe import seams  # noqa: E402
 from fnmoe.config import MemoryConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig, load_config  # noqa: E402
 from fnmoe.plan.flops import flops_per_token, mfu  # noqa: E402
 from fnmoe.params import init_params, leaf_inits  # noqa: E402
-from fnmoe.moe import expert_mlp, moe_block  # noqa: E402
+from fnmoe.moe import expert_gemm, expert_mlp, moe_block  # noqa: E402
 from fnmoe.memory.policies import train_runner  # noqa: E402
-from fnmoe.plan.activations import pool_bytes  # noqa: E402
+from fnmoe.config.hardware import hardware  # noqa: E402
+from fnmoe.plan.activations import pool_bytes, tokens_per_rank  # noqa: E402
+from fnmoe.plan.gemm_time import expert_chunks, moe_layer_expert_s, routed_flops_per_token, rows_per_expert  # noqa: E402
 from fnmoe.train import init_state, make_train_step  # noqa: E402
 from fnmoe.tree import flatten_dict, map_with_path, tree_map  # noqa: E402
 
@@ -199,7 +217,7 @@ def check_compiled_moe(rec: Recorder, device: str, dry: bool) -> None:
     gy = (torch.randn(1, s.T, s.D, generator=gen) * 1e-2).to(device, torch.bfloat16)
     comp = bm.fnmoe_impl(w, s, device)
     # compiled under the inductor setting bench_moe.main runs with (kernel names for its profile split on
-    # CPU): step 2's benchmark of the same block and shape then loads this graph from the inductor cache
+    # CPU): step 3's benchmark of the same block and shape then loads this graph from the inductor cache
     with torch._inductor.config.patch(bm_inductor_patch(device)):
         out_c, grads_c = comp.run(x, gy)
     p = {k: v.to(device, torch.bfloat16).requires_grad_(True) for k, v in w.items()}
@@ -398,7 +416,226 @@ def step_correctness(rec: Recorder, device: str, dry: bool) -> None:
     rec.guarded("memory policies", check_memory_policies, rec, device, dry, base)
 
 
-# ---------------------------------------------------------------- 2 MoE benchmark
+# ---------------------------------------------------------------- 2 K2 MoE layer
+
+K2_PRESET = ROOT / "configs" / "kimi_k2_1t.toml"
+
+
+def k2_run(dry: bool) -> RunConfig:
+    """The K2 preset; the dry run's at tiny widths (dim 64, expert hidden 32, 64 experts: 16 a GPU at
+    its ep 4, top-8) and 64-token sequences, its micro-batch and chunks kept."""
+    run = load_config(K2_PRESET, validate_config=False)
+    if not dry:
+        return run
+    moe = dataclasses.replace(run.model.moe, n_experts=64, expert_hidden=32)
+    return dataclasses.replace(run, model=dataclasses.replace(run.model, dim=64, n_layers=2, moe=moe),
+                               data=dataclasses.replace(run.data, seq_len=64))
+
+
+def round_robin_router(logits_TE: torch.Tensor, m: MoEConfig, bias_E: torch.Tensor | None = None):
+    """A fnmoe.routing.Router pinned to balance: token t's k-th expert is (t·K + k) mod E, so every
+    expert gets the same rows (one more for the first T·K mod E), whatever the logits; the weights
+    are the sigmoid router's normalised scores of the chosen experts (gradients reach the router)."""
+    T, E = logits_TE.shape
+    idx_TK = round_robin_TK(T, m.top_k, E, logits_TE.device)
+    scores_TE = torch.sigmoid(logits_TE)
+    w_TK = scores_TE.gather(1, idx_TK)
+    w_TK = w_TK / w_TK.sum(-1, keepdim=True) * m.routed_scaling_factor
+    return w_TK, idx_TK, scores_TE / scores_TE.sum(-1, keepdim=True)
+
+
+def round_robin_TK(T: int, K: int, E: int, device) -> torch.Tensor:
+    return (torch.arange(T * K, device=device) % E).view(T, K)
+
+
+def timed_ms(fn, device: str, warmup: int, iters: int) -> float:
+    """Median ms of fn() after warmup: CUDA events around each call on the GPU, the wall clock on CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+class K2Layer:
+    """One routed MoE layer of the run on one GPU at its per-GPU shapes: the X = E/ep experts a GPU
+    holds, the tokens of one chunk of its micro-batch (a memory.block_chunks block chunk, else a
+    model.moe.token_chunks chunk), bf16. Shared experts are left out: the planner prices them with
+    the dense GEMMs, not in the expert term this is measured against. One GPU has no all-to-all: at
+    an imbalance the busiest rank's extra rows come in as extra tokens of the chunk."""
+
+    def __init__(self, run: RunConfig, device: str):
+        m = run.model.moe
+        self.run, self.device = run, device
+        self.X, self.D, self.F, self.K = m.n_experts // run.mesh.ep, run.model.dim, m.expert_hidden, m.top_k
+        self.T = tokens_per_rank(run) // expert_chunks(run)
+        # the GPU's own experts as the whole layer: its rows arrive sorted by them (no all-to-all here)
+        self.cfg = dataclasses.replace(run.model, moe=dataclasses.replace(m, n_experts=self.X))
+        self.gemm = expert_gemm(self.cfg, torch.bfloat16, device)
+        self.n_moe = sum(run.model.is_moe_layer(i) for i in range(run.model.n_layers))
+        self.p: dict = {}
+
+    def chunk(self) -> str:
+        run, mb, L = self.run, self.run.micro_batch, self.run.data.seq_len
+        if run.memory.block_chunks > 1:
+            return (f"{mb // run.memory.block_chunks} of the micro-batch's {mb} x {L} "
+                    f"(memory.block_chunks={run.memory.block_chunks})")
+        return f"1/{run.model.moe.token_chunks} of the micro-batch's {mb} x {L} (model.moe.token_chunks)"
+
+    def weight_bytes(self) -> int:
+        return 2 * 3 * self.X * self.D * self.F
+
+    def chunk_bytes(self, rows: int) -> int:
+        """Roughly one chunk's transient: rows in and out and their gradients, the permuted copies
+        (4·D a row), the recompute's gate, up and SwiGLU outputs with their gradients (8·F), bf16."""
+        return 2 * rows * (8 * self.D + 8 * self.F)
+
+    def init_weights(self) -> None:
+        g = torch.Generator(device=self.device).manual_seed(0)
+        X, D, F = self.X, self.D, self.F
+
+        def draw(*shape: int) -> torch.Tensor:
+            w = torch.randn(shape, device=self.device, dtype=torch.bfloat16, generator=g)
+            return w.mul_(shape[-2] ** -0.5).requires_grad_(True)
+        self.p = {"w_router_DE": draw(D, X), "w_gate_EDF": draw(X, D, F), "w_up_EDF": draw(X, D, F),
+                  "w_down_EFD": draw(X, F, D)}
+
+    def executed_flops(self, tokens: int) -> float:
+        """Forward, recompute, input and weight gradients: four passes of 2·R·I·O a matrix
+        (gemm_time's count), from the planner's routed FLOPs a token (flops.py's expert term is 3 of them)."""
+        return 4 * routed_flops_per_token(self.run) / self.n_moe * tokens
+
+    def planner_s(self, imbalance: float) -> float:
+        run = dataclasses.replace(self.run, plan=dataclasses.replace(self.run.plan, imbalance=imbalance))
+        return sum(moe_layer_expert_s(run, recomputed=True).values())
+
+    def planner_rows(self, imbalance: float) -> float:
+        run = dataclasses.replace(self.run, plan=dataclasses.replace(self.run.plan, imbalance=imbalance))
+        return rows_per_expert(run) * self.X
+
+    def inputs(self, tokens: int, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator(device=self.device).manual_seed(tokens)
+        x = torch.randn(*shape, device=self.device, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+        return x, torch.randn(*shape, device=self.device, dtype=torch.bfloat16, generator=g).mul_(1e-2)
+
+    def expert_pass(self, x_RD, gy_RD, counts_E) -> None:
+        """expert_mlp over the rows under full recompute (torch checkpoint, as fnmoe's policies):
+        forward saving nothing, then in backward the forward again and its gradients; the weight
+        gradients add into .grad as a step's later chunks do."""
+        x_RD.grad = None
+        w = self.p
+        y_RD = checkpoint(expert_mlp, x_RD, w["w_gate_EDF"], w["w_up_EDF"], w["w_down_EFD"], counts_E, self.gemm,
+                          use_reentrant=False)
+        y_RD.backward(gy_RD)
+
+    def layer_pass(self, x_BLD, gy_BLD) -> None:
+        """moe_block (router, permute, experts, combine) with the round-robin router, recomputed likewise."""
+        x_BLD.grad = None
+        y_BLD = checkpoint(lambda x: moe_block(self.p, x, self.cfg, self.gemm, router=round_robin_router)[0], x_BLD,
+                           use_reentrant=False)
+        y_BLD.backward(gy_BLD)
+
+    def finite(self, x: torch.Tensor, entry: str) -> bool:
+        """The pass's gradients (its input's and the weights' it reads) exist and are finite."""
+        names = [k for k in self.p if entry == "moe_block" or k != "w_router_DE"]
+        return all(t.grad is not None and bool(torch.isfinite(t.grad).all()) for t in [x, *map(self.p.get, names)])
+
+
+def step_k2layer(rec: Recorder, device: str, dry: bool) -> None:
+    run = k2_run(dry)
+    lay = K2Layer(run, device)
+    imb = run.plan.imbalance
+    variants = [("balanced", 1.0)] + ([(f"imbalance {imb:g}", imb)] if imb != 1.0 else [])
+    tokens = {label: round(lay.T * i) for label, i in variants}
+    flops = {label: lay.executed_flops(t) for label, t in tokens.items()}
+    _k2_shape_rows(rec, lay, variants, tokens, flops, dry)
+    need = 2 * lay.weight_bytes() + lay.chunk_bytes(max(tokens.values()) * lay.K)
+    total = _k2_fits(rec, lay, need)
+    if total is None:
+        return
+    lay.init_weights()
+    hw = hardware(run.plan)
+    NOTES.append(f"K2 layer rows: planner = gemm_time.moe_layer_expert_s at the preset's profile ({run.plan.hardware}: "
+                 f"matmul {hw.matmul_tflops:.0f} TFLOP/s, HBM {hw.hbm_tbps:.2g} TB/s); balanced = round-robin experts, "
+                 f"imbalance = the busiest rank's rows (plan.imbalance), each expert the same share")
+    warmup, iters = (1, 2) if dry else (3, 10)
+    for label, i in variants:
+        counts_E = torch.bincount(round_robin_TK(tokens[label], lay.K, lay.X, "cpu").flatten(), minlength=lay.X)
+        plan_ms = lay.planner_s(i) * 1e3
+        for entry in ("expert_mlp", "moe_block"):
+            check = f"K2 {entry}, {label} ({int(counts_E.min())}-{int(counts_E.max())} rows an expert)"
+            if time_left() < 15:
+                rec.row(check, f"not measured: {time_left():.0f} s left of the step's time", "skip")
+                continue
+            rec.guarded(check, _k2_measure, rec, lay, check, entry, tokens[label], counts_E, flops[label], plan_ms,
+                        warmup, iters)
+    if device.startswith("cuda"):
+        peak = torch.cuda.max_memory_allocated()
+        rec.row("K2 layer peak memory", f"{peak / 1e9:.3g} GB allocated (estimated {need / 1e9:.3g})",
+                status(peak < total))
+
+
+def _k2_shape_rows(rec: Recorder, lay: "K2Layer", variants: list, tokens: dict, flops: dict, dry: bool) -> None:
+    """The layer's shapes and work; FAIL when its rows or FLOPs are not the planner's for the same chunk."""
+    run = lay.run
+    same = all(abs(tokens[lab] * lay.K - lay.planner_rows(i)) <= lay.K
+               and abs(flops[lab] / (4 * 2.0 * tokens[lab] * lay.K * 3 * lay.D * lay.F) - 1) < 1e-9
+               for lab, i in variants)
+    rec.row("K2 layer shapes", f"{K2_PRESET.name}{' (tiny widths)' if dry else ''}: {lay.X} of "
+            f"{run.model.moe.n_experts} experts (ep {run.mesh.ep}), dim {lay.D}, expert hidden {lay.F}, top-{lay.K}",
+            "info")
+    rec.row("K2 layer chunk", f"{lay.T} tokens: {lay.chunk()}", "info")
+    rec.row("K2 layer work (rows, FLOPs = the planner's)", f"{lay.gemm} GEMMs, bf16, fwd + recompute + bwd; "
+            + "; ".join(f"{lab} {tokens[lab] * lay.K} rows {flops[lab] / 1e12:.3g} TFLOP" for lab, _ in variants),
+            status(same))
+
+
+def _k2_fits(rec: Recorder, lay: "K2Layer", need: int) -> int | None:
+    """The device's bytes when the layer's weights, their gradients and one chunk fit in 90% of its free
+    memory (always on CPU: 0), else None with a row saying so."""
+    mem = (f"weights {lay.weight_bytes() / 1e9:.3g} GB + their grads + one chunk ~"
+           f"{(need - 2 * lay.weight_bytes()) / 1e9:.3g} = {need / 1e9:.3g} GB")
+    if not lay.device.startswith("cuda"):
+        rec.row("K2 layer memory", mem, "ok")
+        return 0
+    free, total = torch.cuda.mem_get_info()
+    torch.cuda.reset_peak_memory_stats()
+    if need > 0.9 * free:
+        rec.row("K2 layer memory", f"{mem}: over 90% of the {free / 1e9:.0f} GB free; not run", "skip")
+        return None
+    rec.row("K2 layer memory", f"{mem} of {free / 1e9:.0f} GB free ({total / 1e9:.0f} GB)", "ok")
+    return total
+
+
+def _k2_measure(rec: Recorder, lay: K2Layer, check: str, entry: str, tokens: int, counts_E: torch.Tensor,
+                flops: float, plan_ms: float, warmup: int, iters: int) -> None:
+    if entry == "expert_mlp":
+        x, gy = lay.inputs(tokens, (tokens * lay.K, lay.D))
+        counts = counts_E.to(lay.device)
+        ms = timed_ms(lambda: lay.expert_pass(x, gy, counts), lay.device, warmup, iters)
+    else:
+        x, gy = lay.inputs(tokens, (1, tokens, lay.D))
+        ms = timed_ms(lambda: lay.layer_pass(x, gy), lay.device, warmup, iters)
+    extra = "" if entry == "expert_mlp" else " (+router/permute/combine)"
+    rec.row(check, f"{ms:.3g} ms, {flops / ms / 1e9:.3g} TFLOP/s; planner {plan_ms:.3g} ms, "
+            f"{flops / plan_ms / 1e9:.3g} TFLOP/s; measured/planner {ms / plan_ms:.3g}{extra}",
+            status(lay.finite(x, entry)))
+    for w in lay.p.values():  # the next measurement starts from no gradient (its x, gy go when this returns)
+        w.grad = None
+
+
+# ---------------------------------------------------------------- 3 MoE benchmark
 
 GPU_SHAPES = ["4096,512,256,32,4", "16384,2048,1408,64,6"]  # the CPU anchor; a DeepSeek-V3-16B layer
 DRY_SHAPES = ["256,64,32,8,2"]
@@ -436,7 +673,7 @@ def step_moe(rec: Recorder, device: str, dry: bool) -> None:
                 rec.row(f"{r['shape']} parity vs {name}", "; ".join(problems)[:200], "FAIL")
 
 
-# ---------------------------------------------------------------- 3 model, 4 determinism
+# ---------------------------------------------------------------- 4 model, 5 determinism
 
 def model_16b_cut(dry: bool) -> tuple[ModelConfig, str]:
     """DeepSeek-V3-16B widths (ANCHORS.md; configs/deepseek_v3_16b.toml when present) cut to 4 layers."""
@@ -447,7 +684,7 @@ def model_16b_cut(dry: bool) -> tuple[ModelConfig, str]:
                           kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, ffn_hidden=128,
                           max_seq_len=256, moe=moe, compute_dtype="bfloat16", compile=False)
         # eager: a cold compile of this model takes ~45 s per policy on 2 CPU cores; the dry run takes
-        # the compile path in step 1's compiled MoE block and step 2's benchmark of it instead
+        # the compile path in step 1's compiled MoE block and step 3's benchmark of it instead
         return cfg, "dry run: a tiny MLA model, eager"
     preset = ROOT / "configs" / "deepseek_v3_16b.toml"
     if preset.is_file():
@@ -725,8 +962,9 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder(results, args.step)
     t0 = time.perf_counter()
     print(f"== gpu_check step {args.step} on {device}: {rec.env}", flush=True)
-    {"correctness": step_correctness, "moe": step_moe, "model": step_model, "determinism": step_determinism}[args.step](
-        rec, device, args.dry_run)
+    steps = {"correctness": step_correctness, "k2layer": step_k2layer, "moe": step_moe, "model": step_model,
+             "determinism": step_determinism}
+    steps[args.step](rec, device, args.dry_run)
     print(f"== step {args.step} done in {time.perf_counter() - t0:.1f} s", flush=True)
     return 0
 

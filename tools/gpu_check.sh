@@ -3,15 +3,18 @@
 #
 #   bash tools/gpu_check.sh            # on the GPU machine
 #   bash tools/gpu_check.sh --dry-run  # the same steps on CPU at tiny sizes (CI; < 60 s on 2 cores, cold cache;
-#                                      # step 3 and 4's model eager there, steps 1 and 2 compile the MoE block once)
+#                                      # step 4 and 5's model eager there, steps 1 and 3 compile the MoE block once)
 #
 # Steps, in priority order, each its own process under a timeout (a crash or a hang in one does
 # not stop the rest; rows finished before a timeout are kept):
 #   1 correctness   grouped vs loop expert GEMMs, compiled MoE block, 3 tiny-preset training
 #                   steps on cuda vs cpu, recompute, offload (when MemoryConfig has it)
-#   2 moe           tools/bench_moe.py on cuda (vs TorchTitan when it imports)
-#   3 model         DeepSeek-V3-16B widths cut to 4 layers: tokens/s, MFU, peak memory per memory policy
-#   4 determinism   tokens/s with and without torch.use_deterministic_algorithms
+#   2 k2layer       one Kimi-K2 MoE layer at the preset's per-GPU shapes (96 experts, one chunk), forward +
+#                   recompute + backward: TFLOP/s beside the planner's expert-GEMM time, balanced and at
+#                   plan.imbalance (~2 s of GPU at ~400 TFLOP/s, ~20 s with the process's start)
+#   3 moe           tools/bench_moe.py on cuda (vs TorchTitan when it imports)
+#   4 model         DeepSeek-V3-16B widths cut to 4 layers: tokens/s, MFU, peak memory per memory policy
+#   5 determinism   tokens/s with and without torch.use_deterministic_algorithms
 # then a summary table (tools/gpu_check_summary.py), also written to $OUT/gpu_check.txt when $OUT is set.
 #
 # Needs Python with torch (no tyro, no torchtitan, no network). $PYTHON picks the interpreter;
@@ -24,7 +27,7 @@ DRY=""
 case "${1:-}" in
   --dry-run) DRY="--dry-run" ;;
   "") ;;
-  -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
   *) echo "usage: bash tools/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
 esac
 
@@ -40,7 +43,7 @@ if [ -n "$DRY" ]; then
   export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 else
   BUDGET="${GPU_CHECK_BUDGET_S:-340}"
-  # cuBLAS reads this when its handle is created: set for every step so step 4 can switch
+  # cuBLAS reads this when its handle is created: set for every step so step 5 can switch
   # deterministic mode on within one process (it is what --train.deterministic sets)
   export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"
 fi
@@ -68,11 +71,13 @@ run_step() {  # run_step NAME CAP_SECONDS
 
 if [ -n "$DRY" ]; then
   run_step correctness 150
+  run_step k2layer 150
   run_step moe 150
   run_step model 150
   run_step determinism 150
 else
   run_step correctness 75
+  run_step k2layer 60
   run_step moe 90
   run_step model 120
   run_step determinism 90

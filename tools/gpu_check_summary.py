@@ -15,8 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-SECTIONS = {"correctness": "1 correctness", "moe": "2 moe bench", "model": "3 model 16B-cut",
-            "determinism": "4 determinism"}
+SECTIONS = {"correctness": "1 correctness", "k2layer": "2 K2 MoE layer", "moe": "3 moe bench",
+            "model": "4 model 16B-cut", "determinism": "5 determinism"}
 STEPS = list(SECTIONS)
 
 

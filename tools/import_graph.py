@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("params", "optim", "kernels", "data", "transforms", "train_state", "run"),
     ("attention", "tree_io", "checkpoint"),     # checkpoint/ imports neither the step nor the data
     ("moe", "routing", "hf"),                   # routing: the router seam and its built-ins
-    ("moe_chunks",),
+    ("moe_chunks", "block_chunks"),
     ("model",),
     ("memory",),                                # what a block keeps for backward: runs the model's blocks
     ("train",),                                 # the step

@@ -192,8 +192,9 @@ def snapshot(state: TrainState, run: RunConfig, data: dict[str, Any] | None, ran
 
 def staged(snap: Snapshot, after=None) -> Snapshot:
     """snap with fresh CPU copies of its tensors, made on the calling thread (a background save's):
-    the training thread goes on meanwhile. A step returns new trees and never writes into the state
-    it was given, so the tensors are as they were when `snapshot` took them. after: a CUDA event
+    the training thread goes on meanwhile. A functional step returns new trees and never writes into
+    the state it was given; a donating one (train.donate) does, so the loop waits for these copies
+    before it (fnmoe.loop_steps): the tensors are as they were when `snapshot` took them. after: a CUDA event
     recorded on the training stream once the state was complete; the copies run on a side stream
     that waits for it."""
     stream = None

@@ -77,6 +77,27 @@ def _validate_token_chunks(e: list[str], cfg: RunConfig) -> None:
            f"({cfg.dp_size} ranks x train.grad_accum={t.grad_accum})) = {T}")
 
 
+def _validate_block_chunks(e: list[str], cfg: RunConfig) -> None:
+    """memory.block_chunks splits a rank's micro-batch by sequences, under full recompute, dropless."""
+    N, t = cfg.memory.block_chunks, cfg.train
+    if N == 1:
+        return
+    _check(e, cfg.memory.recompute == "full",
+           f"memory.block_chunks={N} needs memory.recompute='full' (the chunks are recomputed one at a time)")
+    _check(e, cfg.model.moe.token_chunks == 1,
+           f"memory.block_chunks={N} takes model.moe.token_chunks=1 (it is {cfg.model.moe.token_chunks}): a block "
+           "chunk's MoE region in token chunks would hold every token chunk's expert-weight gradient at once "
+           "in backward; chunk the block more instead")
+    _check(e, not cfg.model.moe.capacity_factor,
+           f"memory.block_chunks={N} needs a dropless MoE (model.moe.capacity_factor=0): a capacity counts an "
+           "expert's rows over the whole micro-batch")
+    if t.batch_size % (cfg.dp_size * t.grad_accum):
+        return
+    _check(e, cfg.micro_batch % N == 0,
+           f"memory.block_chunks={N} must divide a rank's micro-batch of {cfg.micro_batch} sequences "
+           f"(train.batch_size={t.batch_size} / ({cfg.dp_size} ranks x train.grad_accum={t.grad_accum}))")
+
+
 def _validate_groups(e: list[str], moe: MoEConfig) -> None:
     G = moe.n_group
     if moe.n_experts % G:
@@ -101,6 +122,20 @@ def _validate_memory(e: list[str], mem: MemoryConfig) -> None:
     # region policies always keep the exchange (fnmoe.memory.policies): the flag would do nothing there
     _check(e, mem.keep_exchange or mem.recompute == "full",
            "memory.keep_exchange=false (--memory.no-keep-exchange) needs memory.recompute='full'")
+
+
+def _validate_expert_gather(e: list[str], cfg: RunConfig) -> None:
+    """An fp8 expert gather needs the dtype in this torch and expert stacks that fsdp gathers."""
+    name, mesh, E = cfg.mesh.expert_gather_dtype, cfg.mesh, cfg.model.moe.n_experts
+    if name == "compute":
+        return
+    import torch  # here: a config without the field is checked without torch
+    _check(e, getattr(torch, name, None) is not None,
+           f"mesh.expert_gather_dtype={name!r} needs torch.{name}, which this torch ({torch.__version__}) lacks")
+    _check(e, mesh.fsdp > 1 and E > 0,
+           f"mesh.expert_gather_dtype={name!r} quantises the expert stacks' all-gather over mesh.fsdp, but "
+           f"mesh.fsdp={mesh.fsdp} with model.moe.n_experts={E} gathers no expert weights: set mesh.fsdp > 1, "
+           "or leave it 'compute'")
 
 
 MIX_NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -165,7 +200,9 @@ def _run_relations(cfg: RunConfig) -> list[str]:
     # q/k RMSNorm undoes any rescaling of the query/key weights, so the clip could not act
     _check(e, not (o.qk_clip and cfg.model.qk_norm), "optim.qk_clip needs model.qk_norm=false")
     _validate_memory(e, cfg.memory)
+    _validate_expert_gather(e, cfg)
     _validate_token_chunks(e, cfg)
+    _validate_block_chunks(e, cfg)
     if cfg.profile.steps:
         a, _, b = cfg.profile.steps.partition(":")
         ok = a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)

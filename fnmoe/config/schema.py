@@ -28,6 +28,13 @@ class MeshConfig:
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype the gradients are reduce-scattered in (half the bytes in bfloat16); the sharded gradient
     and the master params stay float32"""
+    expert_gather_dtype: Literal["compute", "float8_e4m3fn"] = "compute"
+    """dtype the expert stacks are all-gathered in over fsdp: 'compute' (model.compute_dtype), or
+    float8_e4m3fn: each rank quantises its expert shard once a step (a power-of-two float32 scale a
+    128x128 block) and sends 1 byte an element plus the scales; blocks compute on it dequantised to
+    the compute dtype, the gradient reaches the float32 master shard as from a compute-dtype gather
+    (dense leaves, reduce-scatters, master params and evaluation's gathers are unchanged). Needs
+    mesh.fsdp > 1 and experts"""
 
     @property
     def world(self) -> int:
@@ -88,6 +95,11 @@ class MemoryConfig:
     """with recompute='full': keep the EP all-to-alls' outputs for backward (4 exchange passes a MoE
     layer); --memory.no-keep-exchange replays them in the recompute instead (6 passes, less memory).
     Region policies always keep them"""
+    block_chunks: PositiveInt = 1
+    """with recompute='full': run each block's forward, recompute and backward over this many chunks of
+    its sequences (attention, MLP, router and experts alike), the block's gathered weights held once
+    for all of them, so the recompute's transient is one chunk's (fnmoe/block_chunks.py); must divide a
+    rank's micro-batch"""
     attention: RegionPolicy = "none"
     """attention regions: keep, recompute, recompute cheap ops only, or offload their saved tensors"""
     moe: RegionPolicy = "none"
@@ -220,6 +232,13 @@ class TrainConfig:
     """the text a sample continues (empty: the start of a document)"""
     sample_tokens: PositiveInt = 64
     """tokens a sample adds"""
+    donate: bool = True
+    """the step owns the train state and updates params and optimizer state in place, leaf by leaf (JAX's
+    donate_argnums): bitwise the pure update's values without a second copy of them beside the old (the
+    planner's update_transient: one leaf's workspace instead of the optimizer state and 2-3.5x the params).
+    A step skipped for a non-finite loss or gradient leaves the state bitwise as it was either way; a
+    finite gradient whose update is not finite (a huge lr) leaves the leaves before the first non-finite
+    one stepped where --train.no-donate leaves all as they were"""
 
 
 @dataclass(frozen=True)

@@ -24,16 +24,19 @@ def pool_segments(nbytes: int) -> list[int]:
 
 
 POOL_MARGIN = 1.25
-"""the host pool holds the planned offload bytes times this (plus 1 MiB): routing above the planned
-imbalance must not fill it mid-step"""
+"""the host pool holds the planned offload bytes whose size follows the routing (the expert rows of
+an offloaded MoE region, a kept exchange's outputs) times this: routing above the planned imbalance
+must not fill it mid-step. Bytes that do not depend on routing (block inputs, the routing itself)
+take no margin."""
 
 
-def pool_bytes_for(offload_bytes: int) -> int:
-    """What a pool for offload_bytes of saved tensors pins (0 for none): the margin, then whole
-    segments. The one rule the run (fnmoe.memory.policies), its host-memory check and the planner use."""
+def pool_bytes_for(offload_bytes: int, routed_bytes: int = 0) -> int:
+    """What a pool for offload_bytes of saved tensors pins (0 for none), routed_bytes of them sized
+    by the routing: those with the margin, plus 1 MiB, in whole segments. The one rule the run
+    (fnmoe.memory.policies), its host-memory check and the planner use."""
     if not offload_bytes:
         return 0
-    return sum(pool_segments(int(offload_bytes * POOL_MARGIN) + (1 << 20)))
+    return sum(pool_segments(int(offload_bytes + routed_bytes * (POOL_MARGIN - 1)) + (1 << 20)))
 
 
 class _Done:

@@ -44,6 +44,7 @@ from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import reshard
 from fnmoe.config import REGIONS, MemoryConfig
 from fnmoe.memory.host_pool import Handle, HostPool
+from fnmoe.seams import Chunking
 from fnmoe._torch import TorchDispatchMode
 from fnmoe.tree import flatten_dict, tree_map
 
@@ -213,8 +214,9 @@ def _offload_hooks(pool: HostPool, keep: set[int], min_bytes: int, stats: dict, 
     def pack(t: torch.Tensor):
         n = t.numel() * t.element_size()
         # expanded (overlapping) tensors are broadcasts of small ones: not worth a copy
+        # a gathered weight is the block's params in compute form (saved whole by a chunked block)
         if (n < min_bytes or _torch.storage_key(t) in keep or (t.is_leaf and t.requires_grad)
-                or not _dense(t)):
+                or not _dense(t) or reshard.is_gathered(t)):
             stats["kept"] += n
             return t
         # a size that differs by rank (simulated ranks: a symbolic int) has no hash: no dedup then
@@ -275,21 +277,39 @@ class Runner:
         if self.mem.recompute == "full" or self.mem.offload or self.reshard:
             _check_untransformed()
         inner = _plain
-        if self.mem.recompute == "full":  # what it keeps (routing, the exchange) goes to the pool too
-            pool = self.pool if self.mem.offload and self._offloading(i) else None
-            kept = _Kept(ROUTING_OPS | EXCHANGE_OPS, pool, self.mem.offload_min_bytes,
-                         *((self.handles.setdefault(i, []), self.stats.setdefault(i, {"kept": 0, "offloaded": 0}))
-                           if pool else (None, None)), replay_exchange=not self.mem.keep_exchange)
-            inner = functools.partial(recompute_block, kept=kept)
+        chunked = self.block_chunks(i) is not None
+        if self.mem.recompute == "full" and not chunked:  # the chunks recompute themselves (fnmoe.block_chunks)
+            inner = functools.partial(recompute_block, kept=self._kept(i))
         if self.pool is not None and self._offloading(i) and x_BLD.requires_grad:
             x_BLD.register_hook(functools.partial(self._release, i))
         if self.mem.offload and self._offloading(i):
             with self._hooks(i, p, (x_BLD, *rest)):
                 return inner(fn, p, x_BLD, *rest)
-        if self.reshard and self.mem.recompute != "full":
+        if self.reshard and (self.mem.recompute != "full" or chunked):
             with reshard.hooks():
-                return fn(p, x_BLD, *rest)
+                return inner(fn, p, x_BLD, *rest)
         return inner(fn, p, x_BLD, *rest)
+
+    def _kept(self, i: int) -> _Kept:
+        """A new record of what block i's recompute takes back (routing, the exchange), in the pool
+        where the block offloads."""
+        pool = self.pool if self.mem.offload and self._offloading(i) else None
+        return _Kept(ROUTING_OPS | EXCHANGE_OPS, pool, self.mem.offload_min_bytes,
+                     *((self.handles.setdefault(i, []), self.stats.setdefault(i, {"kept": 0, "offloaded": 0}))
+                       if pool else (None, None)), replay_exchange=not self.mem.keep_exchange)
+
+    def block_chunks(self, i: int) -> Chunking | None:
+        """fnmoe.seams.BlockRunner.block_chunks: memory.block_chunks > 1 under full recompute, while
+        gradients are taken (a forward without them runs whole); each chunk keeps its own routing and
+        exchange (in the pool where the block offloads)."""
+        n = self.mem.block_chunks
+        if n == 1 or self.mem.recompute != "full" or not torch.is_grad_enabled():
+            return None
+
+        def modes():
+            kept = self._kept(i)
+            return _Keeping(kept), _Replaying(kept)
+        return Chunking(n, modes)
 
     def region(self, i: int, name: str, fn: Callable, compile: bool, *args):
         policy = getattr(self.mem, name)
@@ -307,6 +327,8 @@ class Runner:
         at a time under full recompute (the block's or the region's); the region's checkpoint keeps the
         exchange's outputs, the block's unless --memory.no-keep-exchange. Selective recompute keeps the
         matmuls the chunks would recompute: its chunks run as they are."""
+        if self.block_chunks(i) is not None:  # a block chunk's MoE runs its token chunks as they are
+            return None
         if self.mem.recompute == "full":
             return "keep" if self.mem.keep_exchange else "replay"
         return "keep" if self.mem.moe == "full" else None

@@ -5,6 +5,7 @@
     adam.py         scale_by_adam, adamw (torch.optim.AdamW's arithmetic)
     muon_update.py  newton_schulz, scale_by_muon, muon (matrices on Muon, the rest on AdamW)
     qk_clipping.py  qk_clip: MuonClip's per-head query/key rescale, after any optimizer's step
+    in_place.py     update_in_place: an update written into the params and state it was given, leaf by leaf
     build.py        from_config: the optimizer a RunConfig's `optim` section describes
 
 Modules import one way, in that order; this file only re-exports. A module is never named after
@@ -22,6 +23,7 @@ from fnmoe.optim.build import from_config
 from fnmoe.optim.muon_update import (NS_COEFFICIENTS, AdjustLR, ScaleByMuonState, lr_scale, muon, newton_schulz,
                                      scale_by_muon)
 from fnmoe.optim.qk_clipping import qk_clip
+from fnmoe.optim.in_place import update_in_place
 from fnmoe.optim.schedules import constant, schedule_from_config, warmup_cosine, warmup_of, wsd
 from fnmoe.tree import tree_flatten_with_paths, tree_map  # the tree helpers optimizer code maps with
 
@@ -39,7 +41,7 @@ __all__ = [
     # muon
     "NS_COEFFICIENTS", "AdjustLR", "newton_schulz", "lr_scale", "ScaleByMuonState", "scale_by_muon", "muon",
     # qk-clip, config
-    "qk_clip", "from_config",
+    "qk_clip", "from_config", "update_in_place",
     # fnmoe.tree
     "tree_flatten_with_paths", "tree_map",
 ]

@@ -21,10 +21,10 @@ scalar tensor, "leaf" a tensor of a tree, "path" a leaf's dotted key ("layers.0.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
-
+import contextlib
 import math
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -93,7 +93,8 @@ def per_leaf_values(tree_or_fn: PerLeaf, tree: Tree, order: Tree | None = None) 
     ann = tree_or_fn(tree) if callable(tree_or_fn) else tree_or_fn
     paths = tree_flatten_with_paths(tree if order is None else order)[0]
     by_path = dict(zip(*tree_flatten_with_paths(ann)[:2]))
-    if by_path.keys() != set(paths):
+    # one leaf at a time (in_place.update_in_place) a tree of annotations covers more than the leaf
+    if not set(paths) <= by_path.keys() or (by_path.keys() != set(paths) and not _whole_norm):
         raise ValueError(f"labels/mask tree does not match the params tree at "
                          f"{sorted(by_path.keys() ^ set(paths))[:5]}")
     return [by_path[p] for p in paths]
@@ -248,6 +249,21 @@ def global_norm(tree: Tree) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
 
+_whole_norm: list[Tensor] = []
+"""the norm of the whole gradient tree while an update runs one leaf at a time (whole_tree_norm)"""
+
+
+@contextlib.contextmanager
+def whole_tree_norm(norm: Tensor) -> Iterator[None]:
+    """While fnmoe.optim.in_place runs an update one leaf at a time, clip_by_global_norm clips by the
+    whole tree's norm (given: the caller computed it for its finite check), not the leaf's."""
+    _whole_norm.append(norm)
+    try:
+        yield
+    finally:
+        _whole_norm.pop()
+
+
 class ClipState(NamedTuple):
     max_norm: Tensor
 
@@ -256,7 +272,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """Scale all updates by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_."""
     hyper("clip_by_global_norm: max_norm", max_norm)
     def update(updates: Tree, state: ClipState, params: Tree = None) -> tuple[Tree, ClipState]:
-        norm = global_norm(updates)
+        norm = _whole_norm[-1] if _whole_norm else global_norm(updates)
         # reciprocal-then-multiply is how torch evaluates `max_norm / (norm + 1e-6)`
         coef = torch.clamp((norm + 1e-6).reciprocal() * state.max_norm.to(norm.dtype), max=1.0)
         return tree_map(lambda u: u * coef.to(u.device) if u.is_floating_point() else u, updates), state

@@ -2,6 +2,7 @@
 
 dist.py (process groups, the mesh, where tensors live), sharding.py (logical-axis rules, param
 specs, sharding a tree), gather.py (FSDP: a block's params gathered, prefetched, gradients
-reduce-scattered), reshard.py (gathered weights dropped after forward and gathered again in
+reduce-scattered), fp8.py (the expert stacks' gathers in float8: block quantisation, what a rank
+sends, the stack dequantised), reshard.py (gathered weights dropped after forward and gathered again in
 backward), dispatch.py (the expert-parallel token exchange and the collectives it uses).
 """

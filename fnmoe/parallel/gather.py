@@ -32,6 +32,12 @@ Every phase is a functional collective's op (`all_gather_into_tensor_coalesced`,
 `reduce_scatter_tensor`, `wait_tensor`), the same on gloo, NCCL, the fake group of `fnmoe
 rehearse` and a simulation's LocalTensorMode, so the meters and the tests see the code a GPU runs.
 
+With `--mesh.expert-gather-dtype float8_e4m3fn` (`expert_dtype`) the expert stacks' gathers send
+each rank's shard in e4m3 with a float32 scale per 128x128 block (fnmoe.parallel.fp8: quantised
+once a step, sent as bytes in a call of their own) and `finish` dequantises them to the compute
+dtype; dense leaves still travel in the compute dtype. The gradient goes back as from any gather
+(straight-through: the same reduce-scatter to the float32 master shard).
+
 A shard follows torch.chunk (DTensor's Shard): the leading ranks hold ceil(n / w) rows, the last
 the rest, trailing ranks maybe none. Every rank sends ceil(n / w) rows (padded) and the first n of
 the gathered rows are the leaf.
@@ -52,6 +58,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fnmoe import _torch, caches
 from fnmoe.parallel import dist as fdist
+from fnmoe.parallel import fp8
 from fnmoe.tree import Tree, map_with_path, tree_flatten
 
 
@@ -59,8 +66,8 @@ from fnmoe.tree import Tree, map_with_path, tree_flatten
 class Issued:
     """One leaf's all-gather in flight: its result once waited, and how to send its gradient back."""
     local: torch.Tensor        # this rank's shard (on the autograd graph: to_local of the leaf)
-    out: torch.Tensor | None   # the gathered rows, [w * rows, ...] along dim 0, until waited for
-    send: torch.Tensor | None  # what this rank sends, until then
+    out: list[torch.Tensor] | None   # the gathered rows, [w * rows, ...] along dim 0, until waited for
+    send: list[torch.Tensor] | None  # what this rank sends, until then: the rows, or fp8.pack's (q, scales)
     dim: int                   # the dim the leaf is split along
     n: int                     # the leaf's size along dim (expert stacks: this ep rank's experts)
     group: object              # the process group gathered over
@@ -68,6 +75,7 @@ class Issued:
     axis: str
     block: object = None       # the issue() call it came from: a block's gathers share it
     reduce: torch.dtype = torch.float32  # the dtype its gradient is reduce-scattered in
+    dequantise: torch.dtype | None = None  # with an fp8 send: the compute dtype it is dequantised to
 
 
 def _padded(x: torch.Tensor, dim: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
@@ -95,9 +103,12 @@ def _prepare(path: str, t: torch.Tensor, dtype: torch.dtype):
         return local.to(dtype)
     dim, w = placement.dim, group.size()
     n = n if n is not None else t.shape[dim]
+    if axis == "fsdp" and _expert_dtype is not None:
+        send = list(fp8.payload(t, local, dim, math.ceil(n / w)))
+        return Issued(local, None, send, dim, n, group, path, axis, dequantise=dtype)
     with torch.no_grad():
         send = _padded(local.detach(), dim, math.ceil(n / w), dtype)
-    return Issued(local, None, send, dim, n, group, path, axis)
+    return Issued(local, None, [send], dim, n, group, path, axis)
 
 
 _reduce_dtype = torch.float32
@@ -116,6 +127,25 @@ def reducing(dtype: torch.dtype):
         yield
     finally:
         _reduce_dtype = before
+
+
+_expert_dtype: torch.dtype | None = None
+"""the dtype gathers issued now send expert stacks in, when not the compute dtype (`expert_dtype`)"""
+
+
+@contextlib.contextmanager
+def expert_dtype(dtype: torch.dtype | None):
+    """Gathers issued inside send expert stacks in dtype (mesh.expert_gather_dtype: fp8.E4M3, or None:
+    the compute dtype). As `reducing`, fnmoe.train enters it around a micro-batch's forward and
+    backward, so backward's regathers send what the forward's did."""
+    if dtype not in (None, fp8.E4M3):
+        raise ValueError(f"expert stacks are gathered in the compute dtype or float8_e4m3fn, not {dtype}")
+    global _expert_dtype
+    before, _expert_dtype = _expert_dtype, dtype
+    try:
+        yield
+    finally:
+        _expert_dtype = before
 
 
 _in_flight: dict[str, list[weakref.ref]] = {}
@@ -184,14 +214,22 @@ def _issue_on(group, start: Callable[[], list[torch.Tensor]]) -> list[torch.Tens
 
 
 def _start(xs: list[Issued]) -> None:
-    """One coalesced all-gather of xs (all on one group)."""
+    """The coalesced all-gathers of xs (all on one group): one a dtype sent (gloo's coalesced
+    all-gather of mixed dtypes returns garbage), in the order their first leaves come."""
     group = xs[0].group
     axis = "dp (fsdp x ep)" if xs[0].axis == "dp" else xs[0].axis
-    fdist.entering(f"all-gather of {','.join(x.path for x in xs)} over {axis}")
-    outs = _issue_on(group, lambda: _torch.c10d_ops.all_gather_into_tensor_coalesced(
-        [x.send for x in xs], group.size(), group.group_name))
-    for x, out in zip(xs, outs):
-        x.out = out
+    by_dtype: dict[torch.dtype, list[tuple[Issued, torch.Tensor]]] = {}
+    for x in xs:
+        x.out = []
+        for t in x.send:
+            by_dtype.setdefault(t.dtype, []).append((x, t))
+    for pairs in by_dtype.values():
+        paths = ",".join(dict.fromkeys(x.path for x, _ in pairs))
+        fdist.entering(f"all-gather of {paths} over {axis}")
+        outs = _issue_on(group, lambda: _torch.c10d_ops.all_gather_into_tensor_coalesced(
+            [t for _, t in pairs], group.size(), group.group_name))
+        for (x, _), out in zip(pairs, outs):
+            x.out.append(out)
 
 
 def _reduce_scatter(send: torch.Tensor, group, block: object, rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -226,10 +264,12 @@ class _Gathered(torch.autograd.Function):
             local.shape[issued.dim], local.dtype
         ctx.block, ctx.reduce = issued.block, issued.reduce
         ctx.what = f"reduce-scatter of {issued.path}'s gradient over {issued.axis} (backward)"
-        full = _torch.c10d_ops.wait_tensor(issued.out)
+        outs = [_torch.c10d_ops.wait_tensor(out) for out in issued.out]
         issued.out = issued.send = None
+        if issued.dequantise is not None:
+            return fp8.unpack(*outs, ctx.group.size(), issued.dim, issued.n, issued.dequantise)
         # contiguous, as resharding needs to regather it in backward instead of keeping it
-        return full[:issued.n].movedim(0, issued.dim).contiguous()
+        return outs[0][:issued.n].movedim(0, issued.dim).contiguous()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -117,6 +117,11 @@ def _source(t: torch.Tensor) -> tuple[_Gathered, torch.Tensor] | None:
     return None
 
 
+def is_gathered(t: torch.Tensor) -> bool:
+    """Whether t is a gathered weight (or a view of one) of a block in this forward."""
+    return _source(t) is not None
+
+
 def _pack(t: torch.Tensor, inner: Callable | None):
     found = _source(t)
     if found is not None and found[1].is_contiguous():

@@ -94,13 +94,18 @@ def weight_grad_bytes(run: RunConfig, i: int) -> int:
     (fnmoe.moe_chunks) differentiated chunk by chunk holds every chunked weight's gradient, summed
     over the chunks, beside one chunk's new one."""
     s, one = DTYPE_BYTES[run.model.compute_dtype], largest_leaf(run, layers=True)
-    m = run.model.moe
-    if not (run.model.is_moe_layer(i) and m.token_chunks > 1 and run.memory.recompute == "full"):
+    m, full = run.model.moe, run.memory.recompute == "full"
+    if full and run.memory.block_chunks > 1:
+        # every weight of the block (fnmoe.block_chunks): all of them summed over the chunks
+        chunked = [math.prod(shape) // (run.mesh.ep if leaf_kind(path) == "expert" else 1)
+                   for path, shape in leaf_shapes(run.model) if path.startswith(f"layers.{i}.")]
+    elif run.model.is_moe_layer(i) and m.token_chunks > 1 and full:
+        # the chunks' weights (moe_chunks._weights): the expert stacks (a rank's E/ep) and the shared experts'
+        chunked = [math.prod(shape) // (run.mesh.ep if leaf_kind(path) == "expert" else 1)
+                   for path, shape in leaf_shapes(run.model)
+                   if path.startswith(f"layers.{i}.moe.") and (leaf_kind(path) == "expert" or ".moe.shared." in path)]
+    else:
         return one * s
-    # the chunks' weights (moe_chunks._weights): the expert stacks (a rank's E/ep) and the shared experts'
-    chunked = [math.prod(shape) // (run.mesh.ep if leaf_kind(path) == "expert" else 1)
-               for path, shape in leaf_shapes(run.model)
-               if path.startswith(f"layers.{i}.moe.") and (leaf_kind(path) == "expert" or ".moe.shared." in path)]
     return (sum(chunked) + max(max(chunked), one)) * s
 
 
@@ -128,9 +133,25 @@ def selective_bytes(cfg: ModelConfig, region: str, T: int, s: int, R: int) -> in
     m = cfg.moe
     # the router's fp32 logits and top-k (values, indices; group-limited: the groups' top-2 and top-k too),
     # the experts' three GEMMs, the combine, the shared experts' three matmuls
-    topk = T * 12 * (m.top_k + (2 * m.n_group + m.topk_group if m.n_group > 1 else 0))
+    topk = topk_bytes(cfg, T)
     shared = T * (2 * m.n_shared_experts * m.expert_hidden + D) * s if m.n_shared_experts else 0
     return x + T * m.n_experts * 4 + topk + R * (2 * m.expert_hidden + D) * s + T * D * s + shared
+
+
+def topk_bytes(cfg: ModelConfig, T: int) -> int:
+    """The router's top-k outputs (fp32 values, int64 indices; group-limited routing: the groups'
+    top-2 and top-k too): what every recompute keeps of the routing (memory.ROUTING_OPS)."""
+    m = cfg.moe
+    return T * 12 * (m.top_k + (2 * m.n_group + m.topk_group if m.n_group > 1 else 0))
+
+
+def routing_bytes(run: RunConfig, T: int) -> int:
+    """What a MoE layer's recompute keeps of its routing: the top-k outputs and, under expert
+    parallelism, the count exchange's output (int64 [S, X] = E counts) of each chunk the layer
+    exchanges counts for (a block chunk each; token chunks share one exchange)."""
+    m = run.model.moe
+    counts = m.n_experts * 8 * m.token_chunks * run.memory.block_chunks if run.mesh.ep > 1 else 0
+    return topk_bytes(run.model, T) + counts
 
 
 def exchange_bytes(run: RunConfig, T: int) -> int:
@@ -143,8 +164,9 @@ def exchange_bytes(run: RunConfig, T: int) -> int:
 
 
 def block_activations(run: RunConfig, i: int, T: int) -> dict:
-    """Layer i's saved bytes under run.memory: {device, host, recomputed, transient} where transient
-    is what recomputing it in backward holds at once."""
+    """Layer i's saved bytes under run.memory: {device, host, host_routed, recomputed, transient}
+    where host_routed is the part of host whose size follows the routing (the pool's margin covers
+    it) and transient is what recomputing it in backward holds at once."""
     cfg, mem = run.model, run.memory
     s = DTYPE_BYTES[cfg.compute_dtype]
     regions = region_bytes(cfg, i, T, s, run.plan.imbalance, run.mesh.ep)
@@ -156,24 +178,20 @@ def block_activations(run: RunConfig, i: int, T: int) -> dict:
         # and the replay makes them again in backward (a token chunk's at a time when chunked)
         exchange = exchange_bytes(run, T) if cfg.is_moe_layer(i) else 0
         exchanged = exchange if mem.keep_exchange else 0
-        kept = T * cfg.dim * s + exchanged
+        kept = T * cfg.dim * s + exchanged + (routing_bytes(run, T) if cfg.is_moe_layer(i) else 0)
         host = kept if mem.offload and not last else 0
-        # with token chunks the MoE region is recomputed and differentiated a chunk at a time, but for
-        # its norm and routing, which see every token at once
-        n = cfg.moe.token_chunks if "moe" in regions else 1
-        whole = moe_unchunked_bytes(cfg, T, s) if n > 1 else regions.get("moe", 0)
-        recomputing = full - regions.get("moe", 0) + whole + (regions.get("moe", 0) - whole) // n
-        recomputing += exchange // n if not exchanged else 0
+        recomputing = _recomputing(run, i, T, regions) + (exchange // _chunks(run, i) if not exchanged else 0)
         # offloaded, what it keeps comes back for its recompute, beside the previous block's (prefetched)
         # and, as backward reaches each weight, that leaf's compute-dtype gradient before its reduce-scatter
-        return {"device": kept - host, "host": host, "recomputed": full,
+        return {"device": kept - host, "host": host, "host_routed": exchanged if host else 0, "recomputed": full,
                 "transient": recomputing + exchanged + (2 * kept if host else 0) + weight_grad_bytes(run, i)}
     R = int(T * cfg.moe.top_k * (run.plan.imbalance if run.mesh.ep > 1 else 1.0))
-    out = {"device": 0, "host": 0, "recomputed": 0, "transient": 0}
+    out = {"device": 0, "host": 0, "host_routed": 0, "recomputed": 0, "transient": 0}
     for region, none_bytes in regions.items():
         policy = getattr(mem, region)
         if mem.offload or policy == "offload":
             out["host" if not last else "device"] += none_bytes
+            out["host_routed"] += none_bytes if region == "moe" and not last else 0
         elif policy == "full":
             out["device"] += T * cfg.dim * s
             out["recomputed"] += none_bytes
@@ -186,6 +204,29 @@ def block_activations(run: RunConfig, i: int, T: int) -> dict:
         else:
             out["device"] += none_bytes
     return out
+
+
+def _chunks(run: RunConfig, i: int) -> int:
+    """The chunks block i's recompute runs in: the block's (memory.block_chunks), else its MoE
+    region's (model.moe.token_chunks)."""
+    if run.memory.block_chunks > 1:
+        return run.memory.block_chunks
+    return run.model.moe.token_chunks if run.model.is_moe_layer(i) else 1
+
+
+def _recomputing(run: RunConfig, i: int, T: int, regions: dict) -> int:
+    """What block i's recompute (full) holds at once. In block chunks (fnmoe.block_chunks) one chunk's
+    regions, beside the input gradients of the chunks done before it (rehearsed on K2's shapes: the
+    last chunk's peak is the block's). In MoE token chunks the MoE region is recomputed and
+    differentiated a chunk at a time, but for its norm and routing, which see every token at once."""
+    cfg, s = run.model, DTYPE_BYTES[run.model.compute_dtype]
+    n = run.memory.block_chunks
+    if n > 1:
+        chunk = sum(region_bytes(cfg, i, T // n, s, run.plan.imbalance, run.mesh.ep).values())
+        return chunk + (n - 1) * (T // n) * cfg.dim * s
+    n, moe = _chunks(run, i), regions.get("moe", 0)
+    whole = moe_unchunked_bytes(cfg, T, s) if n > 1 else moe
+    return sum(regions.values()) - moe + whole + (moe - whole) // n
 
 
 def tokens_per_rank(run: RunConfig) -> int:
@@ -213,31 +254,43 @@ def _activation_plan(cfg: ModelConfig, T: int, memory, mesh, imbalance: float, c
         if kind not in kinds:
             kinds[kind] = block_activations(run, i, T)
         blocks.append(kinds[kind])
-    # final norm, the head's input, and the fp32 log-softmax cross-entropy keeps when not chunked
-    head = norm_bytes(T, cfg.dim, s) + (T * cfg.vocab_size * 4 if run.train.ce_chunks == 1 else 0)
+    head = head_bytes(cfg, T, s, ce_chunks)
     device = sum(b["device"] for b in blocks) + head
     # block i's backward (the embedding's after block 0's) runs while block i+1's reduce-scatters
     # read their inputs, the layer's fp32 gradients (fnmoe.parallel.gather); none on one rank
     sends = [n * reduce_bytes(run) * (run.mesh.world > 1) for n in block_numels(cfg, run.mesh.ep)[1:-1]] + [0]
     transient = max(max(b["transient"] + sends[i + 1] for i, b in enumerate(blocks)),
                     unsharded_grad_bytes(run) + sends[0])
-    return {"blocks": blocks, "device": device, "host": sum(b["host"] for b in blocks), "transient": transient,
-            "head": head}
+    return {"blocks": blocks, "device": device, "host": sum(b["host"] for b in blocks),
+            "host_routed": sum(b["host_routed"] for b in blocks), "transient": transient, "head": head}
 
 
 def pool_bytes(run: RunConfig) -> int:
-    """Host bytes a rank's offload pool pins (0 when nothing is offloaded): the planned offload_host
-    with the pool's margin, in whole segments (fnmoe.memory.host_pool.pool_bytes_for). The size the
+    """Host bytes a rank's offload pool pins (0 when nothing is offloaded): the planned offload_host,
+    its part sized by the routing with the pool's margin (none when the exchange is replayed: the
+    block inputs are all it holds), in whole segments (fnmoe.memory.host_pool.pool_bytes_for). The size the
     step's runner is built with (fnmoe.memory.policies.train_runner, where the step is built) and
     the one fnmoe.plan.host_limit holds against the host."""
     if not offloads(run.memory):
         return 0
-    return pool_bytes_for(activation_plan(run)["host"])
+    acts = activation_plan(run)
+    return pool_bytes_for(acts["host"], acts["host_routed"])
+
+
+def head_bytes(cfg: ModelConfig, T: int, s: int, ce_chunks: int) -> int:
+    """What the final norm and the cross-entropy keep for backward (fnmoe.train.ce_loss_sum): whole,
+    the final norm (its output the head's input) and the fp32 log-softmax; in chunks, the last
+    block's output alone, from which backward recomputes each chunk's norm and logits."""
+    if ce_chunks == 1:
+        return norm_bytes(T, cfg.dim, s) + T * cfg.vocab_size * 4
+    return T * cfg.dim * s
 
 
 def logits_bytes(run: RunConfig) -> int:
     """One CE chunk's fp32 log-softmax and, in backward, the two fp32 gradients before it (the
-    compute-dtype logits and their fp32 copy are gone by then)."""
+    compute-dtype logits and their fp32 copy are gone by then). The chunk's recomputed final norm
+    beside them (norm_bytes of its rows, D/V of this at most) is the backward's: a block's recompute
+    transient, which comes later, is larger."""
     T = tokens_per_rank(run)
     return math.ceil(T / run.train.ce_chunks) * run.model.vocab_size * (4 + 4 + 4)
 
@@ -248,7 +301,8 @@ def ep_buffer_bytes(run: RunConfig) -> int:
     once). Rehearsed at full scale, one such buffer is alive at a time."""
     if run.mesh.ep == 1 or not run.model.moe.n_experts:
         return 0
-    T, s = tokens_per_rank(run) // run.model.moe.token_chunks, DTYPE_BYTES[run.model.compute_dtype]
+    T = tokens_per_rank(run) // (run.model.moe.token_chunks * run.memory.block_chunks)
+    s = DTYPE_BYTES[run.model.compute_dtype]
     # a replayed exchange's outputs are alive beside the gradients' exchange (rehearsed: twice)
     replayed = run.memory.recompute == "full" and not run.memory.keep_exchange
     return int(T * run.model.moe.top_k * max(run.plan.imbalance, 1.0)) * run.model.dim * s * (2 if replayed else 1)

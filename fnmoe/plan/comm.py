@@ -15,7 +15,7 @@ from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.plan import network as plan_net
 from fnmoe.plan.activations import tokens_per_rank
 from fnmoe.dtypes import DTYPE_BYTES
-from fnmoe.plan.state import leaf_shapes, reduce_bytes
+from fnmoe.plan.state import expert_pack_bytes, leaf_shapes, reduce_bytes
 from fnmoe.tree import leaf_kind
 
 
@@ -24,11 +24,14 @@ def comm_bytes(run: RunConfig) -> dict:
     n·(g-1)/g a rank), as fnmoe's step runs them, per micro-batch:
 
       fsdp  compute-dtype all-gathers of every sharded leaf (dense over all ranks, expert stacks
-            over fsdp alone: the ep rank's E/ep experts) and reduce-scatters of their gradients in
+            over fsdp alone: the ep rank's E/ep experts; with mesh.expert_gather_dtype float8_e4m3fn
+            each rank's fp8 pack of its shard, state.expert_pack_bytes) and reduce-scatters of their
+            gradients in
             mesh.reduce_dtype, one per gather that autograd differentiates. A block's leaves are
             gathered again in backward when resharding or under full recompute; the embedding,
             final norm and head are gathered outside the blocks, once (twice for a tied embedding,
-            which the head gathers again); QK-clip gathers each block once more, without gradient.
+            which the head gathers again); QK-clip gathers each block's attention and its norm once
+            more, without gradient.
       ep    the dispatch and combine all-to-alls of rows of D (the (ep-1)/ep that leave the rank),
             forward and backward: 4 passes a MoE layer, on the busiest rank T·K rows in the
             dispatch and its backward's reverse, imbalance times that in the combine and the
@@ -66,21 +69,29 @@ def _fsdp_parts(run: RunConfig) -> dict:
     grad = reduce_bytes(run)
     out: dict = {}
 
-    def add(key, elems_by_kind: dict, nbytes: float, times: float = 1.0) -> None:
+    def add(key, elems_by_kind: dict, nbytes: float | dict, times: float = 1.0) -> None:
+        """elems_by_kind's elements at nbytes each (or nbytes[kind]) sent `times`, split by link."""
         if times:
             link = {"intra": 0.0, "inter": 0.0}
             for kind, e in elems_by_kind.items():
-                link["inter"] += accum * e * nbytes * times * across[kind]
-                link["intra"] += accum * e * nbytes * times * (1 - across[kind])
+                b = nbytes[kind] if isinstance(nbytes, dict) else nbytes
+                link["inter"] += accum * e * b * times * across[kind]
+                link["intra"] += accum * e * b * times * (1 - across[kind])
             out[key] = link
 
+    # what a gather of the blocks' or outer leaves sends: fp8 expert stacks counted in bytes
+    fp8 = mesh.expert_gather_dtype == "float8_e4m3fn"
+    packs = (mesh.fsdp - 1) * expert_pack_bytes(cfg, mesh.fsdp, mesh.ep) if fp8 else 0
+    gathered = {where: {"dense": sent[(where, "dense")],
+                        "expert": packs if fp8 and where == "blocks" else sent[(where, "expert")]}
+                for where in ("blocks", "outer")}
+    per_elem = {"dense": s, "expert": 1 if fp8 else s}
     for where in ("blocks", "outer"):
         elems = {kind: sent[(where, kind)] for kind in ("dense", "expert")}
-        add(("forward", "all_gather", where), elems, s)
+        add(("forward", "all_gather", where), gathered[where], per_elem)
         add(("backward", "reduce_scatter", where), elems, grad)
-    add(("backward", "all_gather", "blocks"), {k: sent[("blocks", k)] for k in ("dense", "expert")}, s,
-        1 if regathered else 0)
-    add(("update", "all_gather", "blocks"), {k: sent[("blocks", k)] for k in ("dense", "expert")}, s,
+    add(("backward", "all_gather", "blocks"), gathered["blocks"], per_elem, 1 if regathered else 0)
+    add(("update", "all_gather", "blocks"), {"dense": _max_logit_sent(cfg, mesh.fsdp, mesh.ep)}, s,
         1 if run.optim.qk_clip else 0)
     return out
 
@@ -98,6 +109,15 @@ def _sent(cfg: ModelConfig, fsdp: int, ep: int) -> dict:
         where = "blocks" if path.startswith("layers.") else "outer"
         sent[(where, kind)] += k * (2 if where == "outer" and cfg.tie_embeddings and path.startswith("embed.") else 1)
     return sent
+
+
+@lru_cache(maxsize=256)
+def _max_logit_sent(cfg: ModelConfig, fsdp: int, ep: int) -> float:
+    """Elements a rank sends in QK-clip's max-logit gathers: each layer's attention and its norm
+    (fnmoe.model._block_max_logits_H gathers only the leaves it reads), dense leaves over every rank."""
+    n = sum(math.prod(shape) for path, shape in leaf_shapes(cfg) if path.split(".")[0] == "layers"
+            and path.split(".")[2] in ("attn", "attn_norm"))
+    return n * (fsdp * ep - 1) / (fsdp * ep)
 
 
 def _ep_parts(run: RunConfig) -> dict:

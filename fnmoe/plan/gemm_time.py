@@ -3,7 +3,8 @@ sustained GEMM rate, bytes / the sustained HBM bandwidth), and the rows the busi
 receive, `plan.imbalance` times the mean under expert parallelism.
 
 Legend: T tokens of a rank's micro-batch, K top-k, E experts, X experts a rank holds (E/ep),
-N token chunks (model.moe.token_chunks), r rows an expert gets in one chunk, I and O a matrix's
+N chunks (model.moe.token_chunks of the MoE region, or memory.block_chunks of the whole block:
+either way the experts run once a chunk), r rows an expert gets in one chunk, I and O a matrix's
 in and out dims.
 
 A chunk runs each expert's matrices on r = T·K·imbalance / X / N rows. Forward (and its recompute
@@ -31,7 +32,12 @@ def rows_per_expert(run: RunConfig) -> float:
     """r: rows one expert of the busiest rank gets in one chunk of a micro-batch."""
     m, ep = run.model.moe, run.mesh.ep
     imbalance = run.plan.imbalance if ep > 1 else 1.0  # one ep rank computes its own tokens: nothing to wait for
-    return tokens_per_rank(run) * m.top_k * imbalance * ep / m.n_experts / m.token_chunks
+    return tokens_per_rank(run) * m.top_k * imbalance * ep / m.n_experts / expert_chunks(run)
+
+
+def expert_chunks(run: RunConfig) -> int:
+    """N: the chunks a micro-batch's experts run in (a MoE region's token chunks, a block's chunks)."""
+    return run.model.moe.token_chunks * run.memory.block_chunks
 
 
 def routed_flops_per_token(run: RunConfig) -> float:
@@ -56,7 +62,7 @@ def routed_expert_s(run: RunConfig, recomputed: bool) -> dict:
         return {"forward": 0.0, "backward": 0.0}
     rate, hbm = hw.matmul_tflops * 1e12, hw.hbm_tbps * 1e12
     s = DTYPE_BYTES[run.model.compute_dtype]
-    r, X, N = rows_per_expert(run), m.n_experts // run.mesh.ep, m.token_chunks
+    r, X, N = rows_per_expert(run), m.n_experts // run.mesh.ep, expert_chunks(run)
 
     def gemm(flops: float, nbytes: float) -> float:
         return max(flops / rate, nbytes / hbm)
@@ -69,3 +75,12 @@ def routed_expert_s(run: RunConfig, recomputed: bool) -> dict:
     return {"forward": per_step * forward,
             "backward": per_step * (forward * (2 if recomputed else 1) + weight_grad)}
 
+
+def moe_layer_expert_s(run: RunConfig, recomputed: bool) -> dict:
+    """routed_expert_s of one MoE layer on one chunk of a micro-batch, by phase: every MoE layer has
+    the same expert stacks (tools/gpu_check.py times one such layer beside it)."""
+    n_moe = sum(run.model.is_moe_layer(i) for i in range(run.model.n_layers))
+    if not n_moe:
+        raise ValueError("moe_layer_expert_s: the model has no MoE layer (model.moe.n_experts=0)")
+    n = n_moe * expert_chunks(run) * run.train.grad_accum
+    return {phase: s / n for phase, s in routed_expert_s(run, recomputed).items()}

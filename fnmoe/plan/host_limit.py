@@ -69,8 +69,10 @@ def host_memory_error(run: RunConfig, available: int | None = None) -> str | Non
     if not asked:
         return None
     pinned = asked  # pool_bytes is what the pool pins: whole segments
+    acts = activation_plan(run)
+    margin = f", {_gb(acts['host_routed'])} of it sized by the routing x {POOL_MARGIN:g}" if acts["host_routed"] else ""
     need = (f"offload needs {_gb(pinned)} of host memory a GPU (its pool: the planned offload_host "
-            f"{_gb(activation_plan(run)['host'])} x {POOL_MARGIN:g}, in pinned segments)")
+            f"{_gb(acts['host'])}{margin}, in pinned segments)")
     cut = f"offload less: {_levers(run)}; `fnmoe plan` shows offload_host"
     limit = hardware(run.plan).host_gb
     if pinned > limit * GB:

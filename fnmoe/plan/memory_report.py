@@ -108,7 +108,7 @@ class _Measured:
     def __init__(self, runner: Runner):
         self.runner, self.rows = runner, []
         self.offloads, self.begin, self.region = runner.offloads, runner.begin, runner.region
-        self.chunk_recompute = runner.chunk_recompute
+        self.chunk_recompute, self.block_chunks = runner.chunk_recompute, runner.block_chunks
 
     def __call__(self, i: int, fn: Callable, p: dict, x_BLD: torch.Tensor, *rest):
         x_BLD = x_BLD.detach().requires_grad_().clone()  # not a leaf: offload may move it

@@ -9,9 +9,10 @@ callback subtracts its bytes when autograd or the caller frees it (as torch's Me
 the running total is exact after every op and the peak costs nothing to keep. A storage's category
 is decided when it is made, from the op and the step's phase:
 
-  phase forward   all-gather outputs: gathered; all-to-all outputs: ep_buffers; a tensor whose last
-                  dim is the vocabulary: logits; anything else: activations (what is still alive
-                  when backward starts is what the forward saved)
+  phase forward   all-gather outputs and what an fp8 gather makes (fnmoe.parallel.fp8: its packs,
+                  kept for the step, and its dequantised stacks): gathered; all-to-all outputs:
+                  ep_buffers; a tensor whose last dim is the vocabulary: logits; anything else:
+                  activations (what is still alive when backward starts is what the forward saved)
   phase backward  (autograd's engine running) reduce-scatter outputs: grads; gathers, all-to-alls
                   and logits as in forward; anything else: backward (recomputed activations and the
                   activation gradients of the block running, which recompute policies bound)
@@ -38,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from fnmoe import _torch, seams
 from fnmoe.parallel import dist as fdist
+from fnmoe.parallel import fp8
 from fnmoe._torch import TorchDispatchMode, is_traceable_wrapper_subclass
 from fnmoe.tree import tree_leaves
 
@@ -154,6 +156,8 @@ class StorageMeter(PhaseMeter):
         backward = _torch.in_backward()
         if backward and self.at_backward is None:
             self.at_backward = dict(self.live)
+        if fp8.making():
+            return "gathered"
         if func.namespace.startswith("_c10d_functional"):
             # a collective's output met first at its wait: the call site named it (fnmoe.parallel.dist.entering)
             kind = _collective_kind(func._opname if func._opname != "wait_tensor" else fdist.last_entered())

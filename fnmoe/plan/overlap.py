@@ -33,7 +33,7 @@ def overlap_key(run: RunConfig) -> tuple:
     # offload moves saved tensors to host memory on a stream of its own: no collective changes order
     return (run.mesh.fsdp > 1, run.mesh.ep > 1, run.mesh.reshard_after_forward, m.recompute,
             *("none" if r == "offload" else r for r in (m.attention, m.moe, m.mlp)), m.keep_exchange,
-            _proxy_chunks(moe.token_chunks),
+            _proxy_chunks(moe.token_chunks), m.block_chunks > 1,
             run.optim.name, run.optim.qk_clip, run.model.tie_embeddings)
 
 
@@ -124,10 +124,12 @@ def _record(key: tuple, n_layers: int) -> dict[tuple[str, str], tuple[int, int]]
 
 
 def _proxy(key: tuple, n_layers: int) -> RunConfig:
-    fsdp, ep, reshard, recompute, attention, moe, mlp, keep, chunks, opt, qk_clip, tied = key
+    fsdp, ep, reshard, recompute, attention, moe, mlp, keep, chunks, blocks, opt, qk_clip, tied = key
     model = dataclasses.replace(PROXY, n_layers=n_layers, tie_embeddings=tied,
                                 moe=dataclasses.replace(PROXY.moe, token_chunks=chunks))
-    memory = MemoryConfig(recompute=recompute, attention=attention, moe=moe, mlp=mlp, keep_exchange=keep)
+    # block chunks: 2 of a proxy rank's sequences (any N > 1 runs the same code)
+    memory = MemoryConfig(recompute=recompute, attention=attention, moe=moe, mlp=mlp, keep_exchange=keep,
+                          block_chunks=2 if blocks else 1)
     return RunConfig(model=model, memory=memory,
                      mesh=MeshConfig(fsdp=2 if fsdp else 1, ep=2 if ep else 1, reshard_after_forward=reshard),
                      optim=OptimConfig(name=opt, qk_clip=qk_clip, warmup_steps=0),

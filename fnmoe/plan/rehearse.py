@@ -202,7 +202,8 @@ def measure_step(run: RunConfig, mesh, state: TrainState, tx, micro_batches: lis
     comm = CommMeter(sharding.group_axes(mesh))
     # the step's runner, its host pool sized here (under fake tensors the pool is fake: bookkeeping only)
     runner = train_runner(run, pool_bytes(run))
-    device_step, pool = make_device_step(run, tx, runner), runner.pool
+    # the step as the training loop builds it: donated where run.train.donate says (the update's workspace)
+    device_step, pool = make_device_step(run, tx, runner, donate=run.train.donate), runner.pool
     if pool is not None:
         storage.exclude(pool.buffers)  # host memory: what the pool holds is reported on its own
     storage.track(state.params, "params")

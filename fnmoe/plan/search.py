@@ -14,8 +14,12 @@ The candidates:
   micro-batch    m sequences a micro-batch for every m dividing b, with grad_accum = b/m up to
                  MAX_ACCUM.
   reduce dtype   the gradients' reduce-scatter in float32 or bfloat16 (mesh.reduce_dtype).
-  chunks         the fewest cross-entropy chunks (--train.ce-chunks) and then MoE token chunks (1,
-                 2, 4, ... dividing a micro-batch's tokens) that fit the device; more only shrink memory.
+  expert gathers the expert stacks' all-gather in the compute dtype or fp8 with block scales
+                 (mesh.expert_gather_dtype), where experts are FSDP-sharded (fsdp > 1).
+  chunks         the fewest cross-entropy chunks (--train.ce-chunks) and then, under full recompute,
+                 whole-block chunks (--memory.block-chunks, dividing a micro-batch's sequences), else MoE
+                 token chunks (1, 2, 4, ... dividing its tokens) that fit the device; more only shrink
+                 memory and re-read the expert weights once a chunk.
 Each candidate is a RunConfig that passes fnmoe.config.check.validate, as `fnmoe train` checks it.
 The as-built projection records the collectives' order on simulated ranks once per code path
 (overlap.py); the search computes it best upper bound first and stops where no candidate left can
@@ -71,16 +75,20 @@ def per_gpu_sequences(run: RunConfig, world: int, max_global_tokens: int) -> lis
 
 
 def with_layout(run: RunConfig, fsdp: int, ep: int, policy: str, micro_batch: int, per_gpu: int | None = None,
-                reduce_dtype: str | None = None, token_chunks: int | None = None, check: bool = True) -> RunConfig:
+                reduce_dtype: str | None = None, token_chunks: int | None = None, check: bool = True,
+                expert_gather: str | None = None) -> RunConfig:
     """run on that mesh, memory policy and micro-batch (and, when given, sequences a GPU a step, the
-    reduce-scatter dtype and MoE token chunks); the global batch kept unless per_gpu is given;
-    checked as train checks (the search checks the rows it shows: its candidates are valid by
+    reduce-scatter dtype, MoE token chunks and the expert gathers' dtype; fp8 gathers fall back to
+    the compute dtype where nothing is sharded over fsdp); the global batch kept unless per_gpu is
+    given; checked as train checks (the search checks the rows it shows: its candidates are valid by
     construction)."""
     fields = {"recompute": "none", "offload": False, "attention": "none", "moe": "none", "mlp": "none",
-              "keep_exchange": True}
+              "keep_exchange": True, "block_chunks": 1}
     memory = dataclasses.replace(run.memory, **{**fields, **POLICIES[policy]})
     batch = run.train.batch_size if per_gpu is None else per_gpu * fsdp * ep
-    mesh = dataclasses.replace(run.mesh, fsdp=fsdp, ep=ep, **({"reduce_dtype": reduce_dtype} if reduce_dtype else {}))
+    gather = expert_gather or run.mesh.expert_gather_dtype
+    mesh = dataclasses.replace(run.mesh, fsdp=fsdp, ep=ep, **({"reduce_dtype": reduce_dtype} if reduce_dtype else {}),
+                               expert_gather_dtype=gather if fsdp > 1 and run.model.moe.n_experts else "compute")
     model = run.model if token_chunks is None else dataclasses.replace(
         run.model, moe=dataclasses.replace(run.model.moe, token_chunks=token_chunks))
     train = dataclasses.replace(run.train, batch_size=batch, grad_accum=batch // (fsdp * ep * micro_batch))
@@ -98,25 +106,29 @@ def candidates(run: RunConfig, world: int, max_global_tokens: int = MAX_GLOBAL_T
         raise ValueError(f"no layout of {world} ranks: a sequence a GPU ({world * run.data.seq_len:,} tokens a step) "
                          f"is over --max-global-tokens {max_global_tokens:,}")
     dtypes = ("float32", "bfloat16") if world > 1 else ("float32",)
-    return [(policy, with_layout(run, fsdp, ep, policy, m, b, dt, 1, check=False)) for fsdp, ep in meshes(run, world)
-            for policy in POLICIES if not (ep == 1 and "replay" in policy) for b in sequences for m in divisors(b)
-            if b // m <= MAX_ACCUM for dt in dtypes]
+    return [(policy, with_layout(run, fsdp, ep, policy, m, b, dt, 1, check=False, expert_gather=g))
+            for fsdp, ep in meshes(run, world) for policy in POLICIES if not (ep == 1 and "replay" in policy)
+            for b in sequences for m in divisors(b) if b // m <= MAX_ACCUM for dt in dtypes
+            for g in (("compute", "float8_e4m3fn") if fsdp > 1 and run.model.moe.n_experts else ("compute",))]
 
 
 def fitted(run: RunConfig) -> tuple[RunConfig, dict, tuple[bool, bool]]:
     """run with enough cross-entropy chunks that one chunk's logits take at most LOGITS_BYTES, then
-    the fewest MoE token chunks that fit the device (the most that help where none fits), its bytes
-    a rank, and whether they fit (device, host)."""
+    the fewest chunks that fit the device (the most that help where none fits): whole-block chunks
+    under full recompute (dropless), else MoE token chunks; its bytes a rank, and whether they fit
+    (device, host)."""
     T = run.micro_batch * run.data.seq_len
     ce = next((n for n in CE_CHUNKS if n >= run.train.ce_chunks and T % n == 0
                and logits_bytes(_with_chunks(run, "ce_chunks", n)) <= LOGITS_BYTES), run.train.ce_chunks)
     run = _with_chunks(run, "ce_chunks", ce)
     b = per_rank_bytes(run)
     ok = fits(run, b)
-    for n in CHUNKS[1:] if run.model.moe.n_experts else ():
+    blocks = run.memory.recompute == "full" and not run.model.moe.capacity_factor
+    field, counts = ("block_chunks", divisors(run.micro_batch)) if blocks else ("token_chunks", CHUNKS)
+    for n in counts[1:] if run.model.moe.n_experts or blocks else ():
         if ok[0] or T % n:
             break
-        changed = _with_chunks(run, "token_chunks", n)
+        changed = _with_chunks(run, field, n)
         c = per_rank_bytes(changed)
         if c["total_device"] >= b["total_device"]:
             break
@@ -127,6 +139,8 @@ def fitted(run: RunConfig) -> tuple[RunConfig, dict, tuple[bool, bool]]:
 def _with_chunks(run: RunConfig, field: str, n: int) -> RunConfig:
     if field == "ce_chunks":
         return dataclasses.replace(run, train=dataclasses.replace(run.train, ce_chunks=n))
+    if field == "block_chunks":
+        return dataclasses.replace(run, memory=dataclasses.replace(run.memory, block_chunks=n))
     return dataclasses.replace(run, model=dataclasses.replace(run.model, moe=dataclasses.replace(run.model.moe,
                                                                                                token_chunks=n)))
 
@@ -138,6 +152,7 @@ def row(policy: str, run: RunConfig, p: dict) -> dict:
             "grad_accum": run.train.grad_accum, "sequences_per_gpu": run.micro_batch * run.train.grad_accum,
             "tokens_per_gpu": run.micro_batch * run.train.grad_accum * run.data.seq_len,
             "reduce_dtype": run.mesh.reduce_dtype, "token_chunks": run.model.moe.token_chunks,
+            "block_chunks": run.memory.block_chunks, "expert_gather_dtype": run.mesh.expert_gather_dtype,
             "ce_chunks": run.train.ce_chunks,
             "device_bytes": r["total_device"], "host_bytes": r["host_pool"],
             "device_left_gb": hw.hbm_gb - r["total_device"] / GB, "host_left_gb": hw.host_gb - r["host_pool"] / GB,
@@ -175,8 +190,9 @@ def search(run: RunConfig, world: int | None = None, top: int = 10,
             "max_global_tokens": max_global_tokens, "dispatch": run.plan.dispatch, "candidates": len(runs),
             "fitting": len(fitting), "as_built_planned": len(ranked), "policies": list(POLICIES),
             "rule": "fsdp*ep = world, ep | n_experts; b sequences a GPU a step within max_global_tokens; "
-                    "micro_batch | b, grad_accum = b/micro_batch; reduce dtype fp32 or bf16; fewest token "
-                    "chunks that fit", "ranking": ranked[:top]}
+                    "micro_batch | b, grad_accum = b/micro_batch; reduce dtype fp32 or bf16; expert gathers in the "
+                    "compute dtype or fp8 (fsdp > 1); fewest block "
+                    "(full recompute) or token chunks that fit", "ranking": ranked[:top]}
 
 
 def _nothing_fits(run: RunConfig, world: int, runs: list) -> str:
@@ -196,13 +212,19 @@ def _nothing_fits(run: RunConfig, world: int, runs: list) -> str:
             f"misses " + " and ".join(m for m in misses if m))
 
 
+def chunks_label(r: dict) -> str:
+    """A row's chunks: whole-block chunks as "14b", else MoE token chunks."""
+    return f"{r['block_chunks']}b" if r.get("block_chunks", 1) > 1 else str(r["token_chunks"])
+
+
 def format_search(s: dict) -> str:
     """The table of `fnmoe plan --search`."""
     lines = [f"layout search for {s['config']} on {s['world']} x {s['hardware']} ({s['hbm_gb']:g} GB device, "
              f"{s['host_gb']:g} GB host usable a GPU, {s['network_gbps']:g} GB/s across nodes): {s['candidates']} "
              f"layouts planned, {s['fitting']} fit, {s['as_built_planned']} projected as built; global batch up to "
              f"{s['max_global_tokens']:,} tokens of {s['seq_len']}; modelled, not measured",
-             f"{'#':>3} {'fsdp x ep':>10} {'memory':<30}{'seq/GPU':>8} {'mb x acc':>9} {'rs':>4} {'chk':>4} {'ce':>4} "
+             f"{'#':>3} {'fsdp x ep':>10} {'memory':<30}{'seq/GPU':>8} {'mb x acc':>9} {'rs':>4} {'eg':>4} {'chk':>4} "
+             f"{'ce':>4} "
              f"{'dev GB':>7} {'host GB':>8} {'as built':>9} {'overlap':>8} {'serial':>7} {'calib':>7}  {'compute':>8} "
              f"{'fsdp':>7} "
              f"{'ep in':>7} {'ep out':>7} {'host':>6}  bound"]
@@ -210,7 +232,8 @@ def format_search(s: dict) -> str:
         t = r["terms_s"]
         lines.append(f"{i:>3} {r['fsdp']:>4} x {r['ep']:<3} {r['policy']:<30}{r['sequences_per_gpu']:>8} "
                      f"{r['micro_batch']:>4} x {r['grad_accum']:<3} {DTYPE_SHORT[r['reduce_dtype']]:>4} "
-                     f"{r['token_chunks']:>4} {r['ce_chunks']:>4} {r['device_bytes'] / GB:>7.1f} "
+                     f"{'fp8' if r.get('expert_gather_dtype') == 'float8_e4m3fn' else '-':>4} "
+                     f"{chunks_label(r):>4} {r['ce_chunks']:>4} {r['device_bytes'] / GB:>7.1f} "
                      f"{r['host_bytes'] / GB:>8.1f} "
                      f"{r['tokens_per_s_per_gpu']:>8,.0f}{' ' if r['as_built'] else '*'} "
                      f"{r['tokens_per_s_per_gpu_overlapped']:>8,.0f} "
@@ -218,7 +241,9 @@ def format_search(s: dict) -> str:
                      f"{t['compute']:>7.2f}s "
                      f"{t['fsdp inside node'] + t['fsdp across nodes']:>6.2f}s {t['ep inside node']:>6.2f}s "
                      f"{t['ep across nodes']:>6.2f}s {t['host link']:>5.2f}s  {r['bound']}")
-    lines.append("     rs: the gradients' reduce-scatter dtype; chk: MoE token chunks; ce: cross-entropy chunks; "
+    lines.append("     rs: the gradients' reduce-scatter dtype; eg: fp8 expert gathers (- the compute dtype); "
+                 "chk: MoE token chunks (b: whole-block chunks of "
+                 "sequences); ce: cross-entropy chunks; "
                  "as built: fnmoe's waits charged (the headline; * not recorded, the serial figure); "
                  "overlap / serial: every collective hidden / none; calib: as built at the calibrated GEMM and "
                  "attention rates (docs/memory_plan.md, \"Calibration against measured runs\"); "

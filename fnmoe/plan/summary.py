@@ -14,13 +14,12 @@ import torch.distributed as dist
 
 from fnmoe.config import REGIONS, ModelConfig, RunConfig, validate
 from fnmoe.config.hardware import hardware
-from fnmoe.memory.host_pool import pool_bytes_for
-from fnmoe.plan.activations import activation_plan, ep_buffer_bytes, logits_bytes, tokens_per_rank
+from fnmoe.plan.activations import activation_plan, ep_buffer_bytes, logits_bytes, pool_bytes, tokens_per_rank
 from fnmoe.plan.calibration import calibrated
 from fnmoe.plan.comm import comm_bytes
 from fnmoe.plan.flops import flops_per_token, param_counts
 from fnmoe.plan.overlap import exposed_fractions, overlap_key
-from fnmoe.plan.state import GB, gathered_bytes, state_bytes
+from fnmoe.plan.state import GB, gathered_bytes, state_bytes, update_transient_bytes
 from fnmoe.plan.step_time import step_time
 
 log = logging.getLogger(__name__)
@@ -57,14 +56,11 @@ def per_rank_bytes(run: RunConfig) -> dict:
                     recompute_transient=acts["transient"], logits=logits_bytes(run),
                     ep_buffers=ep_buffer_bytes(run), offload_host=acts["host"])
     step = sum(v for k, v in per_rank.items() if k != "offload_host")
-    # the update makes the new optimizer state, the updates and the new params while the old ones,
-    # kept until the step is known finite (a non-finite step leaves them bitwise as they were), live
-    # Muon also holds the Nesterov blend (fp32) and the bf16 Newton-Schulz iterates of every matrix of
-    # the rank at once: 1.5 times the params' bytes more (rehearsed on the 1T and 671B presets)
-    per_rank["update_transient"] = states["optim"] + int((3.5 if run.optim.name == "muon" else 2) * states["params"])
+    # the functional update's new state beside the old, or the donated one's largest leaf's workspace
+    per_rank["update_transient"] = update_transient_bytes(run)
     per_rank["total_device"] = max(step, sum(states.values()) + per_rank["update_transient"])
     # what the run pins for it: fnmoe.plan.host_limit stops a run before step 1 past the profile
-    per_rank["host_pool"] = pool_bytes_for(per_rank["offload_host"])
+    per_rank["host_pool"] = pool_bytes(run)
     return per_rank
 
 
@@ -105,7 +101,8 @@ def _counts(cfg: ModelConfig, seq_len: int) -> tuple[int, int, float]:
 def _policy(run: RunConfig) -> str:
     m = run.memory
     if m.recompute == "full":
-        return "full recompute" + (" + offload" if m.offload else "")
+        chunks = f" in {m.block_chunks} block chunks" if m.block_chunks > 1 else ""
+        return "full recompute" + chunks + (" + offload" if m.offload else "")
     regions = ", ".join(f"{r}={getattr(m, r)}" for r in REGIONS)
     return regions + (" + offload" if m.offload else "")
 

@@ -1,0 +1,140 @@
+"""Whole-block token chunks (memory.block_chunks = N): a block's forward, recompute and backward run
+over N chunks of its sequences.
+
+Legend: B batch (a rank's micro-batch), L sequence, D model, T tokens (B·L), E experts, N chunks.
+
+Under full recompute a block keeps its input and recomputes the rest in backward. Whole, that
+recompute holds every token's saved tensors at once, so its transient caps the tokens a GPU computes
+a step, and with them how far the expert gathers are amortised. In chunks, `_Chunks` runs each chunk
+of sequences through the whole block (attention, dense MLP, norms, router, experts: every op of a
+block treats each sequence on its own, so a chunk's outputs are rows of the unchunked ones) without
+autograd. It saves the block's input and its params as they reach compute: the gathered weights,
+once for every chunk, which the runner's saved-tensor hooks regather in backward under resharding,
+as they move the input to the host under offload. Its backward recomputes and differentiates one
+chunk at a time, the last first, sums each weight's gradient over the chunks in the compute dtype
+(as fnmoe.moe_chunks does), and returns the sums to the gathers' backward: one reduce-scatter a leaf.
+
+Each chunk keeps what its recompute must not change, its routing and its expert-parallel exchange,
+under the runner's modes (fnmoe.seams.Chunking), so backward routes each token as the forward did.
+
+The block's MoE statistics are the unchunked ones: counts, probability sums and dropped rows summed
+over the chunks, the router logits joined in token order, the sequence-wise balance and z losses
+averaged (the chunks are equal), and the Switch balance loss built from the summed parts
+(fnmoe.moe.balance_loss_part), since it is not linear in a chunk's.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from fnmoe.moe import balance_loss_part
+from fnmoe.seams import Chunking
+from fnmoe.tree import Tree, tree_flatten, tree_unflatten
+
+SUMMED = ("counts_E", "probs_sum_E", "dropped")
+MEANS = ("seq_balance_loss", "z_loss")
+JOINED = ("router_logits_TE",)
+REBUILT = ("balance_loss",)
+
+Compute = Callable[[dict, torch.Tensor, slice], tuple]
+"""compute(w, x_BLD, rows) -> (y_BLD, stats or None): the block on sequences `rows` of the micro-batch"""
+
+
+def run(compute: Compute, w: dict, x_BLD: torch.Tensor, chunking: Chunking, top_k: int):
+    """(y_BLD, stats) of compute over chunking.n chunks of x_BLD's sequences, w its params in the
+    compute dtype; stats merged as the unchunked block's (None for a block without MoE)."""
+    B, N = x_BLD.shape[0], chunking.n
+    if B % N:
+        raise ValueError(f"memory.block_chunks={N} must divide the sequences of a rank's micro-batch, {B} here")
+    leaves, spec = tree_flatten(w)
+    tensors = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+    # the run holds the tree's other leaves only: a gathered weight held here would outlive resharding
+    others = [None if k in tensors else t for k, t in enumerate(leaves)]
+    chunks = _Run(compute, others, spec, tensors, [slice(c * B // N, (c + 1) * B // N) for c in range(N)],
+                  [chunking.modes() for _ in range(N)])
+    y_BLD, *merged = _Chunks.apply(chunks, x_BLD, *(leaves[k] for k in tensors))
+    if not chunks.keys:
+        return y_BLD, None
+    stats = dict(zip(chunks.keys, merged))
+    T = x_BLD.shape[0] * x_BLD.shape[1]
+    stats["balance_loss"] = balance_loss_part(stats["probs_sum_E"][None], stats["counts_E"][None], T, top_k)
+    return y_BLD, stats
+
+
+class _Run:
+    """What a block's chunks share: the block, its params' tree, the chunks' rows and modes, and the
+    keys of the statistics they merge (set by the forward)."""
+
+    def __init__(self, compute: Compute, leaves: list, spec, tensors: list[int], slices: list[slice], modes: list):
+        self.compute, self.leaves, self.spec, self.tensors = compute, leaves, spec, tensors
+        self.slices, self.modes = slices, modes
+        self.keys: list[str] = []
+
+    def params(self, tensors) -> Tree:
+        leaves = list(self.leaves)
+        for k, t in zip(self.tensors, tensors):
+            leaves[k] = t
+        return tree_unflatten(leaves, self.spec)
+
+    def merge(self, stats: list[dict | None]) -> list[torch.Tensor]:
+        """The chunks' statistics as the whole block's (but the rebuilt ones), in self.keys' order."""
+        if stats[0] is None:
+            return []
+        unknown = sorted(set(stats[0]) - set(SUMMED + MEANS + JOINED + REBUILT))
+        if unknown:
+            raise ValueError(f"block chunks cannot merge the MoE statistics {unknown}: say how in fnmoe.block_chunks")
+        self.keys = [k for k in stats[0] if k not in REBUILT]
+        out = []
+        for k in self.keys:
+            parts = [s[k] for s in stats]
+            out.append(torch.cat(parts) if k in JOINED else torch.stack(parts).sum(0) if k in SUMMED
+                       else torch.stack(parts).mean(0))
+        return out
+
+
+class _Chunks(torch.autograd.Function):
+    """A block over chunks of its sequences: forward without autograd, saving its input and params;
+    backward recomputes and differentiates one chunk at a time."""
+
+    @staticmethod
+    def forward(ctx, run: _Run, x_BLD, *tensors):
+        w = run.params(tensors)
+        outs, stats = [], []
+        for rows, (keeping, _) in zip(run.slices, run.modes):
+            with keeping:
+                y_BLD, chunk_stats = run.compute(w, x_BLD[rows], rows)
+            outs.append(y_BLD)
+            stats.append(chunk_stats)
+        merged = run.merge(stats)
+        ctx.run = run
+        ctx.save_for_backward(x_BLD, *tensors)
+        ctx.mark_non_differentiable(*(t for k, t in zip(run.keys, merged) if k not in ("probs_sum_E", *MEANS)))
+        return (torch.cat(outs), *merged)
+
+    @staticmethod
+    def backward(ctx, g_BLD, *g_stats):
+        run, needs = ctx.run, ctx.needs_input_grad
+        x_BLD, *saved = ctx.saved_tensors
+        ws = [t.detach().requires_grad_(need and t.is_floating_point()) for t, need in zip(saved, needs[2:])]
+        w = run.params(ws)
+        del saved
+        grads = {k: g for k, g in zip(run.keys, g_stats) if k in ("probs_sum_E", *MEANS) and g is not None}
+        g_x = [None] * len(run.slices)
+        for c in reversed(range(len(run.slices))):
+            rows = run.slices[c]
+            x_c = x_BLD[rows].detach().requires_grad_(needs[1])
+            with torch.enable_grad(), run.modes[c][1]:
+                y_BLD, chunk_stats = run.compute(w, x_c, rows)
+            run.modes[c] = None  # what it kept for the recompute is taken: let it go
+            outs, gs = [y_BLD], [g_BLD[rows]]
+            for k, g in grads.items():  # a mean over equal chunks: each chunk's part is 1/N of it
+                if chunk_stats[k].requires_grad:
+                    outs.append(chunk_stats[k])
+                    gs.append(g / len(run.slices) if k in MEANS else g)
+            inputs = [t for t in (x_c, *ws) if t.requires_grad]
+            if inputs:
+                # into the leaves' .grad: each weight's gradient is summed in place over the chunks
+                torch.autograd.backward(outs, gs, inputs=inputs)
+            g_x[c] = x_c.grad
+        return (None, torch.cat(g_x) if needs[1] else None, *(t.grad for t in ws))
