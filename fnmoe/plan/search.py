@@ -15,7 +15,9 @@ The candidates:
                  MAX_ACCUM.
   reduce dtype   the gradients' reduce-scatter in float32 or bfloat16 (mesh.reduce_dtype).
   expert gathers the expert stacks' all-gather in the compute dtype or fp8 with block scales
-                 (mesh.expert_gather_dtype), where experts are FSDP-sharded (fsdp > 1).
+                 (mesh.expert_gather_dtype), where experts are FSDP-sharded (fsdp > 1), fp8 with
+                 bf16 reduce-scatters only (a layout that halves the gathers' bytes halves the
+                 reductions' first: fp8 beside fp32 reductions never ranks above its bf16 twin).
   chunks         the fewest cross-entropy chunks (--train.ce-chunks) and then, under full recompute,
                  whole-block chunks (--memory.block-chunks, dividing a micro-batch's sequences), else MoE
                  token chunks (1, 2, 4, ... dividing its tokens) that fit the device; more only shrink
@@ -109,7 +111,8 @@ def candidates(run: RunConfig, world: int, max_global_tokens: int = MAX_GLOBAL_T
     return [(policy, with_layout(run, fsdp, ep, policy, m, b, dt, 1, check=False, expert_gather=g))
             for fsdp, ep in meshes(run, world) for policy in POLICIES if not (ep == 1 and "replay" in policy)
             for b in sequences for m in divisors(b) if b // m <= MAX_ACCUM for dt in dtypes
-            for g in (("compute", "float8_e4m3fn") if fsdp > 1 and run.model.moe.n_experts else ("compute",))]
+            for g in (("compute", "float8_e4m3fn") if fsdp > 1 and run.model.moe.n_experts and dt == "bfloat16"
+                      else ("compute",))]
 
 
 def fitted(run: RunConfig) -> tuple[RunConfig, dict, tuple[bool, bool]]:
