@@ -51,6 +51,32 @@ def tiny_flags(eval_batches: int = 1, *more: str) -> list[str]:
     return [*TINY_FLAGS, "--train.eval-batches", str(eval_batches), *more]
 
 
+def step_on_2x2(cfg, mem, tokens_BL):
+    """(loss, grads), whole, of one step of loss_fn on a simulated 2x2 mesh (fsdp 2 x ep 2) with
+    resharding under memory policy mem, each rank taking its quarter of tokens_BL's rows (inputs and
+    shifted labels); a host pool where mem offloads."""
+    from fnmoe.config import MeshConfig
+    from fnmoe.memory import policies
+    from fnmoe.memory.host_pool import HostPool
+    from fnmoe.parallel import dist as fdist
+    from fnmoe.parallel import sharding
+    from fnmoe.parallel.fsdp import GATHER
+    from fnmoe.params import init_params
+    from fnmoe.train import loss_fn
+    from fnmoe.tree import flatten_dict, value_and_grad
+
+    rows = tokens_BL.shape[0] // 4
+    with fdist.simulate(4):
+        mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
+        part = fdist.rank_map(lambda r: tokens_BL[r * rows:(r + 1) * rows].clone())
+        pool = HostPool(16 << 20) if mem.offload else None
+        runner = policies.block_runner(mem, cfg.n_layers, pool, reshard=True)
+        (loss, _), grads = value_and_grad(loss_fn, has_aux=True)(init_params(cfg, 0, mesh=mesh), part[:, :-1],
+                                                                 part[:, 1:], cfg, tokens_BL[:, 1:].numel(),
+                                                                 runner=runner, source=GATHER)
+        return whole(sharding.all_sum(loss)), {k: whole(g) for k, g in flatten_dict(grads).items()}
+
+
 def pin_routing(monkeypatch) -> None:
     """Routing from a fixed per-token table (gaps of 10 over scores in [0, 1], passed where the
     score-correction bias goes): token t picks the largest (5t + 3e) mod E, so no rounding (a chunk's

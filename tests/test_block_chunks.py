@@ -13,17 +13,13 @@ from fnmoe import block_chunks, seams
 from fnmoe.config import (DataConfig, MemoryConfig, MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig,
                           load_config, validate)
 from fnmoe.memory import policies
-from fnmoe.memory.host_pool import HostPool
-from fnmoe.parallel import dist as fdist
-from fnmoe.parallel import sharding
-from fnmoe.parallel.fsdp import GATHER
 from fnmoe.params import init_params
 from fnmoe.plan import meters
 from fnmoe.plan.meters import StorageMeter
 from fnmoe.plan.rehearse import compare, rehearse
 from fnmoe.train import loss_fn
 from fnmoe.tree import flatten_dict, tree_map, value_and_grad
-from conftest import pin_routing, rel, whole
+from conftest import pin_routing, rel, step_on_2x2
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_hidden=48, max_seq_len=16,
                   moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, first_k_dense=1, aux_loss_coeff=0.01,
@@ -82,19 +78,6 @@ def test_packed_documents_slice_their_positions_and_masks_per_chunk():
     _assert_same(_one_process(CFG, _mem(4), positions), _one_process(CFG, MemoryConfig(), positions))
 
 
-def _mesh(mem: MemoryConfig, cfg: ModelConfig = CFG):
-    """(loss, grads), whole, of the step on a simulated 2x2 mesh (fsdp 2 x ep 2), resharding."""
-    with fdist.simulate(4):
-        mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
-        part = fdist.rank_map(lambda r: TOKENS[r * 2:(r + 1) * 2].clone())
-        pool = HostPool(16 << 20) if mem.offload else None
-        runner = policies.block_runner(mem, cfg.n_layers, pool, reshard=True)
-        (loss, _), grads = value_and_grad(loss_fn, has_aux=True)(init_params(cfg, 0, mesh=mesh), part[:, :-1],
-                                                                 part[:, 1:], cfg, B * L, runner=runner,
-                                                                 source=GATHER)
-        return whole(sharding.all_sum(loss)), {k: whole(g) for k, g in flatten_dict(grads).items()}
-
-
 @pytest.mark.parametrize("mem", [_mem(2), _mem(2, keep_exchange=False), _mem(2, offload=True, offload_min_bytes=0)],
                          ids=["keep", "replay", "offload"])
 def test_block_chunks_on_a_2x2_mesh_give_one_process_loss_and_gradients(mem):
@@ -102,7 +85,7 @@ def test_block_chunks_on_a_2x2_mesh_give_one_process_loss_and_gradients(mem):
     backward: the same loss and gradients as one unchunked process, keeping the exchange's outputs
     (in the host pool when offloading) or sending them again."""
     want = _one_process(CFG, MemoryConfig())
-    got = _mesh(mem)
+    got = step_on_2x2(CFG, mem, TOKENS)
     assert abs(got[0].item() - want[0].item()) <= 1e-6 * abs(want[0].item())
     for path, g in want[-1].items():
         assert rel(got[1][path], g) <= 1e-5, path

@@ -13,7 +13,6 @@ from fnmoe import compile as fcompile
 from fnmoe.config import MemoryConfig, MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig, validate
 from fnmoe.generate import generate
 from fnmoe.memory import policies
-from fnmoe.memory.host_pool import HostPool
 from fnmoe.model import moe_region
 from fnmoe.parallel import dispatch
 from fnmoe.parallel import dist as fdist
@@ -24,7 +23,7 @@ from fnmoe.plan.meters import StorageMeter
 from fnmoe.train import loss_fn
 from fnmoe.tree import flatten_dict, tree_map, value_and_grad
 from fnmoe._torch import TorchDispatchMode, all_to_all_ops, c10d_ops
-from conftest import pin_routing, rel, whole
+from conftest import pin_routing, rel, step_on_2x2
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_hidden=48, max_seq_len=16,
                   moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, first_k_dense=1))
@@ -53,15 +52,7 @@ def _one_process(cfg: ModelConfig, mem: MemoryConfig = MemoryConfig()):
 
 def _mesh(cfg: ModelConfig, mem: MemoryConfig = MemoryConfig()):
     """(loss, grads), whole, of the same step on a simulated 2x2 mesh (fsdp 2 x ep 2), resharding."""
-    with fdist.simulate(4):
-        mesh = sharding.make_mesh(MeshConfig(fsdp=2, ep=2))
-        part = fdist.rank_map(lambda r: TOKENS[r * 2:(r + 1) * 2].clone())
-        pool = HostPool(16 << 20) if mem.offload else None
-        runner = policies.block_runner(mem, cfg.n_layers, pool, reshard=True)
-        (loss, _), grads = value_and_grad(loss_fn, has_aux=True)(init_params(cfg, 0, mesh=mesh), part[:, :-1],
-                                                                 part[:, 1:], cfg, B * L, runner=runner,
-                                                                 source=GATHER)
-        return whole(sharding.all_sum(loss)), {k: whole(g) for k, g in flatten_dict(grads).items()}
+    return step_on_2x2(cfg, mem, TOKENS)
 
 
 def _assert_same(got, want, tol: float = 1e-5) -> None:
