@@ -5,7 +5,9 @@ Steps (in the priority order gpu_check.sh runs them):
                 gradients) and the compiled MoE block; 3 fp32 eager training steps of the tiny
                 preset on the device vs on CPU; every memory policy fnmoe.config.MemoryConfig offers
                 (recompute, offload, per-region) against none, or a skip row with the reason this
-                build refuses it (e.g. offload on CUDA not built yet)
+                build refuses it (e.g. offload on CUDA not built yet); the levers: fp8 expert-gather
+                blocks quantised bitwise as on CPU, whole-block token chunks against none, the
+                donated update bitwise the pure one (3 Muon steps)
   k2layer       one MoE layer of the Kimi-K2 preset (configs/kimi_k2_1t.toml) at its per-GPU shapes:
                 its E/ep = 96 experts, dim 7168, expert hidden 2048, top-8, the tokens of one chunk of
                 its micro-batch (memory.block_chunks, else model.moe.token_chunks: 3,584 tokens in 16
@@ -408,12 +410,61 @@ def check_train_loop(rec: Recorder, device: str, dry: bool, base: list | None) -
             f"max rel diff vs the direct steps {e:.1e}", status(where == torch.device(device).type and e < 1e-5))
 
 
+def final_params(run: RunConfig, device: str, steps: int, donate: bool) -> dict:
+    """Params (flat, on CPU) after `steps` steps of run on device, pure or donated."""
+    from fnmoe.data.loader import Loader
+
+    tx = optim.from_config(run.optim, run.train.steps)
+    state = init_state(tree_map(lambda t: t.to(device), init_params(run.model, run.train.seed)), tx)
+    step_fn = make_train_step(run, tx, train_runner(run, pool_bytes(run)), donate=donate)
+    loader = Loader(_data(run), run.data.seq_len, run.train.batch_size, 1, run.train.seed)
+    for s in range(steps):
+        state, _ = step_fn(state, [tuple(v.to(device) for v in loader.batch_at(s, 0, 1, 0))])
+    return {k: v.detach().cpu() for k, v in flatten_dict(state.params).items()}
+
+
+def check_levers(rec: Recorder, device: str, dry: bool, base: list | None) -> None:
+    """The JUPITER levers on the device: fp8 expert-gather blocks bitwise as on CPU and within their
+    bound, whole-block token chunks against the unchunked losses, the donated update bitwise the pure one."""
+    from fnmoe.parallel import fp8
+
+    g = torch.Generator().manual_seed(2)
+    shape = (3, 200, 300) if dry else (8, 2048, 1400)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-12, 0, shape, generator=g).float())
+    (q_c, s_c), (q_d, s_d) = fp8.quantise(x), fp8.quantise(x.to(device))
+    y = fp8.dequantise(q_d, s_d, torch.bfloat16).cpu()
+    same = torch.equal(q_c.view(torch.uint8), q_d.cpu().view(torch.uint8)) and torch.equal(s_c, s_d.cpu())
+    within = bool(((x - y.float()).abs() <= torch.maximum(x.abs() * 2**-4, fp8._spread(s_c, x.shape) * 2**-10)
+                   + x.abs() * 2**-8).all())  # + bf16's rounding of the dequantised value
+    rec.row(f"fp8 block quantise {tuple(shape)} on {device} vs cpu", f"bitwise equal {same}; bf16 round trip "
+            f"within 2^-4 of each block amax {within}", status(same and within))
+    steps = 3
+    base = base or train_losses(tiny_run(dry), device, steps)
+    try:
+        run = with_policy(tiny_run(dry), {"recompute": "full", "block_chunks": 2})
+        got = train_losses(run, device, steps)
+        e = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(got, base))
+        rec.row(f"block chunks 2 (full recompute) vs none on {device} ({steps} fp32 steps)",
+                f"max rel loss diff {e:.1e}", status(e < 1e-5))
+    except NotOffered as e:
+        rec.row("block chunks", f"not offered here: {e}", "skip")
+    run = tiny_run(dry)
+    run = dataclasses.replace(run, optim=dataclasses.replace(run.optim, name="muon"),
+                              train=dataclasses.replace(run.train, grad_accum=1))
+    pure, donated = final_params(run, device, steps, False), final_params(run, device, steps, True)
+    diff = [k for k in pure if not torch.equal(pure[k].view(-1).view(torch.uint8), donated[k].view(-1).view(torch.uint8))]
+    rec.row(f"donated update vs pure on {device} ({steps} Muon steps)",
+            f"{len(pure) - len(diff)} of {len(pure)} leaves bitwise equal{': ' + diff[0] if diff else ''}",
+            status(not diff))
+
+
 def step_correctness(rec: Recorder, device: str, dry: bool) -> None:
     rec.guarded("grouped GEMM", check_grouped_gemm, rec, device, dry)
     rec.guarded("compiled MoE block", check_compiled_moe, rec, device, dry)
     base = rec.guarded("tiny preset training steps", check_train_steps, rec, device, dry)
     rec.guarded("fnmoe train loop", check_train_loop, rec, device, dry, base)
     rec.guarded("memory policies", check_memory_policies, rec, device, dry, base)
+    rec.guarded("levers", check_levers, rec, device, dry, base)
 
 
 # ---------------------------------------------------------------- 2 K2 MoE layer
