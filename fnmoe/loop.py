@@ -120,11 +120,16 @@ def train(run: RunConfig) -> dict:
             return _stopped_before(run, rank, stopped)
         with stop.on_signals(speak=rank == 0) as request:
             try:
-                return _train(run, rank, mesh, request)
+                summary = _train(run, rank, mesh, request)
             except BaseException:
                 if request.aborted_by is None:
                     raise
-        return _aborted(run, request.aborted_by)  # out of on_signals: a third signal acts as usual
+                summary = None
+        if summary is None:
+            return _aborted(run, request.aborted_by)  # out of on_signals: a third signal acts as usual
+        if summary.get("interrupted"):
+            stop.linger()
+        return summary
     except RuntimeError as e:
         if fdist.collective_failed(e):
             raise fdist.CollectiveError(fdist.failure_report(e, run.dist.timeout_s)) from e

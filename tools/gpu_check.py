@@ -21,7 +21,10 @@ Steps (in the priority order gpu_check.sh runs them):
                 layer and chunk (gemm_time.moe_layer_expert_s at the preset's hardware profile).
                 At ~400 TFLOP/s: 10.1 TFLOP an iteration balanced, 12.6 at 1.25, 26 iterations of
                 each: ~1.5 s of GPU; memory ~22 GB (8.5 GB of weights, as much gradient, ~5 GB for
-                a chunk), far under an H200's 139 GB, so the whole chunk runs
+                a chunk), far under an H200's 139 GB, so the whole chunk runs. Then the whole K2 block
+                (MLA attention, router, shared expert, the GPU's experts, balanced) on one block chunk,
+                eager and compiled, forward without autograd then recompute + backward as
+                memory.block_chunks runs it, beside the planner's compute for it (k2_block_planner_ms)
   moe           tools/bench_moe.py on the device (against TorchTitan when it imports, else fnmoe alone)
   model         a DeepSeek-V3-16B-shaped model cut to 4 layers (MLA), bf16, compiled, AdamW, 2 x 4096
                 tokens, per memory policy: tokens/s, MFU (989 TFLOP/s peak), peak memory; policies
@@ -108,6 +111,8 @@ from fnmoe.moe import expert_gemm, expert_mlp, moe_block  # noqa: E402
 from fnmoe.memory.policies import train_runner  # noqa: E402
 from fnmoe.config.hardware import hardware  # noqa: E402
 from fnmoe.plan.activations import pool_bytes, tokens_per_rank  # noqa: E402
+from fnmoe.plan.step_time import region_flops  # noqa: E402
+from fnmoe.model import block, rope  # noqa: E402
 from fnmoe.plan.gemm_time import expert_chunks, moe_layer_expert_s, routed_flops_per_token, rows_per_expert  # noqa: E402
 from fnmoe.train import init_state, make_train_step  # noqa: E402
 from fnmoe.tree import flatten_dict, map_with_path, tree_map  # noqa: E402
@@ -631,10 +636,57 @@ def step_k2layer(rec: Recorder, device: str, dry: bool) -> None:
                 continue
             rec.guarded(check, _k2_measure, rec, lay, check, entry, tokens[label], counts_E, flops[label], plan_ms,
                         warmup, iters)
-    if device.startswith("cuda"):
-        peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
+    lay.p = {}  # the whole block draws its own
+    # eager, then compiled as the preset runs it (a cold compile: ~50 s on 2 CPU cores, so not in the dry run)
+    for compiled in (False, True) if device.startswith("cuda") and run.model.compile else (False,):
+        if time_left() > 30:
+            rec.guarded("K2 whole block", check_k2_block, rec, lay, warmup, iters, compiled)
+    if peak is not None:
         rec.row("K2 layer peak memory", f"{peak / 1e9:.3g} GB allocated (estimated {need / 1e9:.3g})",
                 status(peak < total))
+
+
+def k2_block_planner_ms(run: RunConfig) -> dict:
+    """The planner's compute for one MoE block on one block chunk, forward + recompute + backward (one
+    pass forward, one recompute, two backward: step_time._compute_s's count), by term, in ms: the
+    attention and the MoE's router and shared-expert GEMMs at the matmul rate, attention's core at its
+    own rate, the routed experts at the roofline (gemm_time)."""
+    hw, f, cfg = hardware(run.plan), region_flops(run), run.model
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    tokens = tokens_per_rank(run) // expert_chunks(run)
+    routed = routed_flops_per_token(run) / n_moe
+    gemm = 4 * tokens * (f["attention"] / cfg.n_layers + f["moe"] / n_moe - routed) / (hw.matmul_tflops * 1e9)
+    core = 4 * tokens * f["attention_core"] / cfg.n_layers / (hw.attention_tflops * 1e9)
+    return {"gemm": gemm, "core": core, "experts": sum(moe_layer_expert_s(run, recomputed=True).values()) * 1e3}
+
+
+def check_k2_block(rec: Recorder, lay: "K2Layer", warmup: int, iters: int, compiled: bool) -> None:
+    """A whole K2 MoE block (MLA attention, router, shared expert, the GPU's experts, balanced) on one
+    block chunk, eager or compiled (as the preset runs it): forward without autograd, then the recompute
+    and its backward, as memory.block_chunks runs a chunk; beside the planner's compute for it."""
+    run, dev = dataclasses.replace(lay.run, plan=dataclasses.replace(lay.run.plan, imbalance=1.0)), lay.device
+    cfg = dataclasses.replace(lay.cfg, n_layers=1, compile=compiled,
+                              moe=dataclasses.replace(lay.cfg.moe, first_k_dense=0))
+    layer = device_params(cfg, dev)["layers"]["0"]
+    p = tree_map(lambda t: t.to(torch.bfloat16).requires_grad_(True), layer)
+    B, L = run.micro_batch // max(run.memory.block_chunks, 1), run.data.seq_len
+    x, gy = lay.inputs(B * L, (B, L, cfg.dim))
+    cos, sin = rope(cfg, torch.arange(L, device=dev))
+
+    def chunk() -> None:
+        with torch.no_grad():
+            block(p, x, cos, sin, cfg, router=round_robin_router)
+        y, _ = block(p, x, cos, sin, cfg, router=round_robin_router)
+        y.backward(gy)
+        for t in (x, *_leaves(p)):
+            t.grad = None
+    ms = timed_ms(chunk, dev, warmup, iters)
+    plan = k2_block_planner_ms(run)
+    total = sum(plan.values())
+    terms = ", ".join(f"{k} {v:.3g}" for k, v in plan.items())
+    rec.row(f"K2 whole block, {B} x {L} (compile={cfg.compile}, balanced)",
+            f"{ms:.3g} ms; planner {total:.3g} ms ({terms}); measured/planner {ms / total:.3g}", "ok")
 
 
 def _k2_shape_rows(rec: Recorder, lay: "K2Layer", variants: list, tokens: dict, flops: dict, dry: bool) -> None:

@@ -76,11 +76,11 @@ if [ -n "$DRY" ]; then
   run_step model 150
   run_step determinism 150
 else
-  run_step correctness 90
-  run_step k2layer 50
-  run_step moe 60
-  run_step model 110
-  run_step determinism 60
+  run_step correctness 80
+  run_step k2layer 120
+  run_step moe 50
+  run_step model 90
+  run_step determinism 50
 fi
 
 "$PY" tools/gpu_check_summary.py --results "$RESULTS" $DRY   # imports no torch

@@ -177,6 +177,25 @@ def honoured(run_dir: Path) -> dict | None:
     return None
 
 
+LINGER_S = 10.0
+"""how long a stopped worker stays when a rank of another node may yet die on its way out (`linger`)"""
+
+
+def linger() -> None:
+    """A worker whose stop is complete, under torchrun on several nodes with restarts left, stays
+    LINGER_S before it ends. If a rank of another node dies on its way out, that node's agent starts a
+    new rendezvous round, which needs every node's agent: an agent whose workers have all ended waits
+    in its exit barrier instead, and the round waits torchrun's join timeout (600 s), then fails.
+    While this node's workers run, its agent joins the round, and the restarted workers find the
+    stop (`honoured`) and end at once (tests/test_restarts.py)."""
+    env = os.environ
+    restarts_left = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if under_torchrun() and int(env.get("GROUP_WORLD_SIZE", "1")) > 1 and restarts_left > 0:
+        log.info("the stop is complete; staying %.0f s so that torchrun restarts every node together if a "
+                 "rank dies on its way out", LINGER_S)
+        time.sleep(LINGER_S)
+
+
 def forget(run_dir: Path) -> None:
     """Rank 0, as a run starts training: an earlier run's stopped.json no longer says how it ends."""
     with contextlib.suppress(OSError):
