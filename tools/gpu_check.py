@@ -27,7 +27,7 @@ Steps (in the priority order gpu_check.sh runs them):
                 memory.block_chunks runs it, beside the planner's compute for it (k2_block_planner_ms)
   moe           tools/bench_moe.py on the device (against TorchTitan when it imports, else fnmoe alone)
   model         a DeepSeek-V3-16B-shaped model cut to 4 layers (MLA), bf16, compiled, AdamW, 2 x 4096
-                tokens, per memory policy: tokens/s, MFU (989 TFLOP/s peak), peak memory; policies
+                tokens, donated update (as `fnmoe train`), per memory policy: tokens/s, MFU (989 TFLOP/s peak), peak memory; policies
                 that would not finish in the step's time are skipped with a row saying so. Offload's
                 proofs: each offload policy's CUDA peak below its policy without offload by the bytes
                 it offloaded less two blocks, and one step's profiler trace with the offload copies
@@ -118,10 +118,11 @@ from fnmoe.train import init_state, make_train_step  # noqa: E402
 from fnmoe.tree import flatten_dict, map_with_path, tree_map  # noqa: E402
 
 
-def build_step(run: RunConfig, tx):
-    """(run's train step, its runner): the host pool sized where the step is built, as fnmoe.loop does."""
+def build_step(run: RunConfig, tx, donate: bool = False):
+    """(run's train step, its runner): the host pool sized where the step is built, as fnmoe.loop does;
+    donate: the update in place (fnmoe.loop's default, run.train.donate), else the pure one."""
     runner = train_runner(run, pool_bytes(run))
-    return make_train_step(run, tx, runner), runner
+    return make_train_step(run, tx, runner, donate=donate), runner
 
 
 class Recorder:
@@ -846,7 +847,7 @@ class ModelBench:
         tx = optim.from_config(run.optim, run.train.steps)
         if self.state is None:
             self.state, self.params = init_state(self.params, tx), None  # the state holds them: not twice
-        step_fn, runner = build_step(run, tx)
+        step_fn, runner = build_step(run, tx, run.train.donate)  # as `fnmoe train` steps
         cuda = self.device.startswith("cuda")
         if cuda:
             torch.cuda.empty_cache()
