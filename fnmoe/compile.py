@@ -47,16 +47,17 @@ def set_compile_flags() -> None:
     _flags_set = True
 
 
-def compile_fn(fn: Callable, fullgraph: bool = True) -> Callable:
-    """torch.compile(fn): the one call site. Inspection passes fullgraph=False to count breaks."""
+def compile_fn(fn: Callable, fullgraph: bool = True, dynamic: bool | None = None) -> Callable:
+    """torch.compile(fn): the one call site. Inspection passes fullgraph=False to count breaks;
+    dynamic=True traces sizes as symbols (one graph for every size)."""
     set_compile_flags()
-    return torch.compile(fn, fullgraph=fullgraph)
+    return torch.compile(fn, fullgraph=fullgraph, dynamic=dynamic)
 
 
-def compiled(fn: Callable) -> Callable:
+def compiled(fn: Callable, dynamic: bool | None = None) -> Callable:
     """fn compiled once per process (fullgraph: a graph break is an error, not a slowdown)."""
     if fn not in _compiled:
-        _compiled[fn] = compile_fn(fn)
+        _compiled[fn] = compile_fn(fn, dynamic=dynamic)
     return _compiled[fn]
 
 

@@ -119,7 +119,6 @@ def test_a_stop_is_recognised_after_a_restart_on_the_other_node(tmp_path):
     join timeout, then fail); the restarted workers find the stop and end at once. The job exits 0
     within seconds, with no step past the stop."""
     from fnmoe.checkpoint import verify
-    from fnmoe.run import stop
     from fnmoe.run.faults import CRASH_AFTER_STOP_ENV
     from test_checkpoint import ckpts
     from test_process_tree import FAKE_SCONTROL

@@ -7,7 +7,7 @@ Steps (in the priority order gpu_check.sh runs them):
                 (recompute, offload, per-region) against none, or a skip row with the reason this
                 build refuses it (e.g. offload on CUDA not built yet); the levers: fp8 expert-gather
                 blocks quantised bitwise as on CPU, whole-block token chunks against none, the
-                donated update bitwise the pure one (3 Muon steps)
+                fused AdamW against its eager ops, the donated update bitwise the pure one (3 Muon steps)
   k2layer       one MoE layer of the Kimi-K2 preset (configs/kimi_k2_1t.toml) at its per-GPU shapes:
                 its E/ep = 96 experts, dim 7168, expert hidden 2048, top-8, the tokens of one chunk of
                 its micro-batch (memory.block_chunks, else model.moe.token_chunks: 3,584 tokens in 16
@@ -27,7 +27,8 @@ Steps (in the priority order gpu_check.sh runs them):
                 memory.block_chunks runs it, beside the planner's compute for it (k2_block_planner_ms)
   moe           tools/bench_moe.py on the device (against TorchTitan when it imports, else fnmoe alone)
   model         a DeepSeek-V3-16B-shaped model cut to 4 layers (MLA), bf16, compiled, AdamW, 2 x 4096
-                tokens, donated update (as `fnmoe train`), per memory policy: tokens/s, MFU (989 TFLOP/s peak), peak memory; policies
+                tokens, donated update (as `fnmoe train`), per memory policy: tokens/s, MFU (989 TFLOP/s
+                peak), peak memory, and with no policy the eager AdamW (optim.fused=off) beside; policies
                 that would not finish in the step's time are skipped with a row saying so. Offload's
                 proofs: each offload policy's CUDA peak below its policy without offload by the bytes
                 it offloaded less two blocks, and one step's profiler trace with the offload copies
@@ -458,7 +459,14 @@ def check_levers(rec: Recorder, device: str, dry: bool, base: list | None) -> No
     run = dataclasses.replace(run, optim=dataclasses.replace(run.optim, name="muon"),
                               train=dataclasses.replace(run.train, grad_accum=1))
     pure, donated = final_params(run, device, steps, False), final_params(run, device, steps, True)
-    diff = [k for k in pure if not torch.equal(pure[k].view(-1).view(torch.uint8), donated[k].view(-1).view(torch.uint8))]
+    bits = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+    diff = [k for k in pure if not torch.equal(bits(pure[k]), bits(donated[k]))]
+    adamw = {f: dataclasses.replace(run, optim=dataclasses.replace(run.optim, name="adamw", fused=f))
+             for f in ("on", "off")}
+    fused = {f: final_params(r, device, steps, True) for f, r in adamw.items()}
+    e = max(rel_err(fused["on"][k], fused["off"][k]) for k in fused["off"] if fused["off"][k].is_floating_point())
+    rec.row(f"fused AdamW vs eager ops on {device} ({steps} donated steps)", f"max rel diff of a param leaf {e:.1e}",
+            status(e < 1e-6))
     rec.row(f"donated update vs pure on {device} ({steps} Muon steps)",
             f"{len(pure) - len(diff)} of {len(pure)} leaves bitwise equal{': ' + diff[0] if diff else ''}",
             status(not diff))
@@ -835,15 +843,15 @@ class ModelBench:
         self.batch = [(toks[:, :-1], toks[:, 1:])]
         self.state = None
 
-    def run_cfg(self, memory: dict) -> RunConfig:
+    def run_cfg(self, memory: dict, fused: str = "auto") -> RunConfig:
         """The run under MemoryConfig overrides `memory`, validated (NotOffered when refused)."""
-        run = RunConfig(model=self.cfg, optim=OptimConfig(name="adamw", lr=1e-4, warmup_steps=0),
+        run = RunConfig(model=self.cfg, optim=OptimConfig(name="adamw", lr=1e-4, warmup_steps=0, fused=fused),
                         data=dataclasses.replace(RunConfig().data, seq_len=self.L),
                         train=TrainConfig(batch_size=self.B, steps=100, peak_tflops=PEAK_TFLOPS))
         return with_policy(run, memory)
 
-    def measure(self, memory: dict | None = None) -> dict:
-        run = self.run_cfg(memory or {})
+    def measure(self, memory: dict | None = None, fused: str = "auto") -> dict:
+        run = self.run_cfg(memory or {}, fused)
         tx = optim.from_config(run.optim, run.train.steps)
         if self.state is None:
             self.state, self.params = init_state(self.params, tx), None  # the state holds them: not twice
@@ -982,7 +990,17 @@ def step_model(rec: Recorder, device: str, dry: bool) -> None:
             traced = True
             rec.guarded(f"offload copies overlap compute ({label})", _overlap_row, rec, mb, r, label)
         r.pop("step")  # its host pool (pinned on CUDA) goes with it
+        if label == "none" and time_left() > 3 * last:
+            rec.guarded("optim.fused=off", _eager_update_row, rec, mb, r)
     _peak_rows(rec, mb, results)
+
+
+def _eager_update_row(rec: Recorder, mb: "ModelBench", fused: dict) -> None:
+    """The same step with AdamW's eager ops (optim.fused=off) beside the default (fused on a GPU)."""
+    r = mb.measure({}, fused="off")
+    r.pop("step")
+    rec.row("memory none, optim.fused=off", f"{fmt_perf(r)}; the default (fused on a GPU) "
+            f"{r['ms'] / fused['ms']:.2f}x as fast", "ok")
 
 
 def _overlap_row(rec: Recorder, mb: "ModelBench", r: dict, label: str) -> None:

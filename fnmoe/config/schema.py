@@ -72,6 +72,10 @@ class OptimConfig:
     ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Muon only: dtype of the Newton-Schulz iteration (bfloat16 as torch.optim.Muon; float32 costs
     more and makes runs on different meshes follow each other closely)"""
+    fused: Literal["auto", "on", "off"] = "auto"
+    """AdamW (and Muon's AdamW leaves) as one compiled kernel a leaf: 'auto' on a GPU, where the eager
+    ops' passes over the fp32 params and moments bound the update by memory bandwidth; 'on' also on
+    CPU; 'off' the eager ops, bitwise torch.optim.AdamW's (fused: within an ulp of them)"""
     qk_clip: bool = False
     """MuonClip (Kimi K2), for any optimizer: after each step, rescale the query/key weights of
     heads whose max attention logit on the step's batch exceeded qk_clip_tau (costs a QK pass per layer)"""

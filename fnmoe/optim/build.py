@@ -28,9 +28,10 @@ def from_config(ocfg: OptimConfig, total_steps: int) -> GradientTransformation:
                   ns_steps=ocfg.ns_steps, adjust_lr=ocfg.adjust_lr,
                   adamw_lr=schedule_from_config(ocfg, ocfg.adamw_lr or ocfg.lr, total_steps),
                   adamw_betas=(ocfg.beta1, ocfg.beta2), adamw_eps=ocfg.eps,
-                  momentum_dtype=DTYPE[ocfg.momentum_dtype], ns_dtype=DTYPE[ocfg.ns_dtype])
+                  momentum_dtype=DTYPE[ocfg.momentum_dtype], ns_dtype=DTYPE[ocfg.ns_dtype], fused=ocfg.fused)
     elif ocfg.name == "adamw":
-        tx = partition({"adamw": adamw(schedule, ocfg.beta1, ocfg.beta2, ocfg.eps, ocfg.weight_decay, mask=decay_mask),
+        tx = partition({"adamw": adamw(schedule, ocfg.beta1, ocfg.beta2, ocfg.eps, ocfg.weight_decay, mask=decay_mask,
+                                       fused=ocfg.fused),
                         "frozen": set_to_zero()},
                        lambda params: default_labels(params, muon=False))
     else:

@@ -38,7 +38,7 @@ from fnmoe import transforms
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.parallel.dispatch import all_to_all
-from fnmoe.optim.adam import adamw
+from fnmoe.optim.adam import Fused, adamw
 from fnmoe.optim.base import (GradientTransformation, PerLeaf, ScalarOrSchedule, Tree, add_decayed_weights, chain,
                               decay_mask, default_labels, device_of, hyper, hyper_tensor, leaves_of, partition,
                               scale_by_learning_rate, set_to_zero)
@@ -276,7 +276,8 @@ def muon(lr: ScalarOrSchedule, weight_decay: float = 0.1, momentum: float = 0.95
          ns_steps: int = 5, adjust_lr: AdjustLR = "match_rms_adamw", adamw_lr: ScalarOrSchedule | None = None,
          adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
          adamw_weight_decay: float | None = None, labels: PerLeaf | None = None,
-         momentum_dtype: torch.dtype = torch.float32, ns_dtype: torch.dtype = torch.bfloat16) -> GradientTransformation:
+         momentum_dtype: torch.dtype = torch.float32, ns_dtype: torch.dtype = torch.bfloat16,
+         fused: Fused = "off") -> GradientTransformation:
     """Muon on matrices, AdamW on the rest, buffers frozen (labels: `default_labels`, or `labels=`).
 
     Muon leaves: W <- W(1 - lr*wd) - lr*s*NS(U), the decay with the unadjusted lr. AdamW
@@ -287,6 +288,7 @@ def muon(lr: ScalarOrSchedule, weight_decay: float = 0.1, momentum: float = 0.95
     0.2*sqrt(max(in, out)): updates of AdamW's RMS, so AdamW's lr and weight decay carry over, as in
     Moonlight and Kimi K2), where torch.optim.Muon's default (adjust_lr_fn=None) is "original" (s =
     sqrt(max(1, out/in))). adjust_lr="original" takes torch's steps (lr_scale lists the three).
+    fused: the AdamW leaves' (adam.adamw's).
     """
     hyper("muon: learning rate", lr)
     if adamw_lr is not None:
@@ -297,6 +299,7 @@ def muon(lr: ScalarOrSchedule, weight_decay: float = 0.1, momentum: float = 0.95
                       add_decayed_weights(weight_decay),
                       scale_by_learning_rate(lr)),
         "adamw": adamw(lr if adamw_lr is None else adamw_lr, *adamw_betas, adamw_eps,
-                       weight_decay if adamw_weight_decay is None else adamw_weight_decay, mask=decay_mask),
+                       weight_decay if adamw_weight_decay is None else adamw_weight_decay, mask=decay_mask,
+                       fused=fused),
         "frozen": set_to_zero(),
     }, default_labels if labels is None else labels)
