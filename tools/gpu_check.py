@@ -25,7 +25,9 @@ Steps (in the priority order gpu_check.sh runs them):
                 (MLA attention, router, shared expert, the GPU's experts, balanced) on one block chunk,
                 eager and compiled, forward without autograd then recompute + backward as
                 memory.block_chunks runs it, beside the planner's compute for it (k2_block_planner_ms)
-  moe           tools/bench_moe.py on the device (against TorchTitan when it imports, else fnmoe alone)
+  moe           tools/bench_moe.py on the device (against TorchTitan when it imports, else fnmoe alone),
+                then tools/bench_adamw.py (fnmoe's AdamW eager and fused against torch.optim.AdamW
+                foreach and fused, on a DeepSeek-V3-16B model's leaves cut to 2 layers)
   model         a DeepSeek-V3-16B-shaped model cut to 4 layers (MLA), bf16, compiled, AdamW, 2 x 4096
                 tokens, donated update (as `fnmoe train`), per memory policy: tokens/s, MFU (989 TFLOP/s
                 peak), peak memory, and with no policy the eager AdamW (optim.fused=off) beside; policies
@@ -783,6 +785,20 @@ def step_moe(rec: Recorder, device: str, dry: bool) -> None:
         for name, problems in r["parity"].items():
             if problems:
                 rec.row(f"{r['shape']} parity vs {name}", "; ".join(problems)[:200], "FAIL")
+    rec.guarded("adamw bench", _adamw_rows, rec, device, dry)
+
+
+def _adamw_rows(rec: Recorder, device: str, dry: bool) -> None:
+    """tools/bench_adamw.py: fnmoe's AdamW (eager ops, fused) against torch.optim.AdamW (foreach, fused)
+    on a DeepSeek-V3-16B model's leaves cut to 2 layers (1.1 B params; tiny widths in the dry run)."""
+    import bench_adamw as ba
+
+    cfg, layers, experts = ("tiny.toml", 2, 8) if dry else ("deepseek_v3_16b.toml", 2, 64)
+    r = ba.run(str(ROOT / "configs" / cfg), layers, experts, 2 if dry else 10, device)
+    rec.row("adamw bench", r["what"], "info")
+    for name, ms, gbps, x, first, err in r["rows"]:
+        rec.row(name, f"{ms:.3g} ms, {gbps:.0f} GB/s, {x:.2f}x torch foreach, first call {first:.1f} s; "
+                f"vs torch single-tensor {err:.1e}", status(err < 1e-5))
 
 
 # ---------------------------------------------------------------- 4 model, 5 determinism
