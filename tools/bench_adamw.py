@@ -16,7 +16,6 @@ Legend: no shape-suffixed tensors; trees of leaves as in fnmoe.optim.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import time
@@ -121,14 +120,10 @@ def run(config: str, layers: int, experts: int, steps: int, device: str) -> dict
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default=str(ROOT / "configs" / "tiny.toml"))
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=5)
+    from bench_muon import preset_args
+
+    ap = preset_args(__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="torch intra-op threads (0: torch's default); 1 is steadier on a shared machine")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

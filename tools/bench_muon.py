@@ -82,15 +82,22 @@ def torch_stepper(params: dict, grads: dict):
     return torch.optim.Muon(tps, lr=0.02, adjust_lr_fn="match_rms_adamw", **KW).step, len(tps)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def preset_args(description: str) -> argparse.ArgumentParser:
+    """The optimizer benchmarks' arguments (this one's and bench_adamw's): a preset widened to
+    --layers x --experts, --steps timed, --threads."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny.toml"))
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--no-compile", action="store_true", help="skip the compiled fnmoe variant")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch intra-op threads (0: torch's default); 1 is steadier on a shared machine")
+    return ap
+
+
+def main() -> None:
+    ap = preset_args(__doc__.split("\n")[0])
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled fnmoe variant")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
