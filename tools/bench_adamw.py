@@ -85,9 +85,9 @@ def max_rel(a: list, b: list) -> float:
     return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item() for x, y in zip(a, b))
 
 
-def run(config: str, layers: int, experts: int, steps: int, device: str) -> dict:
+def run(config: str, layers: int, experts: int, steps: int, device: str, fused: bool = True) -> dict:
     """{"what": the leaves, "rows": [(variant, ms a step, GB/s, x torch foreach, first call s, max rel diff
-    vs torch's single-tensor step)]}"""
+    vs torch's single-tensor step)]}; fused=False leaves out fnmoe's fused variant (its compile)."""
     params = leaves(config, layers, experts, device)
     grads = tree_map(torch.randn_like, params)
     flat = optim.tree_flatten_with_paths(params)[1]
@@ -99,7 +99,7 @@ def run(config: str, layers: int, experts: int, steps: int, device: str) -> dict
     variants = [("torch.optim.AdamW foreach", "torch", {"foreach": True}),
                 ("torch.optim.AdamW fused", "torch", {"fused": True}),
                 ("fnmoe adamw, eager ops", "fnmoe", "off"),
-                ("fnmoe adamw, fused", "fnmoe", "on")]
+                ("fnmoe adamw, fused", "fnmoe", "on")][:None if fused else -1]
     rows = []
     for name, who, how in variants:
         step, held = torch_stepper(params, grads, **how) if who == "torch" else fnmoe_stepper(params, grads, how)
