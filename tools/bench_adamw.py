@@ -37,8 +37,8 @@ def leaves(config: str, layers: int, experts: int, device: str, seed: int = 0) -
     run = load_config(config)
     cfg = dataclasses.replace(run.model, n_layers=layers, moe=dataclasses.replace(run.model.moe, n_experts=experts))
     shapes = {k: i.shape for k, i in flatten_dict(leaf_inits(cfg)).items() if not k.startswith("buffers")}
-    g = torch.Generator().manual_seed(seed)
-    return unflatten_dict({k: (torch.randn(s, generator=g) * 0.02).to(device) for k, s in shapes.items()})
+    g = torch.Generator(device=device).manual_seed(seed)  # drawn where they live: a GB of them is slow on a host
+    return unflatten_dict({k: torch.randn(s, generator=g, device=device) * 0.02 for k, s in shapes.items()})
 
 
 def sync(device: str) -> None:
