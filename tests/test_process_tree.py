@@ -39,24 +39,18 @@ exit $status
 FAKE_SCONTROL = "#!/bin/bash\necho localhost\n"
 
 
-@pytest.mark.launch
-@pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_slurm_warning_stops_every_worker_after_one_step_and_a_restart_keeps_the_stop(tmp_path):
-    """tools/slurm_train.sh under a stand-in srun (one node, 2 workers, --max-restarts 1): SIGUSR1
-    to the batch script, as `--signal=B:USR1@300` sends it, reaches both workers (torchrun ignores
-    it), which stop after the same step with one checkpoint and exit 0; rank 1 then dies on its
-    way out (a test hook), torchrun restarts both, and the restarted workers find the stop and
-    end at once: no resume, no step past it, the job exits 0. (Before: the script died of the
-    signal at once, leaving srun, torchrun and the workers training on.)"""
+def slurm_job(tmp_path, srun: str, nodes: int, workers: int) -> tuple[int, str, Path]:
+    """(exit status, output, run dir) of tools/slurm_train.sh under the stand-in `srun` (its node count
+    and workers a node, --max-restarts 1, rank 1 dying on its way out of a stop), sent SIGUSR1 once
+    two steps are written."""
     bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"
     bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+    for name, text in (("srun", srun), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = spawn_env(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHONPATH=str(ROOT),
-                    SLURM_JOB_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="4242",
-                    NPROC_PER_NODE="2", RDZV_PORT=str(free_port()), MAX_RESTARTS="1",
+                    SLURM_JOB_NODELIST="localhost", SLURM_JOB_NUM_NODES=str(nodes), SLURM_JOB_ID="4242",
+                    NPROC_PER_NODE=str(workers), RDZV_PORT=str(free_port()), MAX_RESTARTS="1",
                     **{CRASH_AFTER_STOP_ENV: "1"})
     cmd = ["bash", str(ROOT / "tools" / "slurm_train.sh"),
            *args(run_dir, 200, "--mesh.fsdp", "2", "--dist.timeout-s", "10")]
@@ -75,8 +69,21 @@ def test_slurm_warning_stops_every_worker_after_one_step_and_a_restart_keeps_the
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
-    out = log.read_text()
-    assert job.returncode == 0, out[-4000:]
+    return job.returncode, log.read_text(), run_dir
+
+
+@pytest.mark.launch
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_slurm_warning_stops_every_worker_after_one_step_and_a_restart_keeps_the_stop(tmp_path):
+    """tools/slurm_train.sh under a stand-in srun (one node, 2 workers, --max-restarts 1): SIGUSR1
+    to the batch script, as `--signal=B:USR1@300` sends it, reaches both workers (torchrun ignores
+    it), which stop after the same step with one checkpoint and exit 0; rank 1 then dies on its
+    way out (a test hook), torchrun restarts both, and the restarted workers find the stop and
+    end at once: no resume, no step past it, the job exits 0. (Before: the script died of the
+    signal at once, leaving srun, torchrun and the workers training on.)"""
+    rc, out, run_dir = slurm_job(tmp_path, FAKE_SRUN, nodes=1, workers=2)
+    assert rc == 0, out[-4000:]
     assert "slurm_train.sh: SIGUSR1: asking every worker to stop after the step in progress and save" in out
     (name,) = ckpts(run_dir)
     step = verify(run_dir / "checkpoints" / name)["step"]

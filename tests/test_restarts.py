@@ -6,7 +6,6 @@ Tiny model, few steps, no compile, one thread a process, a timeout on every subp
 import os
 import subprocess
 import sys
-import signal
 import time
 from pathlib import Path
 
@@ -119,40 +118,13 @@ def test_a_stop_is_recognised_after_a_restart_on_the_other_node(tmp_path):
     join timeout, then fail); the restarted workers find the stop and end at once. The job exits 0
     within seconds, with no step past the stop."""
     from fnmoe.checkpoint import verify
-    from fnmoe.run.faults import CRASH_AFTER_STOP_ENV
     from test_checkpoint import ckpts
-    from test_process_tree import FAKE_SCONTROL
+    from test_process_tree import slurm_job
 
-    bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"
-    bin_dir.mkdir()
-    for name, text in (("srun", TWO_NODE_SRUN), ("scontrol", FAKE_SCONTROL)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    env = spawn_env(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHONPATH=str(ROOT),
-                    SLURM_JOB_NODELIST="localhost", SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="4243",
-                    NPROC_PER_NODE="1", RDZV_PORT=str(free_port()), MAX_RESTARTS="1",
-                    **{CRASH_AFTER_STOP_ENV: "1"})
-    cmd = ["bash", str(ROOT / "tools" / "slurm_train.sh"),
-           *args(run_dir, 200, "--mesh.fsdp", "2", "--dist.timeout-s", "10")]
-    log = tmp_path / "job.out"
-    with open(log, "w") as f:
-        job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline, metrics = time.monotonic() + 90, run_dir / "metrics.jsonl"
-        while time.monotonic() < deadline and job.poll() is None and not (
-                metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
-            time.sleep(0.1)
-        assert job.poll() is None, log.read_text()[-3000:]
-        job.send_signal(signal.SIGUSR1)
-        t0 = time.monotonic()
-        job.wait(timeout=90)
-        took = time.monotonic() - t0
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-    out = log.read_text()
-    assert job.returncode == 0, out[-4000:]
+    t0 = time.monotonic()
+    rc, out, run_dir = slurm_job(tmp_path, TWO_NODE_SRUN, nodes=2, workers=1)
+    took = time.monotonic() - t0
+    assert rc == 0, out[-4000:]
     (name,) = ckpts(run_dir)
     step = verify(run_dir / "checkpoints" / name)["step"]
     saved = run_dir / "checkpoints" / f"step_{step}"
@@ -161,4 +133,4 @@ def test_a_stop_is_recognised_after_a_restart_on_the_other_node(tmp_path):
             "it, which ends here rather than train past the stop") in out, out[-4000:]
     assert [r.get("step", r.get("event")) for r in rows(run_dir)] == list(range(1, step + 1))  # no resume
     assert "Traceback" not in out
-    print(f"two-node stop, restart and end: {took:.1f} s after the signal")
+    print(f"two-node job, stopped, restarted and ended: {took:.1f} s")
