@@ -17,6 +17,14 @@ chunk at a time, the last first, sums each weight's gradient over the chunks in 
 Each chunk keeps what its recompute must not change, its routing and its expert-parallel exchange,
 under the runner's modes (fnmoe.seams.Chunking), so backward routes each token as the forward did.
 
+Under expert parallelism the forward runs two chunks at a time (`interleaved`): a chunk's steps
+(fnmoe.model.block_steps) yield while its dispatch or its combine travels, and the other chunk computes
+meanwhile. So chunk c's dispatch travels behind chunk c+1's attention, chunk c+1's behind chunk c's
+experts, chunk c's combine behind chunk c+1's experts, and chunk c+1's behind chunk c's output and
+chunk c+2's attention; only the last combine of a block waits with less to hide it (its chunk's
+output and shared expert). Each chunk runs the ops of its unchunked block in their order, under its
+own mode, so what it keeps and its values are the sequential forward's.
+
 The block's MoE statistics are the unchunked ones: counts, probability sums and dropped rows summed
 over the chunks, the router logits joined in token order, the sequence-wise balance and z losses
 averaged (the chunks are equal), and the Switch balance loss built from the summed parts
@@ -24,7 +32,9 @@ averaged (the chunks are equal), and the Switch balance loss built from the summ
 """
 from __future__ import annotations
 
-from typing import Callable
+import collections
+import functools
+from typing import Callable, Generator
 
 import torch
 
@@ -39,11 +49,15 @@ REBUILT = ("balance_loss",)
 
 Compute = Callable[[dict, torch.Tensor, slice], tuple]
 """compute(w, x_BLD, rows) -> (y_BLD, stats or None): the block on sequences `rows` of the micro-batch"""
+Steps = Callable[[dict, torch.Tensor, slice], Generator]
+"""steps(w, x_BLD, rows): compute's forward as a generator that yields while an exchange of its own
+travels and returns compute's result"""
 
 
-def run(compute: Compute, w: dict, x_BLD: torch.Tensor, chunking: Chunking, top_k: int):
+def run(compute: Compute, w: dict, x_BLD: torch.Tensor, chunking: Chunking, top_k: int, steps: Steps | None = None):
     """(y_BLD, stats) of compute over chunking.n chunks of x_BLD's sequences, w its params in the
-    compute dtype; stats merged as the unchunked block's (None for a block without MoE)."""
+    compute dtype; stats merged as the unchunked block's (None for a block without MoE). steps: the
+    forward's, two chunks at a time (`interleaved`); None: one chunk after the other."""
     B, N = x_BLD.shape[0], chunking.n
     if B % N:
         raise ValueError(f"memory.block_chunks={N} must divide the sequences of a rank's micro-batch, {B} here")
@@ -51,7 +65,7 @@ def run(compute: Compute, w: dict, x_BLD: torch.Tensor, chunking: Chunking, top_
     tensors = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
     # the run holds the tree's other leaves only: a gathered weight held here would outlive resharding
     others = [None if k in tensors else t for k, t in enumerate(leaves)]
-    chunks = _Run(compute, others, spec, tensors, [slice(c * B // N, (c + 1) * B // N) for c in range(N)],
+    chunks = _Run(compute, steps, others, spec, tensors, [slice(c * B // N, (c + 1) * B // N) for c in range(N)],
                   [chunking.modes() for _ in range(N)])
     y_BLD, *merged = _Chunks.apply(chunks, x_BLD, *(leaves[k] for k in tensors))
     if not chunks.keys:
@@ -62,12 +76,33 @@ def run(compute: Compute, w: dict, x_BLD: torch.Tensor, chunking: Chunking, top_
     return y_BLD, stats
 
 
+def interleaved(steps: list[Callable[[], Generator]], modes: list) -> list:
+    """What each chunk's steps return, two chunks in flight: the chunk whose turn it is runs until it
+    yields (an exchange of its own travelling), then the other resumes; a chunk that ends lets the
+    next begin at once, ahead of the one left. Each chunk runs under its mode."""
+    out, active, nxt = [None] * len(steps), collections.deque(), 0
+    while active or nxt < len(steps):
+        if nxt < len(steps) and len(active) < 2:
+            c, gen, nxt = nxt, steps[nxt](), nxt + 1
+        else:
+            c, gen = active.popleft()
+        try:
+            with modes[c]:
+                next(gen)
+        except StopIteration as end:
+            out[c] = end.value
+            continue
+        active.append((c, gen))
+    return out
+
+
 class _Run:
     """What a block's chunks share: the block, its params' tree, the chunks' rows and modes, and the
     keys of the statistics they merge (set by the forward)."""
 
-    def __init__(self, compute: Compute, leaves: list, spec, tensors: list[int], slices: list[slice], modes: list):
-        self.compute, self.leaves, self.spec, self.tensors = compute, leaves, spec, tensors
+    def __init__(self, compute: Compute, steps: Steps | None, leaves: list, spec, tensors: list[int],
+                 slices: list[slice], modes: list):
+        self.compute, self.steps, self.leaves, self.spec, self.tensors = compute, steps, leaves, spec, tensors
         self.slices, self.modes = slices, modes
         self.keys: list[str] = []
 
@@ -100,13 +135,16 @@ class _Chunks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run: _Run, x_BLD, *tensors):
         w = run.params(tensors)
-        outs, stats = [], []
-        for rows, (keeping, _) in zip(run.slices, run.modes):
-            with keeping:
-                y_BLD, chunk_stats = run.compute(w, x_BLD[rows], rows)
-            outs.append(y_BLD)
-            stats.append(chunk_stats)
-        merged = run.merge(stats)
+        keeping = [m[0] for m in run.modes]
+        if run.steps is None:
+            results = []
+            for rows, mode in zip(run.slices, keeping):
+                with mode:
+                    results.append(run.compute(w, x_BLD[rows], rows))
+        else:
+            results = interleaved([functools.partial(run.steps, w, x_BLD[rows], rows) for rows in run.slices], keeping)
+        outs, stats = zip(*results)
+        merged = run.merge(list(stats))
         ctx.run = run
         ctx.save_for_backward(x_BLD, *tensors)
         ctx.mark_non_differentiable(*(t for k, t in zip(run.keys, merged) if k not in ("probs_sum_E", *MEANS)))

@@ -10,6 +10,7 @@ reach compute (cast, or FSDP's gathers) are the caller's choices, passed in (fnm
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ from fnmoe.kernels import attention as cpu_attention
 from fnmoe.attention import attention, doc_mask, max_logits_H, rms_norm, rope, upcast
 from fnmoe.config import ModelConfig
 from fnmoe.dtypes import DTYPE
-from fnmoe.moe import EXPERT_STACKS, expert_gemm, moe_block, swiglu
+from fnmoe.moe import EXPERT_STACKS, expert_gemm, moe_block, moe_steps, swiglu
 from fnmoe.params import check_config, check_params
 from fnmoe.routing import Router
 from fnmoe.seams import CAST, PLAIN, BlockRunner, LayerFeed, ParamsSource
@@ -53,12 +54,17 @@ def mlp_region(p, x_BLD, cfg):
 def moe_region(p, x_BLD, cfg, gemm, recompute=None, router=None):
     """recompute: how backward recomputes the token chunks (BlockRunner.chunk_recompute); router:
     moe_block's."""
-    cpu_grouped = gemm == "grouped" and x_BLD.device.type == "cpu"
-    p = in_compute_dtype(p, x_BLD.dtype, ("router_bias_E", *(EXPERT_STACKS if cpu_grouped else ())))
     chunked = None  # the dense path (every expert on every token) takes no chunks
     if cfg.moe.token_chunks > 1 and gemm != "dense":
         chunked = functools.partial(moe_chunks.chunked, recompute=recompute)
-    return moe_block(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cfg, gemm, chunked, router)
+    return moe_block(*_moe_inputs(p, x_BLD, cfg, gemm), cfg, gemm, chunked, router)
+
+
+def _moe_inputs(p, x_BLD, cfg, gemm):
+    """(the MoE region's params as its GEMM path takes them, its normed input)."""
+    cpu_grouped = gemm == "grouped" and x_BLD.device.type == "cpu"
+    p = in_compute_dtype(p, x_BLD.dtype, ("router_bias_E", *(EXPERT_STACKS if cpu_grouped else ())))
+    return p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps)
 
 
 def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=None,
@@ -67,9 +73,7 @@ def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=N
     (attention.doc_mask's) keeps the documents of packed rows apart; None is plain causal. Each
     region runs through runner.region (its memory policy); router routes the MoE (moe_block's)."""
     run = functools.partial(runner.region, i)
-    attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
-    attn_cfg = cpu_attention.resolved(cfg, *x_BLD.shape[:2], x_BLD.dtype, x_BLD.device, mask)
-    x_BLD = x_BLD + run("attention", attention_region, cfg.compile, attn, x_BLD, cos_LP, sin_LP, attn_cfg, mask)
+    x_BLD = _attended(p, x_BLD, cos_LP, sin_LP, cfg, mask, runner, i)
     if "moe" in p:
         gemm = expert_gemm(cfg, x_BLD.dtype, x_BLD.device)
         recompute = runner.chunk_recompute(i) if cfg.moe.token_chunks > 1 and gemm != "dense" else None
@@ -84,6 +88,26 @@ def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=N
                            dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm, recompute, router)
         return x_BLD + y_BLD, stats
     return x_BLD + run("mlp", mlp_region, cfg.compile, dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg), None
+
+
+def block_steps(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=None,
+                runner: BlockRunner = PLAIN, i: int = 0, router: Router | None = None):
+    """block i, a MoE block under expert parallelism, as steps (fnmoe.moe.moe_steps: a generator
+    that yields while its exchanges travel, returning block's (x_BLD, stats)). For the forward
+    without autograd of fnmoe.block_chunks, where the MoE region's memory policy has nothing to keep."""
+    x_BLD = _attended(p, x_BLD, cos_LP, sin_LP, cfg, mask, runner, i)
+    gemm = expert_gemm(cfg, x_BLD.dtype, x_BLD.device)
+    q, h_BLD = _moe_inputs(dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm)
+    y_BLD, stats = yield from moe_steps(q, h_BLD, cfg, gemm, router, cfg.compile and gemm != "loop")
+    return x_BLD + y_BLD, stats
+
+
+def _attended(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask, runner: BlockRunner, i: int):
+    """x_BLD plus block i's attention (its region run by runner)."""
+    attn = dict(p["attn"], norm_D=p["attn_norm"]["w_D"])
+    attn_cfg = cpu_attention.resolved(cfg, *x_BLD.shape[:2], x_BLD.dtype, x_BLD.device, mask)
+    return x_BLD + runner.region(i, "attention", attention_region, cfg.compile, attn, x_BLD, cos_LP, sin_LP,
+                                 attn_cfg, mask)
 
 
 def check_tokens(tokens_BL: torch.Tensor, vocab_size: int, what: str = "tokens") -> None:
@@ -148,10 +172,13 @@ def fed_block(p: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg: ModelCo
     if chunking is None:
         return block(w, x_BLD, cos_LP, sin_LP, cfg, mask, runner, i, router)
 
-    def compute(w: dict, x_BLD: torch.Tensor, rows: slice):
-        return block(w, x_BLD, _rows_of(cos_LP, rows), _rows_of(sin_LP, rows), cfg, _rows_of(mask, rows),
-                     runner, i, router)
-    return block_chunks.run(compute, w, x_BLD, chunking, cfg.moe.top_k)
+    def compute(w: dict, x_BLD: torch.Tensor, rows: slice, fn: Callable = block):
+        return fn(w, x_BLD, _rows_of(cos_LP, rows), _rows_of(sin_LP, rows), cfg, _rows_of(mask, rows), runner, i,
+                  router)
+    # a MoE block's exchange travels while the other chunk in flight computes
+    exchanges = "moe" in w and "ep_group" in w["moe"] and expert_gemm(cfg, x_BLD.dtype, x_BLD.device) != "dense"
+    steps = functools.partial(compute, fn=block_steps) if exchanges else None
+    return block_chunks.run(compute, w, x_BLD, chunking, cfg.moe.top_k, steps)
 
 
 def _rows_of(t, rows: slice):

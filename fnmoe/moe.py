@@ -24,8 +24,10 @@ import torch.nn.functional as F
 
 from fnmoe import _torch
 from fnmoe.kernels import gemm as cpu_gemm
+from fnmoe import compile as fcompile
 from fnmoe.compile import size_hint
 from fnmoe.config import ModelConfig
+from fnmoe.parallel import dispatch
 from fnmoe.parallel.dispatch import ep_expert_mlp
 from fnmoe.routing import Router, route
 
@@ -293,7 +295,6 @@ def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed:
     for model.moe.token_chunks > 1."""
     if gemm not in GEMMS:
         raise ValueError(f"unknown expert GEMM path gemm={gemm!r}: one of {', '.join(map(repr, GEMMS))}")
-    m = cfg.moe
     B, L, D = x_BLD.shape
     x_TD = x_BLD.reshape(B * L, D)
     w_TK, idx_TK, probs_TE, logits_TE = route(x_TD, p["w_router_DE"], cfg, p.get("router_bias_E"), router)
@@ -305,14 +306,52 @@ def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed:
         out_TD, counts_E, kept_E = _sparse_routed(p, x_TD, w_TK, idx_TK, cfg, gemm)
     if "shared" in p and (gemm == "dense" or routed is None):
         out_TD = out_TD + swiglu(p["shared"], x_TD)
+    return out_TD.view(B, L, D), _stats(cfg, probs_TE, logits_TE, idx_TK, counts_E, kept_E, B)
+
+
+def moe_steps(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, router: Router | None = None,
+              compile: bool = False):
+    """moe_block on its sparse path under expert parallelism (p["ep_group"]), as steps: a generator
+    that yields while its dispatch travels and again while its combine does (dispatch.in_flight), and
+    returns moe_block's (out_BLD, stats), computed by the same ops in the same order.
+    fnmoe.block_chunks runs two block chunks' steps at a time; compile: their pieces compiled."""
+    B, L, D = x_BLD.shape
+    x_TD, group = x_BLD.reshape(B * L, D), p["ep_group"]
+    fn = fcompile.compiled if compile else (lambda f: f)
+    w_TK, idx_TK, probs_TE, logits_TE, rows = fn(_routed_rows)(p, x_TD, cfg, router)
+    sent = dispatch.dispatched(rows.x_RD, rows.kept_E, p["w_gate_EDF"].shape[0], group)
+    yield from dispatch.in_flight(sent.rows, group)
+    y_recv = fn(dispatch.local_experts)(expert_mlp, dispatch.received(sent), sent.recv_SX, p["w_gate_EDF"],
+                                        p["w_up_EDF"], p["w_down_EFD"], gemm)
+    back = dispatch.send_back(y_recv, sent)
+    yield from dispatch.in_flight(back, group)
+    out_TD = fn(_output)(p, x_TD, rows, dispatch.returned(back, sent), w_TK)
+    return out_TD.view(B, L, D), _stats(cfg, probs_TE, logits_TE, idx_TK, rows.counts_E, rows.kept_E, B)
+
+
+def _routed_rows(p: dict, x_TD, cfg: ModelConfig, router: Router | None):
+    """(w_TK, idx_TK, probs_TE, logits_TE, the sorted rows): moe_block's first piece on its sparse path."""
+    w_TK, idx_TK, probs_TE, logits_TE = route(x_TD, p["w_router_DE"], cfg, p.get("router_bias_E"), router)
+    return w_TK, idx_TK, probs_TE, logits_TE, sorted_rows(x_TD, idx_TK, cfg)
+
+
+def _output(p: dict, x_TD, rows: "Rows", y_RD, w_TK) -> torch.Tensor:
+    """The routed rows combined, plus the shared experts: moe_block's last piece on its sparse path."""
+    out_TD = combined(rows, y_RD, w_TK)
+    return out_TD + swiglu(p["shared"], x_TD) if "shared" in p else out_TD
+
+
+def _stats(cfg: ModelConfig, probs_TE, logits_TE, idx_TK, counts_E, kept_E, B: int) -> dict:
+    """moe_block's stats (B sequences of its T tokens)."""
+    m = cfg.moe
     stats = {"counts_E": counts_E, "balance_loss": balance_loss(probs_TE, counts_E, m.top_k),
              "probs_sum_E": probs_TE.sum(0), "dropped": (counts_E - kept_E).sum(),
              "router_logits_TE": logits_TE.detach()}
     if m.seq_aux_loss_coeff:
-        stats["seq_balance_loss"] = seq_balance_loss(probs_TE.view(B, L, -1), idx_TK.view(B, L, -1))
+        stats["seq_balance_loss"] = seq_balance_loss(probs_TE.view(B, -1, m.n_experts), idx_TK.view(B, -1, m.top_k))
     if m.z_loss_coeff:
         stats["z_loss"] = z_loss(logits_TE)
-    return out_TD.view(B, L, D), stats
+    return stats
 
 
 def expert_capacity(cfg: ModelConfig, n_rows: int) -> int:

@@ -3,6 +3,7 @@ whole-batch statistics in one process and on a simulated 2x2 mesh with expert pa
 replayed exchange, offload, resharding), one chunk's recompute alive at a time (measured), the
 planner's transient against the measured peak, and bad chunk counts named. Legend: B batch, L sequence.
 """
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -89,6 +90,46 @@ def test_block_chunks_on_a_2x2_mesh_give_one_process_loss_and_gradients(mem):
     assert abs(got[0].item() - want[0].item()) <= 1e-6 * abs(want[0].item())
     for path, g in want[-1].items():
         assert rel(got[1][path], g) <= 1e-5, path
+
+
+@pytest.mark.parametrize("mem", [_mem(4, keep_exchange=False), _mem(4, offload=True, offload_min_bytes=0)],
+                         ids=["replay", "offload-keep"])
+def test_two_chunks_in_flight_give_the_sequential_forward_to_the_bit(mem, monkeypatch):
+    """4 chunks a rank on a 2x2 mesh: the forward runs two at a time, each one's exchanges travelling
+    while the other computes (block_chunks.interleaved, once a MoE layer): the loss and every gradient
+    of one chunk after the other (the block's own code, no steps), to the bit."""
+    tokens = torch.randint(0, CFG.vocab_size, (16, L + 1), generator=torch.Generator().manual_seed(1))
+    calls, interleaved, run = [], block_chunks.interleaved, block_chunks.run
+    monkeypatch.setattr(block_chunks, "interleaved", lambda steps, modes: calls.append(len(steps)) or
+                        interleaved(steps, modes))
+    got = step_on_2x2(CFG, mem, tokens)
+    assert calls == [4, 4]  # the two MoE layers' forwards
+    monkeypatch.setattr(block_chunks, "run", lambda *args: run(*args[:5]))
+    want = step_on_2x2(CFG, mem, tokens)
+    assert calls == [4, 4] and torch.equal(got[0], want[0])
+    for path, g in want[1].items():
+        assert torch.equal(got[1][path], g), path
+
+
+def test_chunks_in_flight_take_turns_at_each_exchange():
+    """interleaved's order: a chunk runs until it yields, the other resumes; a chunk that ends lets
+    the next begin ahead of the one left. Steps here: a, yield, b, yield, c (a chunk's attention,
+    dispatch travelling, experts, combine travelling, output)."""
+    log = []
+
+    def steps(c):
+        def gen():
+            log.append(f"a{c}")
+            yield
+            log.append(f"b{c}")
+            yield
+            log.append(f"c{c}")
+            return c
+        return gen
+
+    modes = [contextlib.nullcontext() for _ in range(4)]
+    assert block_chunks.interleaved([steps(c) for c in range(4)], modes) == [0, 1, 2, 3]
+    assert log == ["a0", "a1", "b0", "b1", "c0", "a2", "c1", "a3", "b2", "b3", "c2", "c3"]
 
 
 def _backward_peak(chunks: int) -> int:

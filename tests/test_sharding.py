@@ -380,7 +380,8 @@ def assert_same_metrics(run_a: Path, run_b: Path, rel: float = 1e-4) -> None:
 def test_torchrun_two_nodes_2x2_matches_one_process(tmp_path):
     """Two torchrun agents on 127.0.0.1 (two "nodes" of 2 processes) train the 2x2 mesh on gloo.
     Tied embeddings: autograd sums the leaf's two reduce-scattered gradients, the second maybe in
-    flight then (it is waited for at that first use)."""
+    flight then (it is waited for at that first use). Full recompute in whole-block chunks replaying
+    the exchange: two chunks in flight in forward, on gloo one collective at a time a group."""
     common = ["--train.steps", "3", "--train.batch-size", "8", "--data.seq-len", "32", "--train.eval-batches", "1",
               "--train.log-every", "1", "--dist.timeout-s", "10", "--model.tie-embeddings"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -389,8 +390,8 @@ def test_torchrun_two_nodes_2x2_matches_one_process(tmp_path):
     assert one.returncode == 0, one.stderr[-3000:]
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "fnmoe-test",
-             "-m", "fnmoe", "train", *common, "--mesh.fsdp", "2", "--mesh.ep", "2",
-             "--train.run-dir", str(tmp_path / "four")]
+             "-m", "fnmoe", "train", *common, "--mesh.fsdp", "2", "--mesh.ep", "2", "--memory.recompute", "full",
+             "--memory.block-chunks", "2", "--memory.no-keep-exchange", "--train.run-dir", str(tmp_path / "four")]
     nodes = [subprocess.Popen(agent, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for _ in range(2)]
     try:

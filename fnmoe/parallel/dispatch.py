@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from fnmoe import _torch
 from fnmoe.parallel import dist as fdist
@@ -126,10 +127,29 @@ def local_experts(expert_mlp, x_recv: torch.Tensor, recv_SX: torch.Tensor, w_gat
 
 def combine(y_recv: torch.Tensor, sent: Sent) -> torch.Tensor:
     """The experts' rows sent back where sent's rows came from: in their order, on their rank."""
+    return returned(send_back(y_recv, sent), sent)
+
+
+def send_back(y_recv: torch.Tensor, sent: Sent) -> torch.Tensor:
+    """Issue `combine`'s all-to-all; no wait (`returned` waits)."""
     fdist.entering("MoE combine all-to-all over ep")
-    y_RD = funcol.wait_tensor(funcol.all_to_all_single_autograd(y_recv, sent.send, sent.recv, sent.group))
+    return funcol.all_to_all_single_autograd(y_recv, sent.send, sent.recv, sent.group)
+
+
+def returned(back: torch.Tensor, sent: Sent) -> torch.Tensor:
+    """The rows `send_back` returned, waited for."""
+    y_RD = funcol.wait_tensor(back)
     _torch.check(y_RD.shape[0] == sent.n_rows)  # every row sent comes back
     return fdist.entering_in_backward(y_RD, "MoE combine all-to-all over ep (backward)")
+
+
+def in_flight(t: torch.Tensor, group) -> Iterator[None]:
+    """Where a chunk's steps (fnmoe.block_chunks) let another chunk compute while t's exchange
+    travels: yields once. On gloo, whose process groups take one collective in flight at a time
+    (fnmoe.parallel.gather), t is waited for first."""
+    if dist.get_backend(group) == "gloo":
+        funcol.wait_tensor(t)
+    yield
 
 
 class _Arrived(torch.autograd.Function):
@@ -158,10 +178,16 @@ def ep_expert_mlp(expert_mlp, x_RD: torch.Tensor, counts_E: torch.Tensor, w_gate
                   w_up_XDF: torch.Tensor, w_down_XFD: torch.Tensor, group, gemm: str) -> torch.Tensor:
     """expert_mlp for rows sorted by global expert, run by the ep ranks owning the experts; the
     result is in x_RD's order, on this rank."""
-    S, X = group.size(), w_gate_XDF.shape[0]
-    if counts_E.numel() != S * X:
-        raise ValueError(f"expert parallelism: {counts_E.numel()} experts != {S} ep ranks x {X} local experts")
-    recv_NSX = exchange_chunk_counts(counts_E.view(1, -1), group)
-    sent = send(x_RD, recv_NSX[0], chunk_splits(counts_E.view(1, -1), recv_NSX, [x_RD.shape[0]])[0], group)
+    sent = dispatched(x_RD, counts_E, w_gate_XDF.shape[0], group)
     y_recv = local_experts(expert_mlp, received(sent), sent.recv_SX, w_gate_XDF, w_up_XDF, w_down_XFD, gemm)
     return combine(y_recv, sent)
+
+
+def dispatched(x_RD: torch.Tensor, counts_E: torch.Tensor, n_local: int, group) -> Sent:
+    """The dispatch of rows sorted by global expert (counts_E rows each) to the ep ranks owning
+    their experts (n_local a rank), issued after the count exchange that sets its splits."""
+    S = group.size()
+    if counts_E.numel() != S * n_local:
+        raise ValueError(f"expert parallelism: {counts_E.numel()} experts != {S} ep ranks x {n_local} local experts")
+    recv_NSX = exchange_chunk_counts(counts_E.view(1, -1), group)
+    return send(x_RD, recv_NSX[0], chunk_splits(counts_E.view(1, -1), recv_NSX, [x_RD.shape[0]])[0], group)
