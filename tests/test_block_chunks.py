@@ -92,13 +92,13 @@ def test_block_chunks_on_a_2x2_mesh_give_one_process_loss_and_gradients(mem):
         assert rel(got[1][path], g) <= 1e-5, path
 
 
-@pytest.mark.parametrize("mem", [_mem(4, keep_exchange=False), _mem(4, offload=True, offload_min_bytes=0)],
-                         ids=["replay", "offload-keep"])
-def test_two_chunks_in_flight_give_the_sequential_forward_to_the_bit(mem, monkeypatch):
-    """4 chunks a rank on a 2x2 mesh: the forward runs two at a time, each one's exchanges travelling
-    while the other computes (block_chunks.interleaved, once a MoE layer): the loss and every gradient
-    of one chunk after the other (the block's own code, no steps), to the bit."""
+def test_two_chunks_in_flight_give_the_sequential_forward_to_the_bit(monkeypatch):
+    """4 chunks a rank on a 2x2 mesh, the exchange replayed, the block inputs and routing offloaded:
+    the forward runs two chunks at a time, each one's exchanges travelling while the other computes
+    (block_chunks.interleaved, once a MoE layer): the loss and every gradient of one chunk after the
+    other (the block's own code, no steps), to the bit."""
     tokens = torch.randint(0, CFG.vocab_size, (16, L + 1), generator=torch.Generator().manual_seed(1))
+    mem = _mem(4, keep_exchange=False, offload=True, offload_min_bytes=0)
     calls, interleaved, run = [], block_chunks.interleaved, block_chunks.run
     monkeypatch.setattr(block_chunks, "interleaved", lambda steps, modes: calls.append(len(steps)) or
                         interleaved(steps, modes))
