@@ -33,6 +33,7 @@ averaged (the chunks are equal), and the Switch balance loss built from the summ
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from typing import Callable, Generator
 
@@ -158,21 +159,84 @@ class _Chunks(torch.autograd.Function):
         w = run.params(ws)
         del saved
         grads = {k: g for k, g in zip(run.keys, g_stats) if k in ("probs_sum_E", *MEANS) and g is not None}
-        g_x = [None] * len(run.slices)
-        for c in reversed(range(len(run.slices))):
-            rows = run.slices[c]
-            x_c = x_BLD[rows].detach().requires_grad_(needs[1])
-            with torch.enable_grad(), run.modes[c][1]:
-                y_BLD, chunk_stats = run.compute(w, x_c, rows)
-            run.modes[c] = None  # what it kept for the recompute is taken: let it go
-            outs, gs = [y_BLD], [g_BLD[rows]]
-            for k, g in grads.items():  # a mean over equal chunks: each chunk's part is 1/N of it
-                if chunk_stats[k].requires_grad:
-                    outs.append(chunk_stats[k])
-                    gs.append(g / len(run.slices) if k in MEANS else g)
-            inputs = [t for t in (x_c, *ws) if t.requires_grad]
-            if inputs:
-                # into the leaves' .grad: each weight's gradient is summed in place over the chunks
-                torch.autograd.backward(outs, gs, inputs=inputs)
-            g_x[c] = x_c.grad
+        N = len(run.slices)
+        g_x = [None] * N
+        done = _recompute(run, w, x_BLD, N - 1, needs[1]).result()
+        for c in reversed(range(N)):
+            ahead = _recompute(run, w, x_BLD, c - 1, needs[1]) if c else None
+            back = _Stepped(_differentiate(run, c, done, g_BLD, grads, ws))
+            done = None
+            if ahead is not None and run.steps is not None:
+                # chunk c-1's recompute beside chunk c's backward: its dispatch travels while chunk c's
+                # MoE part is differentiated, its combine while chunk c's attention is
+                ahead.step()
+                back.step()
+                ahead.step()
+            g_x[c] = back.result()
+            done = ahead.result() if ahead is not None else None
         return (None, torch.cat(g_x) if needs[1] else None, *(t.grad for t in ws))
+
+
+class _Stepped:
+    """A generator run step by step (a step: to its next yield) under a mode, to its result."""
+
+    def __init__(self, gen: Generator, mode=None, grad: bool | None = None):
+        self.gen, self.mode, self.grad, self.done, self.value = gen, mode, grad, False, None
+
+    def step(self) -> None:
+        if self.done:
+            return
+        with (contextlib.nullcontext() if self.grad is None else torch.set_grad_enabled(self.grad)), \
+                (self.mode or contextlib.nullcontext()):
+            try:
+                next(self.gen)
+            except StopIteration as end:
+                self.done, self.value = True, end.value
+
+    def result(self):
+        while not self.done:
+            self.step()
+        return self.value
+
+
+def _recompute(run: _Run, w: dict, x_BLD: torch.Tensor, c: int, need_x: bool) -> _Stepped:
+    """Chunk c recomputed with autograd, under its replaying mode: as steps cut before its MoE part
+    where the block has steps, else whole. Its result: (x_c, y_BLD, stats, (attention output, the
+    MoE part's input leaf) or None)."""
+    rows = run.slices[c]
+    x_c = x_BLD[rows].detach().requires_grad_(need_x)
+
+    def steps():
+        if run.steps is not None:
+            return (x_c, *(yield from run.steps(w, x_c, rows, cut=True)))
+        return (x_c, *run.compute(w, x_c, rows), None)
+    return _Stepped(steps(), run.modes[c][1], grad=True)
+
+
+def _differentiate(run: _Run, c: int, recomputed: tuple, g_BLD: torch.Tensor, grads: dict, ws: list):
+    """Chunk c's backward from its recompute, into the leaves' .grad (each weight's gradient summed
+    in place over the chunks): where it was cut, its MoE part, a yield, then its attention part.
+    Returns x_c's gradient."""
+    x_c, y_BLD, stats, cut = recomputed
+    run.modes[c] = None  # what it kept for the recompute is taken: let it go
+    outs, gs = [y_BLD], [g_BLD[run.slices[c]]]
+    for k, g in grads.items():  # a mean over equal chunks: each chunk's part is 1/N of it
+        if stats[k].requires_grad:
+            outs.append(stats[k])
+            gs.append(g / len(run.slices) if k in MEANS else g)
+    del y_BLD, stats
+    if cut is not None:
+        attended, leaf = cut
+        _backward(outs, gs, (leaf, *ws))
+        yield
+        outs, gs = [attended], [leaf.grad]
+        del cut, leaf
+    if gs[0] is not None:
+        _backward(outs, gs, (x_c, *ws))
+    return x_c.grad
+
+
+def _backward(outs: list, gs: list, inputs: tuple) -> None:
+    inputs = [t for t in inputs if t.requires_grad]
+    if inputs:
+        torch.autograd.backward(outs, gs, inputs=inputs)

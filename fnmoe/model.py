@@ -91,15 +91,20 @@ def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=N
 
 
 def block_steps(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=None,
-                runner: BlockRunner = PLAIN, i: int = 0, router: Router | None = None):
+                runner: BlockRunner = PLAIN, i: int = 0, router: Router | None = None, cut: bool = False):
     """block i, a MoE block under expert parallelism, as steps (fnmoe.moe.moe_steps: a generator
-    that yields while its exchanges travel, returning block's (x_BLD, stats)). For the forward
-    without autograd of fnmoe.block_chunks, where the MoE region's memory policy has nothing to keep."""
+    that yields while its exchanges travel, returning block's (x_BLD, stats)). For fnmoe.block_chunks'
+    forward and recompute, where the MoE region's memory policy has nothing to keep of its own. cut:
+    the MoE region's graph starts at a leaf of its own, so that backward can take the block in two
+    parts; returns (x_BLD, stats, (the attention's output, that leaf))."""
     x_BLD = _attended(p, x_BLD, cos_LP, sin_LP, cfg, mask, runner, i)
+    attended = x_BLD
+    if cut:
+        x_BLD = x_BLD.detach().requires_grad_(x_BLD.requires_grad)
     gemm = expert_gemm(cfg, x_BLD.dtype, x_BLD.device)
     q, h_BLD = _moe_inputs(dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm)
     y_BLD, stats = yield from moe_steps(q, h_BLD, cfg, gemm, router, cfg.compile and gemm != "loop")
-    return x_BLD + y_BLD, stats
+    return (x_BLD + y_BLD, stats, (attended, x_BLD)) if cut else (x_BLD + y_BLD, stats)
 
 
 def _attended(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask, runner: BlockRunner, i: int):
@@ -172,9 +177,9 @@ def fed_block(p: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg: ModelCo
     if chunking is None:
         return block(w, x_BLD, cos_LP, sin_LP, cfg, mask, runner, i, router)
 
-    def compute(w: dict, x_BLD: torch.Tensor, rows: slice, fn: Callable = block):
+    def compute(w: dict, x_BLD: torch.Tensor, rows: slice, fn: Callable = block, **kw):
         return fn(w, x_BLD, _rows_of(cos_LP, rows), _rows_of(sin_LP, rows), cfg, _rows_of(mask, rows), runner, i,
-                  router)
+                  router, **kw)
     # a MoE block's exchange travels while the other chunk in flight computes
     exchanges = "moe" in w and "ep_group" in w["moe"] and expert_gemm(cfg, x_BLD.dtype, x_BLD.device) != "dense"
     steps = functools.partial(compute, fn=block_steps) if exchanges else None

@@ -320,6 +320,7 @@ def moe_steps(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, router:
     fn = fcompile.compiled if compile else (lambda f: f)
     w_TK, idx_TK, probs_TE, logits_TE, rows = fn(_routed_rows)(p, x_TD, cfg, router)
     sent = dispatch.dispatched(rows.x_RD, rows.kept_E, p["w_gate_EDF"].shape[0], group)
+    rows = rows._replace(x_RD=None)  # sent: its buffer can go
     yield from dispatch.in_flight(sent.rows, group)
     y_recv = fn(dispatch.local_experts)(expert_mlp, dispatch.received(sent), sent.recv_SX, p["w_gate_EDF"],
                                         p["w_up_EDF"], p["w_down_EFD"], gemm)

@@ -217,13 +217,18 @@ def _chunks(run: RunConfig, i: int) -> int:
 def _recomputing(run: RunConfig, i: int, T: int, regions: dict) -> int:
     """What block i's recompute (full) holds at once. In block chunks (fnmoe.block_chunks) one chunk's
     regions, beside the input gradients of the chunks done before it (rehearsed on K2's shapes: the
-    last chunk's peak is the block's). In MoE token chunks the MoE region is recomputed and
+    last chunk's peak is the block's) and, under expert parallelism, the next chunk's attention and
+    routing. In MoE token chunks the MoE region is recomputed and
     differentiated a chunk at a time, but for its norm and routing, which see every token at once."""
     cfg, s = run.model, DTYPE_BYTES[run.model.compute_dtype]
     n = run.memory.block_chunks
     if n > 1:
         chunk = sum(region_bytes(cfg, i, T // n, s, run.plan.imbalance, run.mesh.ep).values())
-        return chunk + (n - 1) * (T // n) * cfg.dim * s
+        # a MoE block under expert parallelism recomputes chunk c-1 beside chunk c's backward, up to
+        # its dispatch while chunk c's MoE part is differentiated (rehearsed on K2's shapes)
+        ahead = (attention_bytes(cfg, T // n, s) + moe_unchunked_bytes(cfg, T // n, s)
+                 if run.mesh.ep > 1 and cfg.is_moe_layer(i) else 0)
+        return chunk + ahead + (n - 1) * (T // n) * cfg.dim * s
     n, moe = _chunks(run, i), regions.get("moe", 0)
     whole = moe_unchunked_bytes(cfg, T, s) if n > 1 else moe
     return sum(regions.values()) - moe + whole + (moe - whole) // n

@@ -46,27 +46,43 @@ def _proxy_chunks(n: int) -> int:
 def exposed_fractions(run: RunConfig) -> dict[tuple[str, str], float]:
     """{(phase, kind): the fraction of a MoE layer's collectives of that kind fnmoe waits for at
     issue}: from proxies of 2 and 3 layers, the third adding one MoE layer, so the ends of the
-    passes (embedding, head, the first and last block) cancel out."""
-    two, three = recorded_overlap(run, 2), recorded_overlap(run, 3)
-    out = {}
-    for key, (issued, overlapped) in three.items():
-        n, hidden = issued - two.get(key, (0, 0))[0], overlapped - two.get(key, (0, 0))[1]
-        if n > 0:
-            out[key] = min(max(1.0 - hidden / n, 0.0), 1.0)
-    return out
+    passes (embedding, head, the first and last block) cancel out. In whole-block chunks the proxy
+    runs 2 and then 4 of them: a layer's collectives, and those hidden, grow by the same count with
+    each chunk (one more chunk's exchanges; its recompute's hidden behind the backward of the chunk
+    after it), so the two give the run's own chunks' counts. (An even count: with an odd one the
+    forward's last chunk runs alone at the end, its combine waited for, 1 of the layer's 2N forward
+    exchanges that this count calls hidden.)"""
+    counts = _layer_counts(run, 2)
+    n = run.memory.block_chunks
+    if n > 1:
+        more = _layer_counts(run, 4)
+        counts = {k: tuple(a + (n - 2) * (b - a) / 2 for a, b in zip(counts.get(k, (0, 0)), more.get(k, (0, 0))))
+                  for k in counts.keys() | more.keys()}
+    return {k: min(max(1.0 - hidden / issued, 0.0), 1.0) for k, (issued, hidden) in counts.items() if issued > 0}
 
 
-def recorded_overlap(run: RunConfig, n_layers: int = 3) -> dict[tuple[str, str], tuple[int, int]]:
+def _layer_counts(run: RunConfig, chunks: int) -> dict[tuple[str, str], tuple[int, int]]:
+    """{(phase, kind): (issued, overlapped)} of one MoE layer of the proxy (chunks: its block chunks
+    where the run has them)."""
+    two, three = recorded_overlap(run, 2, chunks), recorded_overlap(run, 3, chunks)
+    return {k: (issued - two.get(k, (0, 0))[0], overlapped - two.get(k, (0, 0))[1])
+            for k, (issued, overlapped) in three.items()}
+
+
+def recorded_overlap(run: RunConfig, n_layers: int = 3, chunks: int = 2) -> dict[tuple[str, str], tuple[int, int]]:
     """{(phase, kind): (issued, overlapped)} of one step of run's proxy with n_layers (the first
-    dense) recorded by meters.OrderMeter; kept in the cache directory under the hash of fnmoe's
-    source and torch's version, so it is recorded again when the code changes."""
+    dense) and, where the run chunks its blocks, that many block chunks (a rank's sequences), recorded
+    by meters.OrderMeter; kept in the cache directory under the hash of fnmoe's source and torch's
+    version, so it is recorded again when the code changes."""
     key = overlap_key(run)
-    path = _cache_dir() / f"{_source_hash()}-{hashlib.sha256(repr((key, n_layers)).encode()).hexdigest()[:16]}.json"
+    chunks = chunks if run.memory.block_chunks > 1 else 1
+    tag = repr((key, n_layers) if chunks <= 2 else (key, n_layers, chunks))
+    path = _cache_dir() / f"{_source_hash()}-{hashlib.sha256(tag.encode()).hexdigest()[:16]}.json"
     try:
         return {tuple(k.split("/")): tuple(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError):
         pass
-    out = _record(key, n_layers)
+    out = _record(key, n_layers, max(chunks, 2))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -93,7 +109,7 @@ def _source_hash() -> str:
 
 
 @lru_cache(maxsize=128)
-def _record(key: tuple, n_layers: int) -> dict[tuple[str, str], tuple[int, int]]:
+def _record(key: tuple, n_layers: int, chunks: int = 2) -> dict[tuple[str, str], tuple[int, int]]:
     from fnmoe import _torch, optim
     from fnmoe.caches import clear_caches
     from fnmoe.parallel import dist as fdist
@@ -103,8 +119,8 @@ def _record(key: tuple, n_layers: int) -> dict[tuple[str, str], tuple[int, int]]
     from fnmoe.memory.policies import train_runner
     from fnmoe.train import init_state, make_train_step
 
-    run = _proxy(key, n_layers)
-    n = run.mesh.world
+    run = _proxy(key, n_layers, chunks)
+    n, B = run.mesh.world, run.train.batch_size
     # meshes, DTensor's sharding plans and fnmoe's per-mesh caches are keyed by values an earlier
     # simulation of another world size shares
     clear_caches()
@@ -123,14 +139,14 @@ def _record(key: tuple, n_layers: int) -> dict[tuple[str, str], tuple[int, int]]
     return order.finish()
 
 
-def _proxy(key: tuple, n_layers: int) -> RunConfig:
+def _proxy(key: tuple, n_layers: int, block_chunks: int = 2) -> RunConfig:
     fsdp, ep, reshard, recompute, attention, moe, mlp, keep, chunks, blocks, opt, qk_clip, tied = key
     model = dataclasses.replace(PROXY, n_layers=n_layers, tie_embeddings=tied,
                                 moe=dataclasses.replace(PROXY.moe, token_chunks=chunks))
-    # block chunks: 2 of a proxy rank's sequences (any N > 1 runs the same code)
+    # block chunks: 2 (or 4) of the 4 ranks' sequences each (8 or 16 in all)
     memory = MemoryConfig(recompute=recompute, attention=attention, moe=moe, mlp=mlp, keep_exchange=keep,
-                          block_chunks=2 if blocks else 1)
+                          block_chunks=block_chunks if blocks else 1)
     return RunConfig(model=model, memory=memory,
                      mesh=MeshConfig(fsdp=2 if fsdp else 1, ep=2 if ep else 1, reshard_after_forward=reshard),
                      optim=OptimConfig(name=opt, qk_clip=qk_clip, warmup_steps=0),
-                     train=TrainConfig(batch_size=B, steps=1))
+                     train=TrainConfig(batch_size=4 * block_chunks if blocks else B, steps=1))
