@@ -238,13 +238,24 @@ class _CastOnUse(funcol.AsyncCollectiveTensor):
 
 def cast_on_use(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A collective's output t (in flight) in dtype, waited for and cast at its first use; its
-    `resolve()` does both now. Tracing (fake tensors, dynamo) waits and casts at once, as torch's
-    own AsyncCollectiveTensor does there."""
+    `resolve()` does both now. Under dynamo it waits and casts at once, as torch's own
+    AsyncCollectiveTensor does there; fake tensors (fnmoe.plan.rehearse) take the wrapper as real
+    ones do, so a rehearsal holds what a run holds."""
     if t.dtype == dtype:
         return wait_on_use(t)
-    if _are_we_tracing():
+    if torch.compiler.is_compiling():
         return funcol.wait_tensor(t).to(dtype)
     return _CastOnUse(t, dtype)
+
+
+def as_arrived(t: torch.Tensor) -> torch.Tensor:
+    """t's values as its collective delivered them, in its own dtype, when t is a cast_on_use
+    tensor not yet cast (a reader that upcasts anyway, as a norm in fp32, need not make the cast
+    copy); else t."""
+    if isinstance(t, _CastOnUse) and t.value is None:
+        funcol.wait_tensor((t if t.base is None else t.base).elem)  # a view's collective is its base's
+        return t.elem
+    return t
 
 
 def resolve(t: torch.Tensor) -> None:

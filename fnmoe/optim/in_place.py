@@ -28,8 +28,9 @@ write is not undone: that would take the old state's copy the donation exists to
 skip decided by `ok` leaves everything bitwise as it was; a non-finite update leaves every param
 finite, some advanced.
 
-Gradients may come in a narrower dtype than their params (bf16 reduce-scatters): each is cast to its
-param's dtype where its leaf runs, the value the pure update would have read.
+Gradients may come in a narrower dtype than their params (bf16 reduce-scatters, kept as they arrived
+by fnmoe.parallel.gather): each is cast to its param's dtype where its leaf runs, into a copy that
+goes with the leaf, the value the pure update would have read.
 
 Legend: no shape-suffixed tensors here; every function maps trees leaf by leaf. "owner" of a state
 entry: the param path it belongs to (its path ends in that path: mu.layers.0.attn.w_q_DN); entries
@@ -43,6 +44,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from fnmoe import _torch
 from fnmoe.optim.base import GradientTransformation, Tree, whole_tree_norm
 from fnmoe.tree import tree_flatten_with_paths
 
@@ -173,13 +175,31 @@ def update_in_place(tx: GradientTransformation, grads: Tree, state: Tree, params
         for path, g in zip(g_paths, g_leaves):
             p = p_by_path[path]
             g1 = g_index.restrict(grads, path)
-            if g.is_floating_point() and p.is_floating_point() and g.dtype != p.dtype:
-                g1 = _replace_leaf(g1, g.to(p.dtype))
+            if g.is_floating_point() and p.is_floating_point() and (g.dtype != p.dtype or _arrived_narrower(g)):
+                g1 = _replace_leaf(g1, _read_as(g, p.dtype))
             running = _step_leaf(tx, g1, s_index.restrict(state, path), p_index.restrict(params, path), running,
                                  s_old, shared_new, param_paths)
     for q, x in shared_new.items():  # the step counts advance once the step is taken
         _write(ok, x, s_old[q])
     return running
+
+
+def _arrived_narrower(g: Tensor) -> bool:
+    """Whether g is a gradient still as its bf16 reduce-scatter delivered it (fnmoe.parallel.gather)."""
+    local = g.to_local() if isinstance(g, DTensor) else g
+    return _torch.as_arrived(local) is not local
+
+
+def _read_as(g: Tensor, dtype: torch.dtype) -> Tensor:
+    """g in dtype for its leaf's update: a gradient kept as it arrived is cast into a copy that goes
+    with the leaf's workspace (the gradient stays bf16: cast in place of it, every gradient would be
+    float32 by the update's end)."""
+    if not _arrived_narrower(g):
+        return g.to(dtype)
+    if isinstance(g, DTensor):
+        local = _torch.as_arrived(g.to_local()).to(dtype)
+        return DTensor.from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride())
+    return _torch.as_arrived(g).to(dtype)
 
 
 def _step_leaf(tx: GradientTransformation, g1: Tree, s1: Tree, p1: Tree, running: Tensor, s_old: dict,

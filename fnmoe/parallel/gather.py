@@ -16,10 +16,14 @@ reduce-scatter is waited for where the backward pass ends. So block i's reduce-s
 block i-1's backward computes.
 
 The reduce-scatter sends float32, or with `--mesh.reduce-dtype bfloat16` (`reducing`) bf16: half
-the bytes, the ranks' sum taken in bf16. The shard's gradient is float32 either way (the master
-params', so a tied leaf's two gradients and the micro-batches are summed in float32): a bf16 result
-is cast where it is waited for, not where backward returns it (`_torch.cast_on_use`), or autograd
-would wait for the collective there.
+the bytes, the ranks' sum taken in bf16. The shard's gradient is float32 to its readers (the master
+params' dtype, so a tied leaf's two gradients and the micro-batches are summed in float32), but a
+bf16 result is kept as it arrived (`_torch.cast_on_use`: a float32 tensor holding the bf16 values,
+cast at its first use; a cast where backward returns it would wait for the collective there):
+backward waits for it and does not cast it, the gradient norm reads the bf16 values
+(`_torch.as_arrived`), and the donated update casts each leaf's into a copy of its own
+(fnmoe.optim.in_place). So with one micro-batch a rank's gradients take 2 bytes an element, not 4,
+at backward's peak and through the update, with the values a cast at once would give.
 
 NCCL runs a group's collectives in issue order on its stream, and a wait holds back only the
 compute stream, so any number may be in flight. On gloo at most one is in flight per process group:
@@ -180,9 +184,8 @@ def _wait(group_name: str) -> None:
 
 def _wait_scatters() -> None:
     for s in _scattering:
+        # waited for, not cast: a bf16 gradient stays bf16 (half the bytes) until its first use
         _torch.c10d_ops.wait_tensor(s.out)
-        if s.cast is not None:  # cast now, while backward runs: the gradient is fp32 where it ends
-            _torch.resolve(s.cast)
     _scattering.clear()
 
 

@@ -284,7 +284,7 @@ def global_norm_sq(tree: Tree) -> torch.Tensor:
     for x in tree_flatten(tree)[0]:
         if not x.is_floating_point():
             continue
-        local = x.to_local() if isinstance(x, DTensor) else x
+        local = _torch.as_arrived(x.to_local() if isinstance(x, DTensor) else x)  # a bf16 gradient read as bf16
         key = x.device_mesh if isinstance(x, DTensor) else None
         sq = torch.linalg.vector_norm(local, dtype=torch.float32).square()
         by_mesh[key] = by_mesh[key] + sq if key in by_mesh else sq

@@ -17,6 +17,7 @@ from fnmoe.parallel import fp8, sharding
 from fnmoe.tree import flatten_dict, leaf_kind
 
 MASTER_BYTES = GRAD_BYTES = 4  # fp32 master params and fp32 reduce-scattered gradients
+KEPT_GRAD_BYTES = 2  # a bf16 reduce-scatter's gradient, kept as it arrived (grad_bytes)
 GB = 1e9
 
 
@@ -28,13 +29,24 @@ def leaf_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
 
 
 def state_bytes(run: RunConfig) -> dict:
-    """Per-rank bytes of fp32 master params, fp32 grads (twice with gradient accumulation: the sum
-    and a micro-batch's) and optimizer state (every leaf sharded over all fsdp·ep ranks)."""
+    """Per-rank bytes of fp32 master params, grads (grad_bytes) and optimizer state (every leaf
+    sharded over all fsdp·ep ranks)."""
     params, grads, optim = _state_elems(run.model, run.mesh.world, run.optim.name == "muon")
     sb = DTYPE_BYTES[run.plan.state_dtype]
-    # with micro-batches, each later backward's gradients live beside their running sum
-    return {"params": params * MASTER_BYTES, "grads": grads * GRAD_BYTES * (2 if run.train.grad_accum > 1 else 1),
-            "optim": optim * sb}
+    return {"params": params * MASTER_BYTES, "grads": grad_bytes(run, grads), "optim": optim * sb}
+
+
+def grad_bytes(run: RunConfig, elems: int) -> int:
+    """A rank's gradients of elems elements: float32, twice with gradient accumulation (the sum and a
+    micro-batch's). Reduce-scattered in bf16 for one micro-batch and a donated update, bf16 as they
+    arrived (fnmoe.parallel.gather: the update casts a leaf's copy; a tied embedding's two are summed
+    in float32); the pure update casts them all."""
+    if run.train.grad_accum > 1:
+        return 2 * elems * GRAD_BYTES
+    if run.mesh.world == 1 or getattr(run.mesh, "reduce_dtype", "float32") != "bfloat16" or not run.train.donate:
+        return elems * GRAD_BYTES
+    tied = math.ceil(run.model.vocab_size * run.model.dim / run.mesh.world) if run.model.tie_embeddings else 0
+    return (elems - tied) * KEPT_GRAD_BYTES + tied * GRAD_BYTES
 
 
 @lru_cache(maxsize=256)
