@@ -84,16 +84,14 @@ def interleaved(steps: list[Callable[[], Generator]], modes: list) -> list:
     out, active, nxt = [None] * len(steps), collections.deque(), 0
     while active or nxt < len(steps):
         if nxt < len(steps) and len(active) < 2:
-            c, gen, nxt = nxt, steps[nxt](), nxt + 1
+            c, chunk, nxt = nxt, _Stepped(steps[nxt](), modes[nxt]), nxt + 1
         else:
-            c, gen = active.popleft()
-        try:
-            with modes[c]:
-                next(gen)
-        except StopIteration as end:
-            out[c] = end.value
-            continue
-        active.append((c, gen))
+            c, chunk = active.popleft()
+        chunk.step()
+        if chunk.done:
+            out[c] = chunk.value
+        else:
+            active.append((c, chunk))
     return out
 
 
