@@ -668,7 +668,7 @@ def test_gathers_run_ahead_and_reduce_scatters_behind_the_blocks_compute(monkeyp
     bfloat16, the same order, and no gradient is cast in backward (a cast where it is issued would
     wait for the collective at once): each stays bfloat16 as it arrived, cast at its first use after
     (test_bf16_gradients_stay_bf16_until_their_first_use_and_lose_nothing)."""
-    monkeypatch.setattr(fgather, "_is_serial", lambda group: serial)
+    monkeypatch.setattr(fgather, "is_serial", lambda group: serial)
     x = _tokens(0)
     for recompute in ("none", "full"):
         with fdist.simulate(4), fgather.reducing(reduce):

@@ -175,8 +175,8 @@ def update_in_place(tx: GradientTransformation, grads: Tree, state: Tree, params
         for path, g in zip(g_paths, g_leaves):
             p = p_by_path[path]
             g1 = g_index.restrict(grads, path)
-            if g.is_floating_point() and p.is_floating_point() and (g.dtype != p.dtype or _arrived_narrower(g)):
-                g1 = _replace_leaf(g1, _read_as(g, p.dtype))
+            if g.is_floating_point() and p.is_floating_point() and (read := _read_as(g, p.dtype)) is not g:
+                g1 = _replace_leaf(g1, read)
             running = _step_leaf(tx, g1, s_index.restrict(state, path), p_index.restrict(params, path), running,
                                  s_old, shared_new, param_paths)
     for q, x in shared_new.items():  # the step counts advance once the step is taken
@@ -184,22 +184,17 @@ def update_in_place(tx: GradientTransformation, grads: Tree, state: Tree, params
     return running
 
 
-def _arrived_narrower(g: Tensor) -> bool:
-    """Whether g is a gradient still as its bf16 reduce-scatter delivered it (fnmoe.parallel.gather)."""
-    local = g.to_local() if isinstance(g, DTensor) else g
-    return _torch.as_arrived(local) is not local
-
-
 def _read_as(g: Tensor, dtype: torch.dtype) -> Tensor:
-    """g in dtype for its leaf's update: a gradient kept as it arrived is cast into a copy that goes
-    with the leaf's workspace (the gradient stays bf16: cast in place of it, every gradient would be
-    float32 by the update's end)."""
-    if not _arrived_narrower(g):
+    """g in dtype for its leaf's update (g itself where it is that already). A gradient kept as its
+    bf16 reduce-scatter delivered it (fnmoe.parallel.gather) is cast into a copy that goes with the
+    leaf's workspace: cast in place of it, every gradient would be float32 by the update's end."""
+    local = g.to_local() if isinstance(g, DTensor) else g
+    arrived = _torch.as_arrived(local)
+    if arrived is local:
         return g.to(dtype)
     if isinstance(g, DTensor):
-        local = _torch.as_arrived(g.to_local()).to(dtype)
-        return DTensor.from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride())
-    return _torch.as_arrived(g).to(dtype)
+        return DTensor.from_local(arrived.to(dtype), g.device_mesh, g.placements, shape=g.shape, stride=g.stride())
+    return arrived.to(dtype)
 
 
 def _step_leaf(tx: GradientTransformation, g1: Tree, s1: Tree, p1: Tree, running: Tensor, s_old: dict,

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from fnmoe import _torch
 from fnmoe.parallel import dist as fdist
+from fnmoe.parallel import gather
 from fnmoe._torch import funcol
 from fnmoe.compile import size_hint
 
@@ -145,9 +145,9 @@ def returned(back: torch.Tensor, sent: Sent) -> torch.Tensor:
 
 def in_flight(t: torch.Tensor, group) -> Iterator[None]:
     """Where a chunk's steps (fnmoe.block_chunks) let another chunk compute while t's exchange
-    travels: yields once. On gloo, whose process groups take one collective in flight at a time
-    (fnmoe.parallel.gather), t is waited for first."""
-    if dist.get_backend(group) == "gloo":
+    travels: yields once. On a group that takes one collective in flight at a time (gloo,
+    fnmoe.parallel.gather.is_serial), t is waited for first."""
+    if gather.is_serial(group):
         funcol.wait_tensor(t)
     yield
 

@@ -172,7 +172,8 @@ _backward_end_queued: set[int] = set()
 """graph tasks whose end waits for their reduce-scatters"""
 
 
-def _is_serial(group) -> bool:
+def is_serial(group) -> bool:
+    """Whether group takes one collective in flight at a time (gloo; see the module docstring)."""
     return dist.get_backend(group) == "gloo"
 
 
@@ -206,7 +207,7 @@ def clear() -> None:
 
 def _issue_on(group, start: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
     """start()'s collectives on group, after the one in flight there where the group is serial."""
-    serial = _is_serial(group)
+    serial = is_serial(group)
     if serial:
         _wait(group.group_name)
     with torch.no_grad():

@@ -75,14 +75,14 @@ def recorded_overlap(run: RunConfig, n_layers: int = 3, chunks: int = 2) -> dict
     by meters.OrderMeter; kept in the cache directory under the hash of fnmoe's source and torch's
     version, so it is recorded again when the code changes."""
     key = overlap_key(run)
-    chunks = chunks if run.memory.block_chunks > 1 else 1
-    tag = repr((key, n_layers) if chunks <= 2 else (key, n_layers, chunks))
-    path = _cache_dir() / f"{_source_hash()}-{hashlib.sha256(tag.encode()).hexdigest()[:16]}.json"
+    chunks = chunks if run.memory.block_chunks > 1 else 2  # unchunked: one recording serves every call
+    tag = hashlib.sha256(repr((key, n_layers, chunks)).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"{_source_hash()}-{tag}.json"
     try:
         return {tuple(k.split("/")): tuple(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError):
         pass
-    out = _record(key, n_layers, max(chunks, 2))
+    out = _record(key, n_layers, chunks)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -17,7 +17,6 @@ from fnmoe.parallel import fp8, sharding
 from fnmoe.tree import flatten_dict, leaf_kind
 
 MASTER_BYTES = GRAD_BYTES = 4  # fp32 master params and fp32 reduce-scattered gradients
-KEPT_GRAD_BYTES = 2  # a bf16 reduce-scatter's gradient, kept as it arrived (grad_bytes)
 GB = 1e9
 
 
@@ -43,10 +42,10 @@ def grad_bytes(run: RunConfig, elems: int) -> int:
     in float32); the pure update casts them all."""
     if run.train.grad_accum > 1:
         return 2 * elems * GRAD_BYTES
-    if run.mesh.world == 1 or getattr(run.mesh, "reduce_dtype", "float32") != "bfloat16" or not run.train.donate:
+    if run.mesh.world == 1 or reduce_bytes(run) == GRAD_BYTES or not run.train.donate:
         return elems * GRAD_BYTES
     tied = math.ceil(run.model.vocab_size * run.model.dim / run.mesh.world) if run.model.tie_embeddings else 0
-    return (elems - tied) * KEPT_GRAD_BYTES + tied * GRAD_BYTES
+    return (elems - tied) * reduce_bytes(run) + tied * GRAD_BYTES
 
 
 @lru_cache(maxsize=256)
