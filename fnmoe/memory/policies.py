@@ -41,7 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from fnmoe import _torch, caches, transforms
 from fnmoe import compile as fcompile
 from fnmoe.parallel import dist as fdist
-from fnmoe.parallel import reshard
+from fnmoe.parallel import replay, reshard
 from fnmoe.config import REGIONS, MemoryConfig
 from fnmoe.memory.host_pool import Handle, HostPool
 from fnmoe.seams import Chunking
@@ -152,7 +152,8 @@ class _Keeping(TorchDispatchMode):
 
 class _Replaying(TorchDispatchMode):
     """The recompute in backward: what _Kept kept is answered from it, in the forward's call order;
-    the rest runs again (the exchange's rows too, without memory.keep_exchange)."""
+    the rest runs again (the exchange's rows too, without memory.keep_exchange, on the ep group's
+    replay group: fnmoe.parallel.replay)."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -163,6 +164,10 @@ class _Replaying(TorchDispatchMode):
         self.kept, self.calls = kept, collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in EXCHANGE_OPS and not self.kept.kept(func, args):
+            # a replayed exchange runs on its own group: it never queues on the ep group ahead of a
+            # gradient backward waits for (autograd sends those on the group it was given)
+            args = (*args[:3], replay.replay_group_name(args[3]), *args[4:])
         if not self.kept.kept(func, args):
             return func(*args, **(kwargs or {}))
         self.calls[func] += 1

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fnmoe import _torch, caches
 from fnmoe.parallel import dist as fdist
+from fnmoe.parallel import replay
 from fnmoe._torch import StridedShard
 from fnmoe.config import DistConfig, MeshConfig
 from fnmoe.parallel.dispatch import all_reduce_sum
@@ -62,6 +63,7 @@ def make_mesh(mcfg: MeshConfig, dcfg: DistConfig | None = None) -> DeviceMesh:
         for m in (mesh, *(submesh(mesh, name) for name in (*MESH_AXES, DP))):
             m.get_coordinate()  # computed (with tensor ops) and cached now, not inside a step
             _ranks(m)  # (a rehearsal's steps run under FakeTensorMode, which cannot read them)
+        replay.make_replay_groups(mesh, submesh(mesh, "ep").get_group().group_name)
         return mesh
     # one options object per group: c10d writes per-group fields into the one it is given
     opts = {axis: fdist.group_options(dcfg or DistConfig()) for axis in (*MESH_AXES, DP)}
@@ -70,7 +72,17 @@ def make_mesh(mcfg: MeshConfig, dcfg: DistConfig | None = None) -> DeviceMesh:
     _torch.flatten_mesh(mesh[MESH_AXES], DP, backend_override=opts[DP])
     for m in (submesh(mesh, "fsdp"), submesh(mesh, "ep"), dp_mesh(mesh)):
         dist.barrier(group=m.get_group())
+    ep = submesh(mesh, "ep").get_group().group_name
+    replay.make_replay_groups(mesh, ep, backend_override={axis: fdist.group_options(dcfg or DistConfig())
+                                                          for axis in MESH_AXES})
+    if mcfg.ep > 1:
+        dist.barrier(group=replay_group(ep))
     return mesh
+
+
+def replay_group(group_name: str):
+    """The process group a replayed exchange on group_name runs on (fnmoe.parallel.replay)."""
+    return _torch.group_of(replay.replay_group_name(group_name))
 
 
 @caches.register  # keeps the meshes alive
@@ -197,7 +209,12 @@ def group_axes(mesh: DeviceMesh) -> dict[str, str]:
     for axis, m in groups.items():
         if m.size() > 1:
             out.setdefault(m.get_group().group_name, []).append(axis)
-    return {name: "/".join(axes) for name, axes in out.items()}
+    axes = {name: "/".join(a) for name, a in out.items()}
+    ep = submesh(mesh, "ep")
+    if ep.size() > 1:  # a recompute's replayed exchanges run on the ep group's twin (fnmoe.parallel.replay)
+        name = ep.get_group().group_name
+        axes[replay.replay_group_name(name)] = axes[name]
+    return axes
 
 
 def placements(spec: LeafSpec, mesh: DeviceMesh) -> tuple[DeviceMesh, tuple]:

@@ -252,9 +252,11 @@ class OrderMeter(PhaseMeter):
     """Which collectives of a step overlap compute as fnmoe issues them: a collective overlaps when
     a matmul or an attention kernel (or one of fnmoe's own C++ ops) runs between its issue and the
     first wait for its output; one waited for at issue, or never waited for before the step ends
-    with nothing run meanwhile, does not. Counted per (phase, kind): phase forward, backward (the
-    autograd engine running: recompute included) or update; kind all_gather, reduce_scatter,
-    all_to_all, all_to_all counts, all_reduce."""
+    with nothing run meanwhile, does not. A process group runs its collectives in issue order (as
+    NCCL runs a communicator's), so a wait for one is a wait for every collective issued before it on
+    its group: those end there too. Counted per (phase, kind): phase forward, backward (the autograd
+    engine running: recompute included) or update; kind all_gather, reduce_scatter, all_to_all,
+    all_to_all counts, all_reduce. `log` lists each collective as issued: (phase, kind, group)."""
 
     def __init__(self):
         super().__init__()
@@ -263,6 +265,8 @@ class OrderMeter(PhaseMeter):
         self.pending: dict[int, tuple] = {}
         self.issued: collections.Counter = collections.Counter()
         self.overlapped: collections.Counter = collections.Counter()
+        self.queues: dict[str, list] = collections.defaultdict(list)  # group -> its records, in issue order
+        self.log: list[tuple[str, str, str]] = []
 
     def _phase(self) -> str:
         return "update" if self.phase == "update" else "backward" if _torch.in_backward() else "forward"
@@ -276,8 +280,11 @@ class OrderMeter(PhaseMeter):
             kind = COLLECTIVES[name]
             if kind == "all_to_all" and not args[0].is_floating_point():
                 kind = "all_to_all counts"
-            record = [(self._phase(), kind), self.computed, False]  # a coalesced call's outputs share one
+            group = next(a for a in reversed(args) if isinstance(a, str))
+            record = [(self._phase(), kind), self.computed, False, group]  # a coalesced call's outputs share one
             self.issued[record[0]] += 1
+            self.queues[group].append(record)
+            self.log.append((*record[0], group))
             for t in out if isinstance(out, (list, tuple)) else [out]:
                 self.pending[id(t)] = (weakref.ref(t), record)  # an id alone may be a freed tensor's
         elif func.namespace == "_c10d_functional" and name == "_wrap_tensor_autograd":
@@ -295,9 +302,16 @@ class OrderMeter(PhaseMeter):
 
     def _done(self, key: int) -> None:
         record = self.pending.pop(key, (None, None))[1]
-        if record is not None and not record[2]:
-            record[2] = True
-            self.overlapped[record[0]] += self.computed > record[1]
+        if record is None:
+            return
+        queue = self.queues[record[3]]
+        ahead = queue[:next(i for i, r in enumerate(queue) if r is record) + 1] if any(
+            r is record for r in queue) else []
+        del queue[:len(ahead)]
+        for r in ahead:  # the group ran them in order: each ends by this wait
+            if not r[2]:
+                r[2] = True
+                self.overlapped[r[0]] += self.computed > r[1]
 
     def finish(self) -> dict[tuple[str, str], tuple[int, int]]:
         """{(phase, kind): (issued, overlapped)}; a collective whose wait was never seen counts as
