@@ -23,7 +23,7 @@ from fnmoe.config import RunConfig
 from fnmoe.data.loader import Loader
 from fnmoe.plan.flops import mfu
 from fnmoe.run import faults, guards, rundir, stop
-from fnmoe.run.metrics import load_by_layer, load_max_over_mean
+from fnmoe.run.metrics import load_by_layer, load_max_over_mean, rank_load_max_over_mean
 from fnmoe.run.notes import steps_done
 from fnmoe.run.progress import (ProfileWindow, eval_line, progress_line, progress_note, slow_steps, slow_warning,
                                 val_row)
@@ -157,6 +157,7 @@ def _step(s: Session, step: int) -> tuple[TrainState, dict]:
              "mfu": mfu(s.fpt, tps, t.peak_tflops),
              "expert_load_max_over_mean": load_max_over_mean(m["expert_counts_NE"]),
              "expert_load_by_layer": load_by_layer(m["expert_counts_NE"]),
+             "ep_rank_load_max_over_mean": rank_load_max_over_mean(m["expert_counts_NE"], s.run.mesh.ep),
              "skipped": m["skipped"], "time_s": time.perf_counter() - s.start}
     s.row.update({key: m[key] for key in ("dropped_tokens", "skipped_why") if key in m})
     return new_state, m

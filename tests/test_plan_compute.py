@@ -30,8 +30,10 @@ def with_plan(run, **plan):
 
 
 def compute_s(run) -> float:
+    """The model FLOPs' compute: the step's less the extra work it charges (test_plan_nccl_costs.py)."""
     fpt = flops_per_token(run.model, run.data.seq_len)
-    return step_time(run, fpt, comm_bytes(run), 0)["compute_s"]
+    t = step_time(run, fpt, comm_bytes(run), 0)
+    return t["compute_s"] - sum(t["overheads_s"].values())
 
 
 def routed_params_per_token(run) -> float:

@@ -171,6 +171,6 @@ def test_the_memory_plan_page_is_the_planners(kimi_search):
     doc = plan_doc.DOC.read_text()
     assert plan_doc.block_text(doc, "search-384") == plan_doc.search_table(kimi_search[0]), \
         "docs/memory_plan.md is stale: run python tools/plan_doc.py"
-    for name in ("preset", "levers"):
+    for name in ("preset", "levers", "seed"):
         assert plan_doc.block_text(doc, name) == plan_doc.BLOCKS[name](), \
             f"block {name} of docs/memory_plan.md is stale: run python tools/plan_doc.py"

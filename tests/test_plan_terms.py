@@ -85,7 +85,8 @@ def test_region_recompute_activations_per_block():
 
 
 MATMUL, ATTN = 100.0, 20.0  # TFLOP/s, unequal so a term at the wrong rate shows
-FAST_HBM = PlanConfig(matmul_tflops=MATMUL, attention_tflops=ATTN, hbm_tbps=1e6)  # expert GEMMs bound by FLOPs
+# expert GEMMs bound by FLOPs; no host syncs: model FLOPs alone (the extra work: test_plan_nccl_costs.py)
+FAST_HBM = PlanConfig(matmul_tflops=MATMUL, attention_tflops=ATTN, hbm_tbps=1e6, host_sync_us=0.0)
 
 
 def _flops(cfg: ModelConfig) -> dict:

@@ -535,6 +535,8 @@ def test_compiled_regions_on_2x2_with_the_ep_exchange_inside_match_eager(tmp_pat
     assert len(rows_e) == len(rows_c) == 6
     for a, b in zip(rows_e, rows_c):
         assert a["expert_load_by_layer"] == b["expert_load_by_layer"], (a, b)  # pinned: the same rows
+        # the busiest ep rank's rows over the mean (--plan.imbalance's figure): the 2x2 run has two
+        assert a["ep_rank_load_max_over_mean"] is None and 1.0 <= b["ep_rank_load_max_over_mean"] <= 2.0
         assert abs(a["loss"] - b["loss"]) <= 1e-3 * a["loss"], (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 3e-2 * a["grad_norm"], (a, b)
     assert grads_e.keys() == grads_c.keys()

@@ -1,17 +1,15 @@
-"""docs/memory_plan.md's "Calibration against measured runs", from fnmoe/plan/calibration.py and the
+"""docs/memory_plan.md's "Validation against measured runs", from fnmoe/plan/calibration.py and the
 planner: each block between `<!-- calibration:NAME -->` and `<!-- /calibration:NAME -->` there is
 what BLOCKS[NAME] returns, so the section is regenerated, not typed.
 
   python tools/calibration_table.py           # print the blocks (~30 s on 2 cores, cold)
   python tools/calibration_table.py --write   # rewrite them in docs/memory_plan.md
 
-tests/test_calibration.py checks that the page holds what this prints and that RATE_FACTOR is the
-factor the runs imply.
+tests/test_calibration.py checks that the page holds what this prints.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import shlex
 from pathlib import Path
@@ -37,34 +35,32 @@ def parsed(flags: str):
 
 
 def planned() -> list[tuple]:
-    """(measured run, its RunConfig, its plan as built, its implied factor) for every run of RUNS."""
-    from fnmoe.plan.calibration import RUNS, implied_factor
+    """(measured run, its RunConfig, its plan as built, its residuals) for every run of RUNS."""
+    from fnmoe.plan.calibration import RUNS, residuals
     from fnmoe.plan.summary import plan
     out = []
     for m in RUNS:
         run = parsed(m.flags)
         p = plan(run)
-        out.append((m, run, p, implied_factor(run, p, m.tokens_per_s_per_gpu)))
+        out.append((m, run, p, residuals(run, p, m.tokens_per_s_per_gpu)))
     return out
 
 
-def geometric_mean(xs: list[float]) -> float:
-    return math.prod(xs) ** (1 / len(xs))
-
-
 def runs_block() -> str:
-    from fnmoe.plan.calibration import RATE_FACTOR
-    rows = ["| run | source | layout | `fnmoe plan` | planned as built | measured | measured / planned | "
-            "implied rate factor | calibrated as built | left out |", "|---|---|---|---|---|---|---|---|---|---|"]
-    factors = []
-    for m, run, p, f in planned():
-        stated, cal = p["step_time"]["tokens_per_s_per_gpu_as_built"], p["calibrated"]["tokens_per_s_per_gpu_as_built"]
-        factors.append(f)
-        rows.append(f"| {m.name} | {m.source} | {m.layout} | `{m.flags}` | {stated:,.0f} | "
-                    f"{m.tokens_per_s_per_gpu:,.0f} | {m.tokens_per_s_per_gpu / stated:.2f} | {f:.2f} | {cal:,.0f} | "
-                    f"{m.left_out} |")
-    return "\n".join(rows) + (f"\n\nThe geometric mean of the implied factors is {geometric_mean(factors):.3f}; "
-                              f"`RATE_FACTOR` (fnmoe/plan/calibration.py) is {RATE_FACTOR:g}.")
+    rows = ["| run | source | layout | `fnmoe plan` | planned as built, stated rates | at measured rates | measured | "
+            "measured / planned (stated) | (measured rates) | left out |", "|---|---|---|---|---|---|---|---|---|---|"]
+    spread: dict[str, list[float]] = {"stated": [], "measured": []}
+    for m, run, p, res in planned():
+        at = {p["rates"]["mode"]: p["step_time"], p["step_time_beside"]["rates"]: p["step_time_beside"]}
+        for k in spread:
+            spread[k].append(res[k])
+        rows.append(f"| {m.name} | {m.source} | {m.layout} | `{m.flags}` | "
+                    f"{at['stated']['tokens_per_s_per_gpu_as_built']:,.0f} | "
+                    f"{at['measured']['tokens_per_s_per_gpu_as_built']:,.0f} | {m.tokens_per_s_per_gpu:,.0f} | "
+                    f"{res['stated']:.2f} | {res['measured']:.2f} | {m.left_out} |")
+    return "\n".join(rows) + "\n\n" + " ".join(
+        f"At the {k} rates the residuals span {min(v):.2f} to {max(v):.2f} ({max(v) / min(v):.1f}x)."
+        for k, v in spread.items())
 
 
 def unexpressed_block() -> str:

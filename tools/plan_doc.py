@@ -100,12 +100,12 @@ def search_block() -> str:
 
 
 NEMO_K2_H100 = 924
-"""NeMo AutoModel's measured tokens/s/GPU for Kimi-K2 on 256 H100 (PP8 x EP32; the calibration section)"""
+"""NeMo AutoModel's measured tokens/s/GPU for Kimi-K2 on 256 H100 (PP8 x EP32; the validation section)"""
 
 
 def dgx_block() -> str:
     """The best K2 layout on 256 x dgx-h100 with the donated update (the default), its as-built and
-    calibrated figures beside NeMo AutoModel's measured one, and the search with the functional update."""
+    measured-rate figures beside NeMo AutoModel's measured one, and the search with the functional update."""
     from fnmoe.plan.search import search
     run = changed(preset(), {"plan.hardware": "dgx-h100"})
     try:
@@ -119,11 +119,53 @@ def dgx_block() -> str:
     except ValueError as e:
         functional = str(e)
     return (search_table(s) + f"\n\nAs built {best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
-            f"{best['tokens_per_s_per_gpu_calibrated']:,.0f} at the calibrated rates, beside NeMo AutoModel's measured "
+            f"{best['tokens_per_s_per_gpu_beside']:,.0f} at the measured rates, beside NeMo AutoModel's measured "
             f"{NEMO_K2_H100:,} (PP8 x EP32). With the functional update (`--train.no-donate`): {functional}.")
 
 
-BLOCKS = {"preset": preset_block, "levers": levers_block, "search-384": search_block, "dgx-h100": dgx_block}
+SEED = {"mesh.fsdp": 48, "mesh.ep": 8, "train.batch_size": 1536, "train.grad_accum": 1,
+        "mesh.expert_gather_dtype": "compute", "mesh.reduce_dtype": "float32", "memory.offload": False,
+        "memory.block_chunks": 1, "model.moe.token_chunks": 1}
+"""TorchTitan's K2 recipe on the preset's 384 GPUs: EP 8, 4 x 4,096 tokens a GPU, bf16 gathers, fp32
+reduce-scatters, full activation checkpointing, nothing offloaded"""
+SEED_TARGET = 1300
+
+
+def seed_block() -> str:
+    """The seed's recipe through the planner, and what a GPU's NIC carries a step: the bytes that do
+    not grow with tokens (the FSDP gathers and reduce-scatters) and those that do (EP rows across
+    nodes), so the tokens a GPU needs for the seed's ~1,300 tokens/s/GPU from the NIC alone."""
+    from fnmoe.plan.summary import plan
+    rows = ["| layout | tokens a GPU | NIC GB a step (FSDP + EP) | NIC s at the profile's rate | the NIC's ceiling "
+            "tok/s/GPU | as built (stated / measured rates) | tokens a GPU for 1,300 (NIC alone) |",
+            "|---|---|---|---|---|---|---|"]
+    layouts = (("TorchTitan's K2 recipe: EP 8 over 2 nodes, bf16 gathers", SEED),
+               ("the same with EP 4 inside the node", {**SEED, "mesh.fsdp": 96, "mesh.ep": 4}),
+               ("EP 4 inside the node, fp8 expert gathers", {**SEED, "mesh.fsdp": 96, "mesh.ep": 4,
+                                                              "mesh.expert_gather_dtype": "float8_e4m3fn"}))
+    for label, fields in layouts:
+        run = changed(preset(), fields)
+        p, net = plan(run), p_net(run)
+        c, tokens = p["comm_bytes_detail"], p["tokens_per_rank_microbatch"] * run.train.grad_accum
+        fixed, per_token = c["fsdp_inter_node"], c["ep_inter_node"] / tokens
+        need = SEED_TARGET * fixed / (net - SEED_TARGET * per_token) if SEED_TARGET * per_token < net else None
+        nic_s = (fixed + per_token * tokens) / net
+        b = p["step_time_beside"]
+        rows.append(f"| {label} | {tokens:,} | {fixed / GB:,.0f} + {per_token * tokens / GB:,.0f} | {nic_s:.1f} | "
+                    f"{tokens / nic_s:,.0f} | {p['step_time']['tokens_per_s_per_gpu_as_built']:,.0f} / "
+                    f"{b['tokens_per_s_per_gpu_as_built']:,.0f} | "
+                    f"{'never: its EP rows alone pass the NIC' if need is None else f'{need:,.0f}'} |")
+    return "\n".join(rows)
+
+
+def p_net(run) -> float:
+    """The profile's achieved cross-node bytes a second a GPU."""
+    from fnmoe.config.hardware import hardware
+    return hardware(run.plan).network_gbps * GB
+
+
+BLOCKS = {"preset": preset_block, "levers": levers_block, "search-384": search_block, "dgx-h100": dgx_block,
+          "seed": seed_block}
 
 
 def block_re(name: str) -> re.Pattern:

@@ -43,9 +43,23 @@ class Hardware:
     """device -> host copies (offload's copies out), GB/s a GPU with every GPU of the node copying"""
     h2d_gbps: PositiveFloat
     """host -> device copies (offload's reloads), GB/s a GPU with every GPU of the node copying"""
+    # below: figures every profile shares unless given (custom too); sources in docs/memory_plan.md,
+    # "What a real NCCL step costs"
+    nccl_ring_slowdown: NonNegativeFloat = 0.05
+    """the fraction by which compute slows while an NCCL ring (all-gather, reduce-scatter) runs beside
+    it: its kernel holds SMs the GEMMs would use"""
+    nccl_a2a_slowdown: NonNegativeFloat = 0.05
+    """the same while an NCCL all-to-all runs beside compute"""
+    host_sync_us: NonNegativeFloat = 50.0
+    """microseconds a host sync costs the GPU (the count exchange before each dispatch: the copy of
+    the counts, the wait, the launches queued again)"""
+    expert_matmul_tflops: PositiveFloat | None = None
+    """sustained routed-expert grouped-GEMM rate, TFLOP/s; None: matmul_tflops"""
 
 
-FIGURES = tuple(f.name for f in dataclasses.fields(Hardware))
+FIGURES = tuple(f.name for f in dataclasses.fields(Hardware) if f.default is dataclasses.MISSING)
+"""the figures a profile must give (custom: every one)"""
+SHARED = tuple(f.name for f in dataclasses.fields(Hardware) if f.default is not dataclasses.MISSING)
 
 PROFILES: dict[str, Hardware] = {
     # JUPITER Booster: 4 GH200 a node (96 GiB HBM3: CUDA sees ~97.9k MiB = 102.7 GB; 120 GB LPDDR5X
@@ -79,9 +93,10 @@ def hardware(plan: PlanConfig) -> Hardware:
         if missing:
             raise ValueError(f"plan.hardware = 'custom' needs every figure; missing: "
                              f"{', '.join('plan.' + m for m in missing)} (or name a profile: {', '.join(PROFILES)})")
-        return Hardware(**{name: getattr(plan, name) for name in FIGURES})
+        return Hardware(**{name: getattr(plan, name) for name in FIGURES},
+                        **{name: getattr(plan, name) for name in SHARED if getattr(plan, name) is not None})
     if plan.hardware not in PROFILES:
         raise ValueError(f"plan.hardware = {plan.hardware!r} is not a profile; known: "
                          f"{', '.join([*PROFILES, 'custom'])}")
-    given = {name: getattr(plan, name) for name in FIGURES if getattr(plan, name) is not None}
+    given = {name: getattr(plan, name) for name in FIGURES + SHARED if getattr(plan, name) is not None}
     return dataclasses.replace(PROFILES[plan.hardware], **given)

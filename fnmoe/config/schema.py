@@ -297,6 +297,19 @@ class PlanConfig:
     (profile: jupiter-gh200 150, dgx-h100 50)"""
     h2d_gbps: PositiveFloat | None = None
     """host -> device copy rate a GPU, GB/s: offload's reloads (profile: jupiter-gh200 400, dgx-h100 50)"""
+    nccl_ring_slowdown: NonNegativeFloat | None = None
+    """fraction compute slows while an NCCL ring runs beside it (every profile: 0.05)"""
+    nccl_a2a_slowdown: NonNegativeFloat | None = None
+    """fraction compute slows while an NCCL all-to-all runs beside it (every profile: 0.05)"""
+    host_sync_us: NonNegativeFloat | None = None
+    """what one host sync (the count exchange before a dispatch) costs the GPU, us (every profile: 50)"""
+    expert_matmul_tflops: PositiveFloat | None = None
+    """sustained routed-expert grouped-GEMM rate a GPU, TFLOP/s (profile: matmul_tflops)"""
+    rates: Literal["stated", "measured"] = "stated"
+    """the rates the step time uses: 'stated' the profile's; 'measured' the nearest row of the rate table
+    (fnmoe/plan/rates.py: gpu_check measurements, published nccl-tests) for the profile's GPU and the
+    run's shapes, the profile's where no row is (the plan names which terms were measured); a figure
+    given here wins over both"""
     dispatch: Literal["rows", "node_dedup"] = "rows"
     """EP exchange the step-time model assumes: 'rows' is fnmoe's (every routed row sent); 'node_dedup'
     sends a token once per destination node and fans it out there over NVLink (DeepEP), not built yet"""

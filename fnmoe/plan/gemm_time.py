@@ -46,6 +46,12 @@ def routed_flops_per_token(run: RunConfig) -> float:
     return sum(2.0 * I * O * m.top_k for I, O in _expert_matrices(run.model))
 
 
+def expert_gemm_shape(run: RunConfig) -> tuple[int, int, int] | None:
+    """(r, I, O) of the busiest rank's largest expert GEMM in one chunk; None for a dense model."""
+    mats = _expert_matrices(run.model)
+    return (round(rows_per_expert(run)), *max(mats)) if mats else None
+
+
 @lru_cache(maxsize=64)
 def _expert_matrices(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
     """(I, O) of one expert's matrix, for every expert stack of every layer (`plan --search` asks
@@ -60,7 +66,7 @@ def routed_expert_s(run: RunConfig, recomputed: bool) -> dict:
     hw, m = hardware(run.plan), run.model.moe
     if not m.n_experts:  # a dense model
         return {"forward": 0.0, "backward": 0.0}
-    rate, hbm = hw.matmul_tflops * 1e12, hw.hbm_tbps * 1e12
+    rate, hbm = (hw.expert_matmul_tflops or hw.matmul_tflops) * 1e12, hw.hbm_tbps * 1e12
     s = DTYPE_BYTES[run.model.compute_dtype]
     r, X, N = rows_per_expert(run), m.n_experts // run.mesh.ep, expert_chunks(run)
 

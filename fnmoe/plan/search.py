@@ -165,9 +165,10 @@ def row(policy: str, run: RunConfig, p: dict) -> dict:
             "as_built": "tokens_per_s_per_gpu_as_built" in t,
             "tokens_per_s_per_gpu_overlapped": t["tokens_per_s_per_gpu_overlapped"],
             "tokens_per_s_per_gpu_serial": t["tokens_per_s_per_gpu_serial"], "bound": t["bound"],
-            # the same at the calibrated rates (fnmoe.plan.calibration), as built where that was projected
-            "tokens_per_s_per_gpu_calibrated": p["calibrated"].get("tokens_per_s_per_gpu_as_built",
-                                                                   p["calibrated"]["tokens_per_s_per_gpu_serial"]),
+            # the same at the other rates (plan.rates: stated or measured), as built where that was projected
+            "tokens_per_s_per_gpu_beside": p["step_time_beside"].get("tokens_per_s_per_gpu_as_built",
+                                                                     p["step_time_beside"]["tokens_per_s_per_gpu_serial"]),
+            "beside_rates": p["step_time_beside"]["rates"],
             "terms_s": t["terms_s"], "as_built_s": t.get("as_built_s")}
 
 
@@ -228,7 +229,7 @@ def format_search(s: dict) -> str:
              f"{s['max_global_tokens']:,} tokens of {s['seq_len']}; modelled, not measured",
              f"{'#':>3} {'fsdp x ep':>10} {'memory':<30}{'seq/GPU':>8} {'mb x acc':>9} {'rs':>4} {'eg':>4} {'chk':>4} "
              f"{'ce':>4} "
-             f"{'dev GB':>7} {'host GB':>8} {'as built':>9} {'overlap':>8} {'serial':>7} {'calib':>7}  {'compute':>8} "
+             f"{'dev GB':>7} {'host GB':>8} {'as built':>9} {'overlap':>8} {'serial':>7} {'other':>7}  {'compute':>8} "
              f"{'fsdp':>7} "
              f"{'ep in':>7} {'ep out':>7} {'host':>6}  bound"]
     for i, r in enumerate(s["ranking"], 1):
@@ -240,7 +241,7 @@ def format_search(s: dict) -> str:
                      f"{r['host_bytes'] / GB:>8.1f} "
                      f"{r['tokens_per_s_per_gpu']:>8,.0f}{' ' if r['as_built'] else '*'} "
                      f"{r['tokens_per_s_per_gpu_overlapped']:>8,.0f} "
-                     f"{r['tokens_per_s_per_gpu_serial']:>7,.0f} {r['tokens_per_s_per_gpu_calibrated']:>7,.0f}  "
+                     f"{r['tokens_per_s_per_gpu_serial']:>7,.0f} {r['tokens_per_s_per_gpu_beside']:>7,.0f}  "
                      f"{t['compute']:>7.2f}s "
                      f"{t['fsdp inside node'] + t['fsdp across nodes']:>6.2f}s {t['ep inside node']:>6.2f}s "
                      f"{t['ep across nodes']:>6.2f}s {t['host link']:>5.2f}s  {r['bound']}")
@@ -248,7 +249,8 @@ def format_search(s: dict) -> str:
                  "chk: MoE token chunks (b: whole-block chunks of "
                  "sequences); ce: cross-entropy chunks; "
                  "as built: fnmoe's waits charged (the headline; * not recorded, the serial figure); "
-                 "overlap / serial: every collective hidden / none; calib: as built at the calibrated GEMM and "
-                 "attention rates (docs/memory_plan.md, \"Calibration against measured runs\"); "
+                 "overlap / serial: every collective hidden / none; other: as built at the other rates "
+                 f"({s['ranking'][0]['beside_rates'] if s['ranking'] else 'measured'}: --plan.rates; "
+                 "docs/memory_plan.md, \"Rates: measured and stated\"); "
                  "bound: the largest term")
     return "\n".join(lines)

@@ -15,11 +15,11 @@ import torch.distributed as dist
 from fnmoe.config import REGIONS, ModelConfig, RunConfig, validate
 from fnmoe.config.hardware import hardware
 from fnmoe.plan.activations import activation_plan, ep_buffer_bytes, logits_bytes, pool_bytes, tokens_per_rank
-from fnmoe.plan.calibration import calibrated
 from fnmoe.plan.comm import comm_bytes
 from fnmoe.plan.flops import flops_per_token, param_counts
 from fnmoe.plan.overlap import exposed_fractions, overlap_key
 from fnmoe.plan.state import GB, gathered_bytes, state_bytes, update_transient_bytes
+from fnmoe.plan.rates import measured_run
 from fnmoe.plan.step_time import step_time
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,20 @@ def plan(run: RunConfig, as_built: bool = True, check: bool = True) -> dict:
             "fits": dict(zip(("device", "host"), fits(run, per_rank)), hbm_gb=hw.hbm_gb, host_gb=hw.host_gb),
             "per_host_offload_bytes": per_rank["offload_host"] * hw.gpus_per_node,
             "hardware": {"profile": run.plan.hardware, **dataclasses.asdict(hw)},
-            "step_time": step_time(run, fpt, comm, per_rank["offload_host"], exposed),
-            "calibrated": calibrated(run, fpt, comm, per_rank["offload_host"], exposed)}
+            **_step_times(run, fpt, comm, per_rank["offload_host"], exposed)}
+
+
+def _step_times(run: RunConfig, fpt: float, comm: dict, host_bytes: int, exposed: dict | None) -> dict:
+    """step_time at the rates plan.rates names, the other rates' figures beside it, and which
+    figures were measured (rates.measured_run)."""
+    at_measured, report = measured_run(run)
+    times = {"stated": step_time(run, fpt, comm, host_bytes, exposed),
+             "measured": step_time(at_measured, fpt, comm, host_bytes, exposed)}
+    mode = run.plan.rates
+    other = "measured" if mode == "stated" else "stated"
+    keys = ("tokens_per_s_per_gpu_as_built", "tokens_per_s_per_gpu_overlapped", "tokens_per_s_per_gpu_serial", "bound")
+    return {"step_time": times[mode], "rates": {"mode": mode, **report},
+            "step_time_beside": {"rates": other, **{k: times[other][k] for k in keys if k in times[other]}}}
 
 
 def per_rank_bytes(run: RunConfig) -> dict:
@@ -137,7 +149,8 @@ def format_plan(p: dict) -> str:
               f"(fsdp {c['fsdp'] / GB:.1f}: {c['fsdp_intra_node'] / GB:.1f} inside a node, "
               f"{c['fsdp_inter_node'] / GB:.1f} across; ep {c['ep'] / GB:.1f}: {c['ep_intra_node'] / GB:.1f} inside, "
               f"{c['ep_inter_node'] / GB:.1f} across)",
-              f"  step time (a model, stated rates): compute {t['compute_s']:.2f} s, comm {t['comm_s']:.2f} s "
+              f"  step time (a model, {p['rates']['mode']} rates): compute {t['compute_s']:.2f} s, "
+              f"comm {t['comm_s']:.2f} s "
               f"({terms}), offload {t['offload_s']:.2f} s -> {t['tokens_per_s_per_gpu_overlapped']:,.0f} tok/s/GPU "
               f"overlapped ({t['bound']} bound), {t['tokens_per_s_per_gpu_serial']:,.0f} serial"]
     if "tokens_per_s_per_gpu_as_built" in t:
@@ -145,11 +158,21 @@ def format_plan(p: dict) -> str:
         lines.append(f"  as built: {t['tokens_per_s_per_gpu_as_built']:,.0f} tok/s/GPU (" + "; ".join(
             f"{ph} {a[ph]['compute']:.2f} s compute, {a[ph]['hidden']:.2f} hidden, {a[ph]['exposed']:.2f} waited for"
             for ph in ("forward", "backward")) + f"; update {a['update']['exposed']:.2f} waited for)")
-    k = p["calibrated"]
-    built = f"{k['tokens_per_s_per_gpu_as_built']:,.0f} as built, " if "tokens_per_s_per_gpu_as_built" in k else ""
-    lines.append(f"  calibrated rates ({k['rate_factor']:g} x the stated GEMM and attention rates: "
-                 f"{k['matmul_tflops']:.0f} and {k['attention_tflops']:.0f} TFLOP/s; docs/memory_plan.md, "
-                 f"\"Calibration against measured runs\"): {built}{k['tokens_per_s_per_gpu_overlapped']:,.0f} "
-                 f"overlapped, {k['tokens_per_s_per_gpu_serial']:,.0f} serial tok/s/GPU")
+    lines += _rates_lines(p)
     return "\n".join(lines)
 
+
+
+def _rates_lines(p: dict) -> list[str]:
+    """What the step time's terms add beyond the model FLOPs, and the figure at the other rates."""
+    t, b, r = p["step_time"], p["step_time_beside"], p["rates"]
+    extra = ", ".join(f"{k} {v:.2f} s" for k, v in t["overheads_s"].items() if v)
+    lines = [f"  charged beside the GEMMs: nccl slowdown {t['terms_s']['nccl slowdown']:.2f} s; {extra or 'nothing'}; "
+             f"each EP pass x{t['ep_receive_factor']:.3f} (the busiest rank's receive side)"]
+    built = f"{b['tokens_per_s_per_gpu_as_built']:,.0f} as built, " if "tokens_per_s_per_gpu_as_built" in b else ""
+    measured = "; ".join(f"{k} {m['value']:g} (stated {m['stated']:.0f})" for k, m in r["measured"].items())
+    lines.append(f"  at {b['rates']} rates: {built}{b['tokens_per_s_per_gpu_overlapped']:,.0f} overlapped, "
+                 f"{b['tokens_per_s_per_gpu_serial']:,.0f} serial tok/s/GPU "
+                 f"(measured: {measured or 'none for this GPU'}; "
+                 f"assumed: {', '.join(r['assumed']) or 'none'}; docs/memory_plan.md, \"Rates: measured and stated\")")
+    return lines

@@ -30,6 +30,17 @@ def load_max_over_mean(expert_counts_NE: torch.Tensor | None) -> float | None:
     return max(by_layer) if by_layer else None
 
 
+def rank_load_max_over_mean(expert_counts_NE: torch.Tensor | None, ep: int) -> float | None:
+    """The busiest expert-parallel rank's load over the mean, worst MoE layer: ep rank r holds experts
+    [r·E/ep, (r+1)·E/ep), and the rows it receives in a dispatch are its experts' counts summed. This
+    is what `--plan.imbalance` stands for (the busiest expert's load overstates it: a rank's other
+    experts average it out). None without expert parallelism or MoE layers."""
+    if expert_counts_NE is None or ep <= 1 or expert_counts_NE.shape[-1] % ep:
+        return None
+    c = expert_counts_NE.float().reshape(expert_counts_NE.shape[0], ep, -1).sum(-1)
+    return (c.max(-1).values / c.mean(-1).clamp_min(1e-9)).max().item()
+
+
 def strict_json(row: dict) -> dict:
     """row with every non-finite value (a float, or a list holding one) as None, their keys listed
     under "nonfinite": metrics.jsonl stays JSON, which has no NaN or Infinity, and its readers

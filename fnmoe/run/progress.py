@@ -55,6 +55,8 @@ def progress_line(rows: list[dict], total: int, before_s: float = 0.0, first: bo
     row, means = rows[-1], window_means(rows)
     m = "n/a" if means["mfu"] is None else f"{100 * means['mfu']:.1f}%"
     load = "n/a" if row["expert_load_max_over_mean"] is None else f"{row['expert_load_max_over_mean']:.2f}"
+    if row.get("ep_rank_load_max_over_mean") is not None:  # what --plan.imbalance stands for
+        load += f" (ep rank {row['ep_rank_load_max_over_mean']:.2f})"
     loss = "n/a" if means["loss"] is None else f"{means['loss']:.4f}"
     skip = f" SKIPPED ({row.get('skipped_why', 'non-finite gradients')})" if row["skipped"] else ""
     if means["skipped"] > row["skipped"]:
