@@ -106,24 +106,24 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from fnmoe import compile as fcompile  # noqa: E402
 from fnmoe import optim  # noqa: E402
-from fnmoe import seams  # noqa: E402
+from fnmoe.models import seams  # noqa: E402
 from fnmoe.config import MemoryConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig, load_config  # noqa: E402
 from fnmoe.plan.flops import flops_per_token, mfu  # noqa: E402
-from fnmoe.params import init_params, leaf_inits  # noqa: E402
-from fnmoe.moe import expert_gemm, expert_mlp, moe_block  # noqa: E402
+from fnmoe.models.params import init_params, leaf_inits  # noqa: E402
+from fnmoe.models.moe import expert_gemm, expert_mlp, moe_block  # noqa: E402
 from fnmoe.memory.policies import train_runner  # noqa: E402
 from fnmoe.config.hardware import hardware  # noqa: E402
 from fnmoe.plan.activations import pool_bytes, tokens_per_rank  # noqa: E402
 from fnmoe.plan.step_time import region_flops  # noqa: E402
-from fnmoe.model import block, rope  # noqa: E402
+from fnmoe.models.transformer import block, rope  # noqa: E402
 from fnmoe.plan.gemm_time import expert_chunks, moe_layer_expert_s, routed_flops_per_token, rows_per_expert  # noqa: E402
-from fnmoe.train import init_state, make_train_step  # noqa: E402
+from fnmoe.training.step import init_state, make_train_step  # noqa: E402
 from fnmoe.tree import flatten_dict, map_with_path, tree_map  # noqa: E402
 
 
 def build_step(run: RunConfig, tx, donate: bool = False):
-    """(run's train step, its runner): the host pool sized where the step is built, as fnmoe.loop does;
-    donate: the update in place (fnmoe.loop's default, run.train.donate), else the pure one."""
+    """(run's train step, its runner): the host pool sized where the step is built, as fnmoe.training.loop does;
+    donate: the update in place (fnmoe.training.loop's default, run.train.donate), else the pure one."""
     runner = train_runner(run, pool_bytes(run))
     return make_train_step(run, tx, runner, donate=donate), runner
 
@@ -401,10 +401,10 @@ def check_memory_policies(rec: Recorder, device: str, dry: bool, base: list | No
 
 
 def check_train_loop(rec: Recorder, device: str, dry: bool, base: list | None) -> None:
-    """`fnmoe train`'s own loop (fnmoe.loop.train): it must put params and batches on the GPU by itself."""
+    """`fnmoe train`'s own loop (fnmoe.training.loop.train): it must put params and batches on the GPU by itself."""
     import tempfile
 
-    from fnmoe.loop import train
+    from fnmoe.training.loop import train
 
     run = tiny_run(dry)
     with tempfile.TemporaryDirectory() as tmp:
@@ -500,7 +500,7 @@ def k2_run(dry: bool) -> RunConfig:
 
 
 def round_robin_router(logits_TE: torch.Tensor, m: MoEConfig, bias_E: torch.Tensor | None = None):
-    """A fnmoe.routing.Router pinned to balance: token t's k-th expert is (t·K + k) mod E, so every
+    """A fnmoe.models.routing.Router pinned to balance: token t's k-th expert is (t·K + k) mod E, so every
     expert gets the same rows (one more for the first T·K mod E), whatever the logits; the weights
     are the sigmoid router's normalised scores of the chosen experts (gradients reach the router)."""
     T, E = logits_TE.shape
@@ -921,7 +921,7 @@ class ModelBench:
 
 
 class _PassPeak:
-    """The CUDA peak of the forward and backward passes alone (fnmoe.seams' phase marks): what a memory
+    """The CUDA peak of the forward and backward passes alone (fnmoe.models.seams' phase marks): what a memory
     policy changes. The update's peak (the optimizer's old and new state side by side) is above every
     policy's passes on the 16B cut (seen on an H200: 76.5 GiB for all of them), so the step's peak
     cannot show what offload frees."""
