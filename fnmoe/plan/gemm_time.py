@@ -78,7 +78,7 @@ def routed_expert_s(run: RunConfig, recomputed: bool) -> dict:
 
 def moe_layer_expert_s(run: RunConfig, recomputed: bool) -> dict:
     """routed_expert_s of one MoE layer on one chunk of a micro-batch, by phase: every MoE layer has
-    the same expert stacks (tools/gpu_check.py times one such layer beside it)."""
+    the same expert stacks (tools/gpu_checks/k2layer.py times one such layer beside it)."""
     n_moe = sum(run.model.is_moe_layer(i) for i in range(run.model.n_layers))
     if not n_moe:
         raise ValueError("moe_layer_expert_s: the model has no MoE layer (model.moe.n_experts=0)")
