@@ -11,7 +11,7 @@
              -> unpermute                moe.py           combined / unpermute; shared experts added
            in token chunks               moe_chunks.py    chunked (model.moe.token_chunks)
            in sequence chunks            block_chunks.py  run (memory.block_chunks)
-      -> final norm -> head              transformer.py   forward -> logits_BLV, aux
+      -> final norm -> head              transformer.py   hidden_states' final norm; forward -> logits_BLV, aux
 
 params.py holds the parameter schema and its init (leaf_inits, init_params); seams.py what the model
 runs through, chosen by its caller (BlockRunner, ParamsSource, mark); transforms.py the model's paths
