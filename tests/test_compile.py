@@ -112,7 +112,7 @@ def test_inspect_exits_1_when_a_region_breaks(tmp_path):
     script = tmp_path / "broken_mlp.py"
     script.write_text(
         "import runpy, torch\n"
-        "from fnmoe import inspect_compile\n"
+        "from fnmoe.plan import inspect_compile\n"
         "mlp = inspect_compile.mlp_region\n"
         "def broken(*args):\n"
         "    y = mlp(*args)\n"
