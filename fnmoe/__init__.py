@@ -15,19 +15,21 @@ _threads.before_torch()
 
 import importlib as _importlib  # noqa: E402
 
-# public name -> the module that defines it (a submodule when the two are equal)
+# public name -> the module that defines it (the module itself when its last name is the public one)
 _EXPORTS = {
     **{name: "fnmoe.config" for name in (
         "CheckpointConfig", "DataConfig", "DistConfig", "MemoryConfig", "MeshConfig", "ModelConfig",
         "MoEConfig", "OptimConfig", "PlanConfig", "ProfileConfig", "RunConfig", "TrainConfig", "load_config")},
-    **{name: f"fnmoe.{name}" for name in ("checkpoint", "func", "hf", "optim", "routing", "seams")},
+    **{name: f"fnmoe.{name}" for name in ("checkpoint", "func", "hf", "optim")},
+    "routing": "fnmoe.models.routing",
+    "seams": "fnmoe.models.seams",
     "clear_caches": "fnmoe.caches",
-    "forward": "fnmoe.model",
-    "init_params": "fnmoe.params",
-    "init_state": "fnmoe.train",
-    "loss_fn": "fnmoe.train",
-    "make_train_step": "fnmoe.train",
-    "TrainState": "fnmoe.train_state",
+    "forward": "fnmoe.models.transformer",
+    "init_params": "fnmoe.models.params",
+    "init_state": "fnmoe.training.step",
+    "loss_fn": "fnmoe.training.step",
+    "make_train_step": "fnmoe.training.step",
+    "TrainState": "fnmoe.training.state",
     "value_and_grad": "fnmoe.tree",
 }
 
@@ -39,7 +41,7 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'fnmoe' has no attribute {name!r}")
     _importlib.import_module("fnmoe._torch")  # first: a missing private torch API fails there, naming the range
     module = _importlib.import_module(_EXPORTS[name])
-    value = module if module.__name__ == f"fnmoe.{name}" else getattr(module, name)
+    value = module if module.__name__.rsplit(".", 1)[-1] == name else getattr(module, name)
     globals()[name] = value  # later lookups skip this function
     return value
 

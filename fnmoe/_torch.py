@@ -139,12 +139,12 @@ def outside_checkpoint_log():
     with _pop_mode_temporarily():
         yield
 
-# -- ops: CUDA's grouped GEMM (None where absent), size facts for compile (fnmoe.moe, fnmoe.parallel.dispatch)
+# -- ops: CUDA's grouped GEMM (None where absent), size facts for compile (fnmoe.models.moe, fnmoe.parallel.dispatch)
 grouped_mm: Callable | None = getattr(torch, "_grouped_mm", None)
 check: Callable = _attr(torch, "_check", "torch._check")
 
 # -- torch.func: which transforms are active around a call, and the tensor under their wrappers
-# (fnmoe.transforms, fnmoe.model)
+# (fnmoe.models.transforms, fnmoe.models.transformer)
 _functorch_C = _attr(torch, "_C._functorch", "torch._C._functorch")
 _interpreter_stack: Callable = _attr(_functorch_C, "get_interpreter_stack", "functorch's interpreter stack")
 _is_wrapped: Callable = _attr(_functorch_C, "is_functorch_wrapped_tensor", "functorch's wrapped-tensor test")
@@ -355,7 +355,7 @@ def pick_vec_isa():
     return pick()
 
 
-# -- compile inspection: explain, guard failures, generated code (fnmoe.inspect_compile)
+# -- compile inspection: explain, guard failures, generated code (fnmoe.plan.inspect_compile)
 dynamo_reset: Callable[[], None] = _attr(dynamo, "reset", "torch._dynamo.reset")
 dynamo_explain: Callable = _attr(dynamo, "explain", "torch._dynamo.explain")
 guard_failures: dict = _attr(dynamo_utils, "guard_failures", "torch._dynamo.utils.guard_failures")

@@ -3,7 +3,7 @@
 Legend: B batch (examples), L sequence, V vocab, M members of an ensemble.
 
 The transforms are torch.func's own (`grad`, `vmap`, `jvp`, ...): they take `fnmoe.forward` and
-`fnmoe.loss_fn` as they are, single process, and fnmoe.transforms picks model paths that compose
+`fnmoe.loss_fn` as they are, single process, and fnmoe.models.transforms picks model paths that compose
 with them. These helpers are the few compositions worth a name. Gradients are taken with respect to
 the trainable leaves: `params["buffers"]` (the router bias, moved by its own rule) is held fixed.
 """
@@ -15,8 +15,8 @@ import torch
 from torch import func
 
 from fnmoe.config import ModelConfig
-from fnmoe.model import forward
-from fnmoe.train import loss_fn
+from fnmoe.models.transformer import forward
+from fnmoe.training.step import loss_fn
 from fnmoe.tree import Tree, tree_leaves, tree_map
 
 

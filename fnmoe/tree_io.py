@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from fnmoe.config import ModelConfig, from_dict, to_dict, validate_model
 from fnmoe.config.types import kind, read_json, show
-from fnmoe.params import current_path, shape_mismatches
+from fnmoe.models.params import current_path, shape_mismatches
 from fnmoe.run.rundir import os_reason
 from fnmoe.tree import Tree, flatten_dict, unflatten_dict
 

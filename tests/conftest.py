@@ -61,8 +61,8 @@ def step_on_2x2(cfg, mem, tokens_BL):
     from fnmoe.parallel import dist as fdist
     from fnmoe.parallel import sharding
     from fnmoe.parallel.fsdp import GATHER
-    from fnmoe.params import init_params
-    from fnmoe.train import loss_fn
+    from fnmoe.models.params import init_params
+    from fnmoe.training.step import loss_fn
     from fnmoe.tree import flatten_dict, value_and_grad
 
     rows = tokens_BL.shape[0] // 4
@@ -84,7 +84,7 @@ def pin_routing(monkeypatch) -> None:
     differentiable scores. A rank's token t of 16 is global token 16r + t, and 5 x 16 is a multiple of
     the tests' expert counts: every rank routes as one process does."""
     import torch
-    from fnmoe import moe
+    from fnmoe.models import moe
 
     route = moe.route
 

@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from fnmoe import optim
-from fnmoe.attention import attention, mla_softmax_scale, rope, yarn_inv_freq
+from fnmoe.models.attention import attention, mla_softmax_scale, rope, yarn_inv_freq
 from fnmoe.config import ModelConfig, MoEConfig, OptimConfig, RunConfig, DataConfig, TrainConfig, load_config
 from fnmoe.plan.flops import flops_per_token, param_counts
-from fnmoe.model import forward
-from fnmoe.params import init_params, leaf_inits
-from fnmoe.moe import moe_block, route, seq_balance_loss, update_router_bias, z_loss
-from fnmoe.train import init_state, loss_fn, make_train_step
+from fnmoe.models.transformer import forward
+from fnmoe.models.params import init_params, leaf_inits
+from fnmoe.models.moe import moe_block, route, seq_balance_loss, update_router_bias, z_loss
+from fnmoe.training.step import init_state, loss_fn, make_train_step
 from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict, value_and_grad
 from conftest import rel
@@ -121,7 +121,7 @@ def test_yarn_frequencies_and_factor_match_transformers():
 def test_interleaved_rope_is_the_pairwise_complex_rotation():
     """DeepSeek's reference rotates (x0 + i x1), (x2 + i x3), ... by e^{i pos f}: check the
     attention scores it implies against fnmoe's de-interleaved rotation."""
-    from fnmoe.attention import apply_rope
+    from fnmoe.models.attention import apply_rope
 
     P, L, theta = 8, 10, 10000.0
     q, k = torch.randn(1, L, 2, P), torch.randn(1, L, 2, P)

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from conftest import tiny_flags
-from fnmoe import loop
+from fnmoe.training import loop
 from fnmoe.checkpoint import shards
 from fnmoe.cli import main
 from fnmoe.config import ModelConfig, MoEConfig, RunConfig, TrainConfig, load_config
 from fnmoe.data.prepare import PART_DOCS, prepare, scan
 from fnmoe.data.loader import EOS_ID, open_prepared
 from fnmoe.hf import tokenizer as hf_tokenizer
-from fnmoe.params import init_params
+from fnmoe.models.params import init_params
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.tree_io import INDEX, load_tree, save_tree

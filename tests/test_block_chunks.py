@@ -1,4 +1,4 @@
-"""Whole-block token chunks (memory.block_chunks, fnmoe.block_chunks): the unchunked loss, gradients and
+"""Whole-block token chunks (memory.block_chunks, fnmoe.models.block_chunks): the unchunked loss, gradients and
 whole-batch statistics in one process and on a simulated 2x2 mesh with expert parallelism (kept and
 replayed exchange, offload, resharding), one chunk's recompute alive at a time (measured), the
 planner's transient against the measured peak, and bad chunk counts named. Legend: B batch, L sequence.
@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from fnmoe import block_chunks, seams
+from fnmoe.models import block_chunks, seams
 from fnmoe.config import (DataConfig, MemoryConfig, MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig,
                           load_config, validate)
 from fnmoe.memory import policies
-from fnmoe.params import init_params
+from fnmoe.models.params import init_params
 from fnmoe.plan import meters
 from fnmoe.plan.meters import StorageMeter
 from fnmoe.plan.rehearse import compare, rehearse
-from fnmoe.train import loss_fn
+from fnmoe.training.step import loss_fn
 from fnmoe.tree import flatten_dict, tree_map, value_and_grad
 from conftest import pin_routing, rel, step_on_2x2
 

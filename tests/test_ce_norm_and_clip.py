@@ -1,7 +1,7 @@
 """The final norm inside each cross-entropy chunk, and QK-clip's max-logit pass gathering only the
 attention (issue 43, items 5 and 7).
 
-Final norm: loss_fn runs it inside each CE chunk's checkpoint (fnmoe.train.ce_loss_sum), so what is
+Final norm: loss_fn runs it inside each CE chunk's checkpoint (fnmoe.training.step.ce_loss_sum), so what is
 kept is the last block's output, not the norm's fp32 saves at full T. Its loss and gradients are
 checked against the path it replaced (hidden_states' final-norm states, then CE over chunks: written
 out here), and the bytes the forward leaves alive against the planner's head term.
@@ -18,20 +18,20 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fnmoe import optim
-from fnmoe.attention import upcast
+from fnmoe.models.attention import upcast
 from fnmoe.config import DataConfig, MeshConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig
 from fnmoe.dtypes import DTYPE_BYTES
 from fnmoe.memory.policies import train_runner
-from fnmoe.model import head_weight, hidden_states
+from fnmoe.models.transformer import head_weight, hidden_states
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.parallel.fsdp import GATHER
-from fnmoe.params import init_params
+from fnmoe.models.params import init_params
 from fnmoe.plan.activations import head_bytes
 from fnmoe.plan.comm import comm_bytes
 from fnmoe.plan.memory_report import NewStorages
 from fnmoe.plan.meters import CommMeter
-from fnmoe.train import init_state, loss_fn, make_train_step
+from fnmoe.training.step import init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict, tree_map
 
 from conftest import pin_routing

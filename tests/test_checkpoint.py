@@ -21,11 +21,11 @@ from fnmoe.cli import main, parse_run
 from fnmoe.config import load_config
 from fnmoe.data.loader import Loader, load_data
 from fnmoe.run.faults import KILL_AT_STEP_ENV, SAVE_DELAY_ENV
-from fnmoe.loop import train
+from fnmoe.training.loop import train
 from fnmoe.run.metrics import drop_rows_after
-from fnmoe.params import draw_leaf, init_params, leaf_inits
-from fnmoe.train import init_state
-from fnmoe.train_state import TrainState
+from fnmoe.models.params import draw_leaf, init_params, leaf_inits
+from fnmoe.training.step import init_state
+from fnmoe.training.state import TrainState
 from fnmoe.tree import flatten_dict
 from conftest import tiny_flags
 
@@ -101,7 +101,7 @@ def test_expert_ids_in_files_are_global(tmp_path):
 
 def test_a_checkpoint_with_an_earlier_leaf_name_loads_and_resumes(tmp_path):
     """A checkpoint whose index names the router weight by its earlier name (router_DE, now
-    w_router_DE; fnmoe.params.RENAMED) loads for export and resumes: params and optimizer state."""
+    w_router_DE; fnmoe.models.params.RENAMED) loads for export and resumes: params and optimizer state."""
     run = parse_run(SMALL, "fnmoe train")
     params = init_params(run.model, seed=run.train.seed)
     tx = optim.from_config(run.optim, run.train.steps)

@@ -21,9 +21,9 @@ from fnmoe.parallel import dist as fdist
 from fnmoe.checkpoint import CheckpointError, load_params, verify
 from fnmoe.cli import parse_run
 from fnmoe.data.loader import Loader, load_data
-from fnmoe.params import init_params
-from fnmoe.train import init_state
-from fnmoe.train_state import TrainState
+from fnmoe.models.params import init_params
+from fnmoe.training.step import init_state
+from fnmoe.training.state import TrainState
 from fnmoe.tree import tree_flatten_with_paths, tree_map
 from conftest import whole
 from test_checkpoint import SMALL, losses, rows, spawn_env

@@ -182,7 +182,7 @@ def test_outputs_that_cannot_be_written_are_one_error(tmp_path, capsys, monkeypa
     read-only directory), a directory part that is a file mid-write, and generate into a full stdout:
     exit 2 and one line naming the path and the OS's reason, nothing written."""
     from fnmoe.config import ModelConfig, MoEConfig
-    from fnmoe.params import init_params
+    from fnmoe.models.params import init_params
     from fnmoe.tree_io import save_tree
 
     (tmp_path / "file").write_text("x")

@@ -18,13 +18,13 @@ from fnmoe import load_config, optim
 from fnmoe.cli import main
 from fnmoe.compile import compile_fn
 from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig
-from fnmoe.inspect_compile import inspect_region
+from fnmoe.plan.inspect_compile import inspect_region
 from fnmoe.kernels import attention as cpu_attention
 from fnmoe.kernels import gemm as cpu_gemm
-from fnmoe.model import forward
-from fnmoe.params import init_params
-from fnmoe.moe import padded_expert_mlp
-from fnmoe.train import init_state, loss_fn, make_train_step
+from fnmoe.models.transformer import forward
+from fnmoe.models.params import init_params
+from fnmoe.models.moe import padded_expert_mlp
+from fnmoe.training.step import init_state, loss_fn, make_train_step
 from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict, value_and_grad
 
@@ -112,7 +112,7 @@ def test_inspect_exits_1_when_a_region_breaks(tmp_path):
     script = tmp_path / "broken_mlp.py"
     script.write_text(
         "import runpy, torch\n"
-        "from fnmoe import inspect_compile\n"
+        "from fnmoe.plan import inspect_compile\n"
         "mlp = inspect_compile.mlp_region\n"
         "def broken(*args):\n"
         "    y = mlp(*args)\n"
@@ -234,7 +234,7 @@ def test_slab_size_hint_lets_inductor_fuse_the_slab_kernels(monkeypatch):
     unbacked size without a hint as 0 bytes and fuses no two kernels over it, so size_hint gives
     it one: the same function compiles to fewer kernels with the hint than without."""
     hinted = _padded_mlp_kernels()
-    monkeypatch.setattr("fnmoe.moe.size_hint", lambda n, estimate: None)
+    monkeypatch.setattr("fnmoe.models.moe.size_hint", lambda n, estimate: None)
     assert hinted < _padded_mlp_kernels()
 
 

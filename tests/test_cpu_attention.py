@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from fnmoe import compile as fcompile
 from fnmoe.kernels import attention as cpu_attention
 from fnmoe.kernels import gemm as cpu_gemm
-from fnmoe.attention import causal_attention
+from fnmoe.models.attention import causal_attention
 from fnmoe.config import DataConfig, ModelConfig, RunConfig, validate
-from fnmoe.model import forward
-from fnmoe.params import init_params
+from fnmoe.models.transformer import forward
+from fnmoe.models.params import init_params
 from fnmoe.tree import flatten_dict, unflatten_dict
 
 

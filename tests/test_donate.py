@@ -12,9 +12,9 @@ from fnmoe import optim
 from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig
 from fnmoe.memory.policies import train_runner
 from fnmoe.optim.in_place import check_no_aliases, update_in_place
-from fnmoe.params import init_params
-from fnmoe.train import init_state, make_train_step
-from fnmoe.train_state import DonatedError, TrainState
+from fnmoe.models.params import init_params
+from fnmoe.training.step import init_state, make_train_step
+from fnmoe.training.state import DonatedError, TrainState
 from fnmoe.tree import flatten_dict, tree_map
 
 CFG = ModelConfig(vocab_size=264, dim=32, n_layers=3, n_heads=4, n_kv_heads=4, ffn_hidden=64,
@@ -101,7 +101,7 @@ def test_a_non_finite_gradient_leaves_the_donated_state_bitwise_unchanged(name):
     state, _ = make_train_step(run, tx, train_runner(run), donate=True)(state, _batch(0))  # moments non-zero
 
     def nan_loss(*args, **kwargs):
-        from fnmoe.train import loss_fn
+        from fnmoe.training.step import loss_fn
         loss, aux = loss_fn(*args, **kwargs)
         return loss * float("nan"), aux
     before = (_copy(state.params), _copy(state.opt_state))
@@ -207,7 +207,7 @@ def test_a_background_save_is_not_torn_by_the_donated_step_after_it(tmp_path, mo
     from fnmoe import checkpoint
     from fnmoe.checkpoint import shards, verify
     from fnmoe.cli import parse_run
-    from fnmoe.loop import train
+    from fnmoe.training.loop import train
 
     threads = []
 
@@ -233,8 +233,8 @@ def test_a_stop_does_not_save_a_state_a_donated_step_wrote_into(tmp_path):
     saves nothing and names the newest checkpoint instead of saving a torn one under the old step."""
     from fnmoe import checkpoint
     from fnmoe.data.loader import Loader, load_data
-    from fnmoe.loop_steps import _save_on_interrupt
-    from fnmoe.train_state import donate
+    from fnmoe.training.loop_steps import _save_on_interrupt
+    from fnmoe.training.state import donate
 
     run = _run("adamw", qk_clip=False)
     tx = optim.from_config(run.optim, run.train.steps)

@@ -18,10 +18,10 @@ from fnmoe.config import (DataConfig, DistConfig, MixSource, ModelConfig, MoECon
                           TrainConfig, validate)
 from fnmoe.data.loader import Loader, check_token_ids, load_data, val_batches
 from fnmoe.data.prepare import prepare
-from fnmoe.generate import generate
+from fnmoe.sampling.generate import generate
 from fnmoe.memory.policies import train_runner
-from fnmoe.params import init_params
-from fnmoe.train import init_state, loss_fn, make_train_step
+from fnmoe.models.params import init_params
+from fnmoe.training.step import init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=48, max_seq_len=16,

@@ -1,6 +1,6 @@
 """`fnmoe eval`: held-out loss and bits per byte of a checkpoint, per source, against cross-entropy
 computed here from fnmoe.forward's logits on the same held-out windows; `--train.sample-every`
-against fnmoe.generate."""
+against fnmoe.sampling.generate."""
 import json
 import math
 
@@ -13,7 +13,7 @@ from fnmoe.cli import main
 from fnmoe.config import DataConfig
 from fnmoe.data.loader import IGNORE, load_data, read_documents, val_batches
 from fnmoe.data.prepare import prepare
-from fnmoe.model import forward
+from fnmoe.models.transformer import forward
 from conftest import tiny_flags
 
 
@@ -97,9 +97,9 @@ def test_eval_refuses_a_changed_model_and_a_missing_source(trained, tmp_path, ca
 
 def test_sample_every_logs_the_greedy_continuation(tmp_path, capsys):
     """--train.sample-every 2 on a 4-step run: samples after steps 2 and 4, the last one what
-    fnmoe.generate continues the prompt with from the final checkpoint (greedy, byte tokens)."""
+    fnmoe.sampling.generate continues the prompt with from the final checkpoint (greedy, byte tokens)."""
     from fnmoe.data.loader import EOS_ID, ByteTokenizer
-    from fnmoe.generate import generate
+    from fnmoe.sampling.generate import generate
 
     assert main(["train", "--train.steps", "4", *tiny_flags(1), "--train.sample-every", "2",
                  "--train.sample-prompt", "The ", "--train.sample-tokens", "12",
@@ -118,10 +118,10 @@ def test_a_sample_on_a_mesh_is_one_process_sample(caplog):
     takes part in gathering the params, rank 0 logs what one process's greedy sample of the same
     weights is (sharded init draws each rank's slice of the one-process tensors)."""
     from fnmoe.config import MeshConfig, RunConfig, TrainConfig
-    from fnmoe.params import init_params
+    from fnmoe.models.params import init_params
     from fnmoe.parallel import dist as fdist
     from fnmoe.parallel import sharding
-    from fnmoe.sampling import log_sample, run_codec, sample_text
+    from fnmoe.sampling.text import log_sample, run_codec, sample_text
 
     run = RunConfig(train=TrainConfig(sample_prompt="The ", sample_tokens=12))
     want = sample_text(init_params(run.model, 0), run, run_codec(run.data))

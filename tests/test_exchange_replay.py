@@ -21,9 +21,9 @@ from fnmoe.parallel.fsdp import GATHER
 from fnmoe.plan.memory_report import NewStorages
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
-from fnmoe.params import init_params
+from fnmoe.models.params import init_params
 from fnmoe.plan.meters import CommMeter
-from fnmoe.train import loss_fn
+from fnmoe.training.step import loss_fn
 from fnmoe.tree import flatten_dict, tree_map
 
 from conftest import pin_routing, whole

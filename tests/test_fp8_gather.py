@@ -19,7 +19,7 @@ from fnmoe import optim
 from fnmoe.cli import main
 from fnmoe.config import MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig, load_config, validate
 from fnmoe.memory.policies import train_runner
-from fnmoe.params import init_params
+from fnmoe.models.params import init_params
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import fp8, sharding
 from fnmoe.parallel import gather as fgather
@@ -27,7 +27,7 @@ from fnmoe.parallel.fsdp import GATHER
 from fnmoe.plan.comm import comm_bytes
 from fnmoe.plan.meters import CommMeter
 from fnmoe.plan.rehearse import compare, rehearse, rehearsed_comm
-from fnmoe.train import init_state, loss_fn, make_train_step
+from fnmoe.training.step import init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict, leaf_kind, map_with_path, value_and_grad
 from conftest import rel, whole
 

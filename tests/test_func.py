@@ -11,13 +11,13 @@ import torch
 from torch import func
 
 from fnmoe import func as ffunc
-from fnmoe import moe, transforms
+from fnmoe.models import moe, transforms
 from fnmoe.parallel import sharding
 from fnmoe.parallel import dist as fdist
 from fnmoe.config import MeshConfig, ModelConfig, MoEConfig
-from fnmoe.model import forward
-from fnmoe.params import init_params
-from fnmoe.train import loss_fn
+from fnmoe.models.transformer import forward
+from fnmoe.models.params import init_params
+from fnmoe.training.step import loss_fn
 from fnmoe.tree import flatten_dict, tree_map, unflatten_dict, value_and_grad
 from conftest import rel, tiny_flags
 

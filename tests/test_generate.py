@@ -8,9 +8,9 @@ import torch
 from fnmoe.checkpoint import load_params
 from fnmoe.config import load_config
 from fnmoe.data.loader import EOS_ID, ByteTokenizer
-from fnmoe.generate import generate, init_cache, sample, step_logits
-from fnmoe.model import forward
-from fnmoe.params import init_params
+from fnmoe.sampling.generate import generate, init_cache, sample, step_logits
+from fnmoe.models.transformer import forward
+from fnmoe.models.params import init_params
 from conftest import tiny_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +72,7 @@ def test_generation_limits_are_named():
 
 
 def test_generate_command_from_a_run_directory(tmp_path, capsys, monkeypatch):
-    from fnmoe import generate as generate_module
+    from fnmoe.sampling import generate as generate_module
     from fnmoe.cli import main
 
     assert main(["train", "--train.steps", "2", "--train.run-dir", str(tmp_path), *tiny_flags(1)]) == 0

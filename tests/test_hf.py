@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from fnmoe import hf
 from fnmoe.config import ModelConfig, MoEConfig, load_config
-from fnmoe.model import forward
-from fnmoe.params import init_params
+from fnmoe.models.transformer import forward
+from fnmoe.models.params import init_params
 from fnmoe.tree import flatten_dict, map_with_path
 
 transformers = pytest.importorskip("transformers")
@@ -290,11 +290,11 @@ def test_the_tiny_preset_exports_with_its_tokenizer_and_generates_alike(tmp_path
     MoE, whose logits transformers computes within 1e-5 of fnmoe's in fp32; the export carries a
     tokenizer AutoTokenizer loads that encodes text as fnmoe's byte tokenizer does, the end-of-text id
     in config.json and generation_config.json, and transformers' greedy generate continues a prompt
-    as fnmoe.generate does."""
+    as fnmoe.sampling.generate does."""
     from transformers import AutoTokenizer
 
     from fnmoe.data.loader import EOS_ID, ByteTokenizer
-    from fnmoe.generate import generate
+    from fnmoe.sampling.generate import generate
 
     cfg = load_config(ROOT / "configs" / "tiny.toml").model
     g = torch.Generator().manual_seed(1)
@@ -535,7 +535,7 @@ def test_load_on_a_mesh_reads_only_each_ranks_experts(tmp_path, monkeypatch, kin
 def test_train_starts_from_a_hugging_face_checkpoint(tmp_path, capsys):
     from fnmoe.cli import main
     from fnmoe.data.loader import Loader, load_data
-    from fnmoe.train import loss_fn
+    from fnmoe.training.step import loss_fn
 
     src, conv = tmp_path / "hf", tmp_path / "native"
     qwen3(seed=9, vocab_size=300, num_hidden_layers=2).save_pretrained(src)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fnmoe import loop
+from fnmoe.training import loop
 from fnmoe.cli import main
 from fnmoe.config import MemoryConfig, load_config
 from fnmoe.memory.host_pool import pool_segments

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import fnmoe
-from fnmoe import _torch, caches, transforms
+from fnmoe import _torch, caches
+from fnmoe.models import transforms
 from fnmoe.kernels import attention as cpu_attention
 from fnmoe.data import loader as data
 from fnmoe.data import mixture
@@ -127,7 +128,8 @@ def test_a_missing_private_attribute_names_the_installed_torch_and_the_supported
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("use", ["from fnmoe import forward", "import fnmoe.train", "import fnmoe.loop"])
+@pytest.mark.parametrize("use", ["from fnmoe import forward", "import fnmoe.training.step",
+                                 "import fnmoe.training.loop"])
 def test_a_missing_private_module_fails_the_import_naming_the_range(use):
     """Whichever way a program reaches fnmoe's torch code: a public name of the lazy package, or a
     module imported directly (fnmoe/_torch.py is the only one that reaches a private torch module)."""
@@ -191,7 +193,7 @@ def test_clear_caches_empties_them_and_a_forward_still_runs(monkeypatch):
 
 # memos of pure functions of frozen values, which hold nothing else: not caches in clear_caches'
 # sense (fnmoe/caches.py), so not registered
-NOT_CACHES = ("fnmoe/plan/", "fnmoe/config/", "fnmoe/params.py", "fnmoe/kernels/gemm.py")
+NOT_CACHES = ("fnmoe/plan/", "fnmoe/config/", "fnmoe/models/params.py", "fnmoe/kernels/gemm.py")
 
 
 def _memoized(tree: ast.AST) -> list[tuple[ast.FunctionDef, bool]]:
@@ -244,8 +246,8 @@ def test_clear_caches_between_steps_on_a_simulated_mesh():
 
     from fnmoe import optim
     from fnmoe.config import MeshConfig, OptimConfig, RunConfig, TrainConfig
-    from fnmoe.params import init_params
-    from fnmoe.train import init_state, make_train_step
+    from fnmoe.models.params import init_params
+    from fnmoe.training.step import init_state, make_train_step
     from fnmoe.memory.policies import train_runner
 
     def losses(clear: bool) -> list[float]:
@@ -281,12 +283,50 @@ def test_imports_run_one_way_and_modules_stay_short():
     """tools/import_graph.py reads every import, lazy ones included: no circle, no module over 450 lines."""
     ig = _import_graph()
     edges = ig.graph()
-    assert {"fnmoe.moe", "fnmoe.seams"} <= edges["fnmoe.model"]
-    # the model runs through its seams (fnmoe/seams.py): it imports neither FSDP nor the memory policies
-    assert not [m for m in edges["fnmoe.model"] if m.startswith(("fnmoe.parallel", "fnmoe.memory"))]
+    assert {"fnmoe.models.moe", "fnmoe.models.seams"} <= edges["fnmoe.models.transformer"]
+    # the model runs through its seams (fnmoe/models/seams.py): it imports neither FSDP nor the memory policies
+    assert not [m for m in edges["fnmoe.models.transformer"] if m.startswith(("fnmoe.parallel", "fnmoe.memory"))]
     assert ig.circles(edges) == []
     assert ig.circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert ig.long_modules(450) == []
+
+
+MODEL_MAY_NOT = ("fnmoe.parallel", "fnmoe.memory", "fnmoe.training")
+
+
+def test_the_model_imports_no_parallel_memory_or_training():
+    """fnmoe/models/ imports nothing from parallel/, memory/ or training/, lazy imports included,
+    beyond the model's imports of parallel/ that tools/import_graph.py's KNOWN lists with the work
+    that removes each (a new one fails, and so does a listed one that is gone)."""
+    ig = _import_graph()
+    edges = ig.graph()
+    assert "fnmoe.models.moe" in edges and "fnmoe.models.transformer" in edges
+    found = {(m, d) for m, deps in edges.items() if m.startswith("fnmoe.models") for d in deps
+             if d.startswith(MODEL_MAY_NOT)}
+    assert not [e for e in found if not e[1].startswith("fnmoe.parallel")], found
+    listed = {e for e in ig.KNOWN if e[0].startswith("fnmoe.models")}
+    assert found == listed, f"new: {sorted(found - listed)}; gone, still in KNOWN: {sorted(listed - found)}"
+
+
+def test_at_most_12_modules_at_the_top_and_each_package_says_what_lives_there():
+    """fnmoe/'s top holds at most 12 modules (its __init__ and __main__ included); the rest live in
+    packages, each of whose __init__ starts with a one-line docstring saying what lives there."""
+    flat = sorted(p.name for p in (ROOT / "fnmoe").glob("*.py"))
+    assert len(flat) <= 12, f"{len(flat)} modules at the top of fnmoe/ (at most 12): {flat}"
+    packages = sorted(p.parent for p in (ROOT / "fnmoe").glob("*/__init__.py"))
+    assert {"models", "training", "sampling", "parallel", "memory"} <= {p.name for p in packages}
+    for pkg in packages:
+        doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text()))
+        where = f"fnmoe/{pkg.name}/__init__.py"
+        assert doc and doc.splitlines()[0].strip(), f"{where}: no docstring saying what lives there"
+        assert len(doc.splitlines()[0]) <= 110, f"{where}: its docstring's first line is one line"
+    # the model package draws its data flow, naming the file of each step
+    doc = ast.get_docstring(ast.parse((ROOT / "fnmoe" / "models" / "__init__.py").read_text()))
+    for step, file in [("embedding", "transformer.py"), ("attention", "attention.py"), ("route", "routing.py"),
+                       ("permute", "moe.py"), ("experts", "moe.py"), ("unpermute", "moe.py"),
+                       ("head", "transformer.py")]:
+        assert any(step in line and file in line for line in doc.splitlines()), (step, file)
+        assert (ROOT / "fnmoe" / "models" / file).exists()
 
 
 def test_no_package_imports_one_above_it():
@@ -344,7 +384,7 @@ def test_an_earlier_leaf_name_loads_as_todays(tmp_path):
     values of the same seed (a renamed leaf draws its init under its earlier name)."""
     from safetensors.torch import save_file
 
-    from fnmoe.params import current_path, init_params
+    from fnmoe.models.params import current_path, init_params
     from fnmoe.tree import flatten_dict
     from fnmoe.tree_io import load_tree, save_tree
 
@@ -361,7 +401,7 @@ def test_an_earlier_leaf_name_loads_as_todays(tmp_path):
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert current_path("opt_state.0.mu.layers.1.moe.router_DE") == "opt_state.0.mu.layers.1.moe.w_router_DE"
     # the seed's values did not move with the name: the same draw as under the earlier name
-    from fnmoe.params import LeafInit, draw_leaf
+    from fnmoe.models.params import LeafInit, draw_leaf
     init = LeafInit((run.model.dim, run.model.moe.n_experts), run.model.init_std)
     assert torch.equal(draw_leaf(init, 0, "layers.1.moe.w_router_DE"), draw_leaf(init, 0, "layers.1.moe.router_DE"))
 

@@ -17,13 +17,13 @@ from fnmoe.memory import host_pool
 from fnmoe.memory import policies as memory
 from fnmoe.plan import memory_report
 from fnmoe.config import MemoryConfig, MeshConfig, load_config
-from fnmoe.model import hidden_states
+from fnmoe.models.transformer import hidden_states
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.parallel.fsdp import GATHER
-from fnmoe.params import init_params
-from fnmoe.seams import Plain
-from fnmoe.train import loss_fn
+from fnmoe.models.params import init_params
+from fnmoe.models.seams import Plain
+from fnmoe.training.step import loss_fn
 from fnmoe.tree import flatten_dict, value_and_grad
 from conftest import pin_routing, rel, whole
 
@@ -207,7 +207,7 @@ class _PlainCheckpoint(Plain):
 def test_recompute_leaves_the_router_bias_update_as_it_is(mem):
     """The aux-loss-free bias learns from the step's expert counts: recompute must neither change
     them nor count a block twice (tiny_mla has the score-correction bias)."""
-    from fnmoe.train import init_state, make_train_step
+    from fnmoe.training.step import init_state, make_train_step
 
     run = load_config(ROOT / "configs" / "tiny_mla.toml")
     run = dataclasses.replace(run, model=dataclasses.replace(run.model, compute_dtype="float32", compile=False))
@@ -381,7 +381,7 @@ def test_out_of_memory_prints_the_plan_and_peak_and_leaves_no_checkpoint(tmp_pat
     script.write_text(
         "import resource, sys\n"
         "from fnmoe.cli import main\n"
-        "import fnmoe.loop, fnmoe.plan.summary, fnmoe.memory.policies  # imported before the cap\n"
+        "import fnmoe.training.loop, fnmoe.plan.summary, fnmoe.memory.policies  # imported before the cap\n"
         "vm = int(open('/proc/self/statm').read().split()[0]) * 4096\n"
         "resource.setrlimit(resource.RLIMIT_AS, (vm + (600 << 20), resource.RLIM_INFINITY))\n"
         "sys.exit(main(['train', *sys.argv[1:]]))\n")

@@ -44,7 +44,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fnmoe import moe, optim
+from fnmoe import optim
+
+from fnmoe.models import moe
 from fnmoe.plan import memory_report
 from fnmoe.plan import rehearse
 from fnmoe.parallel import sharding
@@ -56,10 +58,10 @@ from fnmoe.memory.policies import train_runner
 from fnmoe.plan.activations import pool_bytes
 from fnmoe.plan.memory_report import NewStorages
 from fnmoe.plan.meters import CommMeter, plain_tensors
-from fnmoe.params import init_params, leaf_inits
+from fnmoe.models.params import init_params, leaf_inits
 from fnmoe.plan.activations import block_activations, tokens_per_rank
 from fnmoe.plan.comm import comm_bytes
-from fnmoe.train import init_state, loss_fn, make_train_step
+from fnmoe.training.step import init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict, tree_flatten, tree_map
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +110,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _check_init(run, mesh, rank) -> dict:
     """MemTracker's peak over init_params(mesh=...) on this rank, its shard bytes and the largest
-    init chunk (fnmoe.params.draw_leaf draws one chunk of a leaf at a time)."""
+    init chunk (fnmoe.models.params.draw_leaf draws one chunk of a leaf at a time)."""
     mt = MemTracker()
     with mt:
         params = init_params(run.model, 0, mesh=mesh)

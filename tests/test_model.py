@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fnmoe.attention import gqa, rope_tables
+from fnmoe.models.attention import gqa, rope_tables
 from fnmoe.config import ModelConfig, MoEConfig
-from fnmoe.model import forward
-from fnmoe.params import LeafInit, draw_leaf, init_params, leaf_inits
+from fnmoe.models.transformer import forward
+from fnmoe.models.params import LeafInit, draw_leaf, init_params, leaf_inits
 from fnmoe.kernels import gemm as cpu_gemm
-from fnmoe.moe import PAD_ROWS, expert_gemm, expert_mlp, grouped_ok, moe_block, padded_slots
+from fnmoe.models.moe import PAD_ROWS, expert_gemm, expert_mlp, grouped_ok, moe_block, padded_slots
 from fnmoe.tree import flatten_dict, map_with_path
 from conftest import rel
 

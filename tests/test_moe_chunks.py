@@ -1,4 +1,4 @@
-"""MoE token chunks (model.moe.token_chunks, fnmoe.moe_chunks): the unchunked losses and gradients in one
+"""MoE token chunks (model.moe.token_chunks, fnmoe.models.moe_chunks): the unchunked losses and gradients in one
 process and on a simulated 2x2 mesh with expert parallelism, the exchange overlapped with the experts
 (recorded op order), one chunk's saved tensors at a time under recompute (measured), bad chunk counts
 named, and compile's choice of regions. Legend: B batch, L sequence, T tokens, E experts.
@@ -8,19 +8,19 @@ import dataclasses
 import pytest
 import torch
 
-from fnmoe import moe
+from fnmoe.models import moe
 from fnmoe import compile as fcompile
 from fnmoe.config import MemoryConfig, MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig, validate
-from fnmoe.generate import generate
+from fnmoe.sampling.generate import generate
 from fnmoe.memory import policies
-from fnmoe.model import moe_region
+from fnmoe.models.transformer import moe_region
 from fnmoe.parallel import dispatch
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.parallel.fsdp import GATHER
-from fnmoe.params import init_params
+from fnmoe.models.params import init_params
 from fnmoe.plan.meters import StorageMeter
-from fnmoe.train import loss_fn
+from fnmoe.training.step import loss_fn
 from fnmoe.tree import flatten_dict, tree_map, value_and_grad
 from fnmoe._torch import TorchDispatchMode, all_to_all_ops, c10d_ops
 from conftest import pin_routing, rel, step_on_2x2

@@ -15,11 +15,11 @@ import torch._dynamo.testing
 
 import fnmoe.optim.muon_update as fmuon
 from fnmoe import optim
-from fnmoe.attention import gqa_qk, max_logits_H, mla_qkv, mla_softmax_scale, rope
+from fnmoe.models.attention import gqa_qk, max_logits_H, mla_qkv, mla_softmax_scale, rope
 from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig, validate
-from fnmoe.model import hidden_states
-from fnmoe.params import init_params
-from fnmoe.train import init_state, make_train_step
+from fnmoe.models.transformer import hidden_states
+from fnmoe.models.params import init_params
+from fnmoe.training.step import init_state, make_train_step
 from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict
 from conftest import rel, tiny_flags

@@ -22,12 +22,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fnmoe.optim.muon_update as fmuon
 from fnmoe.parallel import dist as fdist
-from fnmoe import loop, optim
+from fnmoe import optim
+from fnmoe.training import loop
 from fnmoe.parallel import sharding
-from fnmoe import train as ftrain
+from fnmoe.training import step as ftrain
 from fnmoe.config import DataConfig, DistConfig, MeshConfig, OptimConfig, RunConfig, TrainConfig
-from fnmoe.params import init_params
-from fnmoe.train import init_state, make_train_step
+from fnmoe.models.params import init_params
+from fnmoe.training.step import init_state, make_train_step
 from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict, map_with_path, tree_flatten, unflatten_dict
 from conftest import rel, whole

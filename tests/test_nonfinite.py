@@ -8,9 +8,9 @@ import torch
 from fnmoe import checkpoint, optim
 from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig
 from fnmoe.data.loader import Loader, load_data
-from fnmoe.generate import generate
-from fnmoe.params import init_params
-from fnmoe.train import init_state, make_train_step
+from fnmoe.sampling.generate import generate
+from fnmoe.models.params import init_params
+from fnmoe.training.step import init_state, make_train_step
 from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict
 

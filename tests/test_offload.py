@@ -10,8 +10,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from fnmoe.memory import host_pool
 from fnmoe.memory import policies as memory
 from fnmoe.config import MemoryConfig, ModelConfig, MoEConfig
-from fnmoe.params import init_params
-from fnmoe.train import loss_fn
+from fnmoe.models.params import init_params
+from fnmoe.training.step import loss_fn
 from fnmoe.tree import flatten_dict
 
 CFG = ModelConfig(vocab_size=64, dim=64, n_layers=5, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64,

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from fnmoe import load_config
-from fnmoe.attention import doc_mask, sdpa
+from fnmoe.models.attention import doc_mask, sdpa
 from fnmoe.cli import main
 from fnmoe.config import DataConfig
 from fnmoe.data.loader import EOS_ID, IGNORE, Loader, load_data, val_batches
-from fnmoe.model import forward
-from fnmoe.params import init_params
-from fnmoe.train import loss_fn
+from fnmoe.models.transformer import forward
+from fnmoe.models.params import init_params
+from fnmoe.training.step import loss_fn
 from fnmoe.tree import flatten_dict, tree_map, value_and_grad
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ import torch
 
 import fnmoe
 from fnmoe.config import ModelConfig, MoEConfig
-from fnmoe.params import check_params, init_params
+from fnmoe.models.params import check_params, init_params
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16,
                   moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, first_k_dense=1))

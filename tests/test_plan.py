@@ -10,20 +10,22 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from fnmoe import model, optim
-from fnmoe.attention import rms_norm, rope
+from fnmoe import optim
+
+from fnmoe.models import transformer as model
+from fnmoe.models.attention import rms_norm, rope
 from fnmoe.cli import main
 from fnmoe.config import load_config
 from fnmoe.kernels import attention as cpu_attention
 from fnmoe.kernels import gemm as cpu_gemm
 from fnmoe.memory.policies import with_policy
-from fnmoe.moe import expert_gemm, swiglu
+from fnmoe.models.moe import expert_gemm, swiglu
 from fnmoe.plan.flops import param_counts
-from fnmoe.params import init_params
+from fnmoe.models.params import init_params
 from fnmoe.plan.activations import (attention_bytes, mlp_bytes, moe_bytes, norm_bytes, selective_bytes,
                                     swiglu_bytes)
 from fnmoe.plan.summary import plan
-from fnmoe.train import loss_fn
+from fnmoe.training.step import loss_fn
 from fnmoe.tree import flatten_dict
 
 ROOT = Path(__file__).resolve().parent.parent

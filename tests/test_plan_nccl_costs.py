@@ -124,7 +124,7 @@ def test_newton_schulz_flops_are_what_torch_counts_on_fnmoes_own_iteration():
 def test_ce_chunks_charge_the_head_logits_backward_recomputes():
     """2·T·D·V FLOPs more in backward under CE chunks: what FlopCounterMode counts of fnmoe's own
     chunked cross-entropy's backward over the unchunked one's."""
-    from fnmoe.train import ce_loss_sum
+    from fnmoe.training.step import ce_loss_sum
     T, D, V = 32, CFG.dim, CFG.vocab_size
     x, norm, w = torch.randn(1, T, D, requires_grad=True), torch.ones(D), torch.randn(D, V)
     labels = torch.randint(0, V, (1, T))

@@ -18,7 +18,7 @@ from fnmoe import hf
 from fnmoe.cli import main
 from fnmoe.config import ModelConfig, MoEConfig
 from fnmoe.kernels import gemm
-from fnmoe.params import init_params
+from fnmoe.models.params import init_params
 from fnmoe.run import rundir
 from fnmoe.run.metrics import drop_rows_after
 from conftest import tiny_flags

@@ -1,7 +1,7 @@
 """The expert-parallel exchange under each memory policy, on a simulated 2x2 mesh (fsdp 2 x ep 2), fp32,
 routing pinned (conftest.pin_routing): what a recompute keeps of it and for how long.
 
-- Kept exchange outputs (fnmoe.moe_chunks): under a recompute that keeps the exchange, the backward of
+- Kept exchange outputs (fnmoe.models.moe_chunks): under a recompute that keeps the exchange, the backward of
   a MoE layer of N token chunks holds the kept outputs of chunks 0..c while it recomputes chunk c, and
   none once the layer's backward is over. Measured by weak references to the kept tensors' storages on
   every simulated rank, against the bytes the routing implies (each rank sends T/N·K rows a chunk and
@@ -19,16 +19,16 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fnmoe import moe_chunks
+from fnmoe.models import moe_chunks
 from fnmoe.config import MemoryConfig, MeshConfig, ModelConfig, MoEConfig
 from fnmoe.memory import policies
 from fnmoe.memory.host_pool import HostPool
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.parallel.fsdp import GATHER
-from fnmoe.params import init_params
+from fnmoe.models.params import init_params
 from fnmoe.plan.meters import CommMeter
-from fnmoe.train import loss_fn
+from fnmoe.training.step import loss_fn
 from fnmoe.tree import tree_map
 
 from conftest import pin_routing

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from fnmoe import hf
 from fnmoe.cli import main, parse_run
 from fnmoe.config import MeshConfig, RunConfig, TrainConfig
-from fnmoe.params import init_params
+from fnmoe.models.params import init_params
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.run import guards
@@ -66,7 +66,7 @@ def test_the_checkpoints_are_listed_only_after_the_check_that_removes_what_it_ma
     """Rank 0's check makes the checkpoints directory and removes it while the other ranks wait in
     its gather; a rank listing the directory before that check raced the removal (FileNotFoundError
     on rank 1, once in a suite run). Every rank runs the check first, then looks for a checkpoint."""
-    from fnmoe import loop
+    from fnmoe.training import loop
 
     calls = []
     monkeypatch.setattr(loop.guards, "preflight", lambda *a: calls.append("preflight"))

@@ -117,7 +117,7 @@ def test_tokenizers_tokenizer_json(tmp_path, capsys):
                  "--model.moe.expert-hidden", "32", "--train.batch-size", "2", "--data.seq-len", "16",
                  "--train.eval-batches", "1"]) == 0
     from fnmoe.cli import load_model
-    from fnmoe.generate import generate
+    from fnmoe.sampling.generate import generate
     cfg, params = load_model(tmp_path / "run")
     prompt = tok.encode("the quick brown", add_special_tokens=False).ids
     new_ids = generate(params, torch.tensor([prompt]), cfg, 6, stop_id=eos)[0, len(prompt):].tolist()

@@ -69,7 +69,7 @@ def test_a_run_whose_steps_slow_down_warns_once(tmp_path, capsys, monkeypatch):
     and what to try, and no second one while they stay slow."""
     import time
 
-    from fnmoe import loop
+    from fnmoe.training import loop
 
     make = loop.make_train_step
 

@@ -124,7 +124,7 @@ def test_a_reader_gives_up_in_one_line_when_each_checkpoint_vanishes(live, capsy
         "copy)")
 
 
-STOPPED = [("eval", "fnmoe.evaluate.evaluate"), ("generate", "fnmoe.generate.generate"),
+STOPPED = [("eval", "fnmoe.training.evaluate.evaluate"), ("generate", "fnmoe.sampling.generate.generate"),
            ("plan", "fnmoe.plan.search.search"), ("rehearse", "fnmoe.plan.rehearse.rehearse")]
 
 

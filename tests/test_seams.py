@@ -10,12 +10,13 @@ import pytest
 import torch
 
 import fnmoe
-from fnmoe import optim, routing
+from fnmoe import optim
+from fnmoe.models import routing
 from fnmoe.config import DataConfig, MemoryConfig, ModelConfig, MoEConfig, RunConfig
 from fnmoe.memory.policies import Runner
-from fnmoe.moe import expert_mlp, moe_block
-from fnmoe.seams import PLAIN
-from fnmoe.train import init_state, loss_fn, make_train_step
+from fnmoe.models.moe import expert_mlp, moe_block
+from fnmoe.models.seams import PLAIN
+from fnmoe.training.step import init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict, value_and_grad
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=64,

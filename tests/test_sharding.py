@@ -32,10 +32,10 @@ from fnmoe._torch import TorchDispatchMode
 from fnmoe.config import (DistConfig, MemoryConfig, MeshConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig,
                           TrainConfig, validate)
 from fnmoe.dtypes import DTYPE
-from fnmoe.model import forward
-from fnmoe.params import init_params
+from fnmoe.models.transformer import forward
+from fnmoe.models.params import init_params
 from fnmoe.plan.meters import CommMeter
-from fnmoe.train import IGNORE, init_state, loss_fn, make_train_step
+from fnmoe.training.step import IGNORE, init_state, loss_fn, make_train_step
 from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict, tree_flatten, tree_map, value_and_grad
 from conftest import free_port, rel, whole
@@ -454,7 +454,7 @@ def _pin_routing() -> None:
     scores. Token t of a micro-batch picks the experts e with the two largest (5t + 3e) mod E; a
     rank's token t is global token 64r + t (the Loader's contiguous parts, 2 sequences of 32 tokens a
     rank), and 5 * 64 is a multiple of E, so every rank routes its tokens as one process does."""
-    from fnmoe import moe
+    from fnmoe.models import moe
 
     route = moe.route
 

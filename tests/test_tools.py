@@ -19,7 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "tools"
-TINY_MOE = "256,64,32,8,2"  # tools/gpu_check.py DRY_SHAPES[0]
+TINY_MOE = "256,64,32,8,2"  # tools/gpu_checks/common.py DRY_SHAPES[0]
 
 
 def load_tool(name: str):
@@ -31,6 +31,13 @@ def load_tool(name: str):
     sys.modules[spec.name] = mod  # dataclasses look their module up by name
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_check(name: str):
+    """tools/gpu_checks/<name>.py, one check of tools/gpu_check.sh (or common.py, what they share)."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    return importlib.import_module(f"gpu_checks.{name}")
 
 
 def has_torchtitan() -> bool:
@@ -83,15 +90,16 @@ def test_gpu_check_imports_without_tyro_torchtitan_or_safetensors():
             "for m in ('tyro', 'torchtitan', 'safetensors', 'safetensors.torch'): sys.modules[m] = None\n"
             "sys.path.insert(0, 'tools')\n"
             "import gpu_check, bench_moe\n"
+            "from gpu_checks import common, correctness, determinism, k2layer, model, moe, summary\n"
             "assert 'tyro' not in sys.modules or sys.modules['tyro'] is None\n"
-            "print('NOTES', gpu_check.NOTES)\n")
+            "print('NOTES', common.NOTES)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "safetensors not installed: stubbed" in proc.stdout
 
 
 def test_gpu_check_helpers():
-    gc = load_tool("gpu_check")
+    gc = load_check("common")
     assert gc.recompute_policies()[0] == "none"
     policies = gc.memory_policies()
     assert policies[0] == ("none", {}) and ("recompute=full", {"recompute": "full"}) in policies
@@ -110,7 +118,7 @@ def test_gpu_check_helpers():
 def test_gpu_check_reads_copy_overlap_from_a_trace():
     """copy_overlap, which the GPU run applies to the offload step's profiler trace: the compute
     stream is the one with the most kernel time; of each copy, the time a compute kernel ran too."""
-    gc = load_tool("gpu_check")
+    gc = load_check("model")
     ev = lambda cat, name, ts, dur, stream: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,  # noqa: E731
                                              "args": {"stream": stream}}
     trace = {"traceEvents": [ev("kernel", "gemm", 0, 100, 7), ev("kernel", "gemm", 100, 50, 7),
@@ -127,7 +135,7 @@ def test_gpu_check_reads_copy_overlap_from_a_trace():
 def test_gpu_check_compiles_the_moe_block_under_bench_moes_inductor_config(monkeypatch):
     """Step 1 compiles the MoE block under the inductor config bench_moe.main runs in, on each device,
     so step 2's benchmark of the same block finds it in the inductor cache (the dry run's one compile)."""
-    gc, bm = load_tool("gpu_check"), load_tool("bench_moe")
+    gc, bm = load_check("correctness"), load_tool("bench_moe")
     inductor = torch._inductor.config
     seen = []
     monkeypatch.setattr(bm, "_run", lambda args: seen.append(inductor.get_config_copy()) or [])

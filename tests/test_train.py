@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 from fnmoe import optim
 from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig
-from fnmoe.model import forward
-from fnmoe.params import init_params
-from fnmoe.train import IGNORE, init_state, loss_fn, make_train_step
+from fnmoe.models.transformer import forward
+from fnmoe.models.params import init_params
+from fnmoe.training.step import IGNORE, init_state, loss_fn, make_train_step
 from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict, tree_map, value_and_grad
 from conftest import rel
@@ -112,7 +112,7 @@ def test_held_out_loss_is_cross_entropy_over_the_labels_not_ignored(tmp_path):
     F.cross_entropy(ignore_index=-100) of the final params' logits over every held-out window."""
     from fnmoe.cli import parse_run
     from fnmoe.data.mixture import training_data
-    from fnmoe.loop import train
+    from fnmoe.training.loop import train
 
     corpus = tmp_path / "short_docs.jsonl"  # documents under 45 bytes: several start in every window
     corpus.write_text("".join(json.dumps({"text": f"doc {i}: " + "ab " * (i % 12)}) + "\n" for i in range(400)))
@@ -176,7 +176,7 @@ def test_the_default_run_follows_the_goldens_and_its_loss_falls(tmp_path, monkey
     under 2.85 (measured 2.749, from 5.580 at step 1 and 3.644 at step 20, the golden's last)."""
     from fnmoe.run import faults
     from fnmoe.cli import parse_run
-    from fnmoe.loop import train
+    from fnmoe.training.loop import train
 
     def ctrl_c(step: int, rank: int) -> None:
         if step == DEFAULT_RUN_STEPS:

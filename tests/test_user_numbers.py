@@ -11,7 +11,7 @@ import re
 import pytest
 
 from fnmoe.config import ModelConfig, MoEConfig, OptimConfig
-from fnmoe.evaluate import tokenizer_json_bytes
+from fnmoe.training.evaluate import tokenizer_json_bytes
 from fnmoe.hf import config as hf_config
 from fnmoe.hf import tokenizer as hf_tokenizer
 from fnmoe.optim import schedules

@@ -95,7 +95,7 @@ def test_offline_run_holds_the_metrics_histograms_and_config_and_resume_continue
 
 @pytest.mark.launch
 def test_the_core_never_imports_wandb_and_a_missing_wandb_says_how_to_install(tmp_path, monkeypatch, capsys):
-    code = "import sys, fnmoe, fnmoe.loop, fnmoe.cli; assert 'wandb' not in sys.modules, 'imported'"
+    code = "import sys, fnmoe, fnmoe.training.loop, fnmoe.cli; assert 'wandb' not in sys.modules, 'imported'"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     assert main(["train", "--train.wandb", "--train.steps", "1", "--train.run-dir", str(tmp_path), *SMALL]) == 2

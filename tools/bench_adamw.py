@@ -1,7 +1,7 @@
 """Time one AdamW step of fnmoe (eager ops, and fused: --optim.fused) against torch.optim.AdamW
 (single-tensor, foreach and fused), in one process, on the same leaves and gradients.
 
-The tensors are a preset's leaves (fnmoe.params.leaf_inits: default configs/tiny.toml widened to
+The tensors are a preset's leaves (fnmoe.models.params.leaf_inits: default configs/tiny.toml widened to
 8 layers x 32 experts), fp32, every one decayed, no clip. A step includes the parameter update: fnmoe's
 tx.update then apply_updates (the pure update, the same arithmetic as the donated one), torch's
 opt.step(). Before timing, one step of each is compared with torch.optim.AdamW's single-tensor
@@ -25,7 +25,7 @@ import torch
 
 from fnmoe import optim
 from fnmoe.config import load_config
-from fnmoe.params import leaf_inits
+from fnmoe.models.params import leaf_inits
 from fnmoe.tree import flatten_dict, tree_map, unflatten_dict
 
 ROOT = Path(__file__).resolve().parent.parent

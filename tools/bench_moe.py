@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a script from anywhere: the checkout's f
 
 from fnmoe import compile as fcompile  # noqa: E402
 from fnmoe.config import ModelConfig, MoEConfig  # noqa: E402
-from fnmoe.moe import expert_gemm, moe_block  # noqa: E402
+from fnmoe.models.moe import expert_gemm, moe_block  # noqa: E402
 
 DEFAULT_SHAPES = ["4096,512,256,32,4", "2048,256,512,16,4"]
 CATEGORIES = ("gemm", "routing+permute", "elementwise", "other")

@@ -1,6 +1,6 @@
 """Time one Muon step of fnmoe (batched Newton-Schulz) against torch.optim.Muon, in one process.
 
-The tensors are a preset's Muon leaves (every matrix and expert stack of fnmoe.params.leaf_inits,
+The tensors are a preset's Muon leaves (every matrix and expert stack of fnmoe.models.params.leaf_inits,
 default: configs/tiny.toml widened to 8 layers x 32 experts); embeddings, head and norms go to
 AdamW in both and are left out. torch.optim.Muon only takes 2-D parameters, so it gets each
 matrix, and each expert of a stack, as its own [out, in] parameter. Both take the same gradients;
@@ -24,7 +24,7 @@ import torch
 from fnmoe import optim
 from fnmoe.compile import compile_fn
 from fnmoe.config import load_config
-from fnmoe.params import leaf_inits
+from fnmoe.models.params import leaf_inits
 from fnmoe.tree import flatten_dict, tree_map, unflatten_dict
 
 ROOT = Path(__file__).resolve().parent.parent

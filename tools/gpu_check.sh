@@ -5,7 +5,8 @@
 #   bash tools/gpu_check.sh --dry-run  # the same steps on CPU at tiny sizes (CI; < 60 s on 2 cores, cold cache;
 #                                      # step 4 and 5's model eager there, steps 1 and 3 compile the MoE block once)
 #
-# Steps, in priority order, each its own process under a timeout (a crash or a hang in one does
+# Steps, in priority order, each its own process under a timeout (tools/gpu_check.py --step NAME runs
+# tools/gpu_checks/NAME.py, one file a check; a crash or a hang in one does
 # not stop the rest; rows finished before a timeout are kept):
 #   1 correctness   grouped vs loop expert GEMMs, compiled MoE block, 3 tiny-preset training
 #                   steps on cuda vs cpu, recompute, offload (when MemoryConfig has it)
@@ -15,7 +16,7 @@
 #   3 moe           tools/bench_moe.py on cuda (vs TorchTitan when it imports)
 #   4 model         DeepSeek-V3-16B widths cut to 4 layers: tokens/s, MFU, peak memory per memory policy
 #   5 determinism   tokens/s with and without torch.use_deterministic_algorithms
-# then a summary table (tools/gpu_check_summary.py), also written to $OUT/gpu_check.txt when $OUT is set.
+# then a summary table (tools/gpu_checks/summary.py), also written to $OUT/gpu_check.txt when $OUT is set.
 #
 # Needs Python with torch (no tyro, no torchtitan, no network). $PYTHON picks the interpreter;
 # GPU_CHECK_BUDGET_S (default 350) caps the whole run; step timeouts shrink to fit it.
@@ -27,7 +28,7 @@ DRY=""
 case "${1:-}" in
   --dry-run) DRY="--dry-run" ;;
   "") ;;
-  -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
   *) echo "usage: bash tools/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
 esac
 
@@ -83,7 +84,7 @@ else
   run_step determinism 50
 fi
 
-"$PY" tools/gpu_check_summary.py --results "$RESULTS" $DRY   # imports no torch
+"$PY" tools/gpu_checks/summary.py --results "$RESULTS" $DRY   # imports no torch
 rc=$?
 [ -n "$DRY" ] && rm -rf "$RESULTS"   # CI: leave nothing behind (a GPU run keeps its per-step JSON files)
 echo "gpu_check: total $(( SECONDS - START ))s"

@@ -18,7 +18,7 @@ from fnmoe.checkpoint.format import (CONFIG, INDEX, SECTIONS, ST_DTYPES, Checkpo
                                      read_index, tiling_problem, whole_slices)
 from fnmoe.checkpoint.procs import first_error, rank_in_job
 from fnmoe.config import RunConfig, config_from_tables, drop_unknown, read_toml
-from fnmoe.params import current_path, shape_mismatches
+from fnmoe.models.params import current_path, shape_mismatches
 from fnmoe.tree_io import plain_name
 from fnmoe.tree import Tree, unflatten_dict
 

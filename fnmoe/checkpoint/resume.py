@@ -16,8 +16,8 @@ from fnmoe.checkpoint.load import opened_files, read_region, verify_together, sa
 from fnmoe.checkpoint.procs import rank_in_job
 from fnmoe.checkpoint.shards import rng_states
 from fnmoe.config import RunConfig, to_dict
-from fnmoe.params import current_path, init_params
-from fnmoe.train_state import TrainState
+from fnmoe.models.params import current_path, init_params
+from fnmoe.training.state import TrainState
 from fnmoe.tree import Tree, tree_flatten_with_paths
 
 log = logging.getLogger("fnmoe")

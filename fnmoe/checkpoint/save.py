@@ -25,7 +25,7 @@ from fnmoe.checkpoint.format import (CONFIG, FORMAT, INDEX, MESH_AXES, ST_DTYPES
 from fnmoe.checkpoint.procs import from_lead, gather_to_lead, rank_in_job
 from fnmoe.checkpoint.shards import Snapshot, index_sections, snapshot, staged
 from fnmoe.config import CheckpointConfig, RunConfig
-from fnmoe.train_state import TrainState
+from fnmoe.training.state import TrainState
 
 log = logging.getLogger("fnmoe")
 

@@ -15,7 +15,7 @@ from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.checkpoint.format import MESH_AXES, SECTIONS, ST_DTYPES, CheckpointError, whole_slices, compact
 from fnmoe.config import RunConfig, to_dict, to_toml
-from fnmoe.train_state import TrainState
+from fnmoe.training.state import TrainState
 from fnmoe.tree import Tree, flatten_dict, tree_flatten_with_paths
 
 
@@ -194,7 +194,7 @@ def staged(snap: Snapshot, after=None) -> Snapshot:
     """snap with fresh CPU copies of its tensors, made on the calling thread (a background save's):
     the training thread goes on meanwhile. A functional step returns new trees and never writes into
     the state it was given; a donating one (train.donate) does, so the loop waits for these copies
-    before it (fnmoe.loop_steps): the tensors are as they were when `snapshot` took them. after: a CUDA event
+    before it (fnmoe.training.loop_steps): the tensors are as they were when `snapshot` took them. after: a CUDA event
     recorded on the training stream once the state was complete; the copies run on a side stream
     that waits for it."""
     stream = None

@@ -120,7 +120,7 @@ def _parse_run_and(argv: list[str], prog: str, flag: str, spec: dict, usage: str
 
 def cmd_train(argv: list[str]) -> int:
     run = parse_run(argv, "fnmoe train")  # every flag and config value checked before the loop is imported
-    from fnmoe.loop import train
+    from fnmoe.training.loop import train
 
     summary = train(run)
     if not summary["interrupted"]:
@@ -134,7 +134,7 @@ def cmd_train(argv: list[str]) -> int:
 def cmd_inspect(argv: list[str]) -> int:
     """Per-region compile report; exits 1 when a region breaks, so CI can use it."""
     from fnmoe.compile import setup_cache
-    from fnmoe.inspect_compile import format_reports, inspect_model
+    from fnmoe.plan.inspect_compile import format_reports, inspect_model
 
     known, run = _parse_run_and(argv, "fnmoe inspect", "--dump", dict(default=""),
                                 "fnmoe inspect [--config FILE] [overrides] [--dump DIR]: graphs, breaks, "
@@ -171,13 +171,13 @@ def cmd_checkpoint(argv: list[str]) -> int:
 
 
 def cmd_eval(argv: list[str]) -> int:
-    """Held-out loss and bits per byte of a checkpoint per source (fnmoe.evaluate), on the data
+    """Held-out loss and bits per byte of a checkpoint per source (fnmoe.training.evaluate), on the data
     its run trained on or on --data.corpus / --data.mix."""
     import torch
 
     from fnmoe.config import MeshConfig
-    from fnmoe.evaluate import evaluate, format_eval
-    from fnmoe.params import shape_mismatches
+    from fnmoe.training.evaluate import evaluate, format_eval
+    from fnmoe.models.params import shape_mismatches
 
     usage = ("fnmoe eval --from RUN|CKPT|DIR [--json] [--data.corpus DIR | --data.mix NAME=DIR:WEIGHT ...] "
              "[--train.eval-batches N] [overrides]: held-out loss, perplexity and bits per byte of a run's newest "
@@ -345,7 +345,7 @@ def _run(sub: str, rest: list[str]) -> int:
         _say(f"fnmoe {sub}: error: {_said(e)}{notes}")
         return 2
     except RuntimeError as e:
-        from fnmoe.loop import OutOfMemory
+        from fnmoe.training.loop import OutOfMemory
         if not isinstance(e, OutOfMemory):
             raise
         _say(f"fnmoe {sub}: {e}")

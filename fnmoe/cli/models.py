@@ -116,7 +116,7 @@ def _generate_codec(ckpt: Path, saved: RunConfig | None):
     bytes and the text comes out garbled."""
     from fnmoe.data.loader import EOS_ID, ByteTokenizer, corpus_codec
     from fnmoe.data.sources import BUNDLED
-    from fnmoe.sampling import prepared_corpus
+    from fnmoe.sampling.text import prepared_corpus
 
     tok = ByteTokenizer()
     as_bytes = (tok.encode, tok.decode, EOS_ID)
@@ -146,7 +146,7 @@ def cmd_generate(argv: list[str]) -> int:
     import torch
 
     from fnmoe.config.ranges import INT64, Range
-    from fnmoe.generate import generate
+    from fnmoe.sampling.generate import generate
 
     parser = argparse.ArgumentParser(prog="fnmoe generate", description="sample text from a trained model "
                                      "with a KV cache (bytes, or the tokenizer of the prepared corpus it trained on)")
@@ -192,7 +192,7 @@ def _export_tokenizer(src: Path, saved: RunConfig | None, max_len: int):
     corpus's, else bytes); a bare tree, or a run whose prepared corpus is gone, names none."""
     from fnmoe import hf
     from fnmoe.data.sources import BUNDLED
-    from fnmoe.sampling import prepared_corpus
+    from fnmoe.sampling.text import prepared_corpus
 
     if saved is None:
         return None, f"no tokenizer: {src} is not a training checkpoint, which names one"

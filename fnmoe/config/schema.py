@@ -102,7 +102,7 @@ class MemoryConfig:
     block_chunks: PositiveInt = 1
     """with recompute='full': run each block's forward, recompute and backward over this many chunks of
     its sequences (attention, MLP, router and experts alike), the block's gathered weights held once
-    for all of them, so the recompute's transient is one chunk's (fnmoe/block_chunks.py); must divide a
+    for all of them, so the recompute's transient is one chunk's (fnmoe/models/block_chunks.py); must divide a
     rank's micro-batch"""
     attention: RegionPolicy = "none"
     """attention regions: keep, recompute, recompute cheap ops only, or offload their saved tensors"""

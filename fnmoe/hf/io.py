@@ -21,7 +21,7 @@ from fnmoe.hf.config import config_from_hf, config_to_hf, fp8_block, hf_architec
 from fnmoe.hf.keys import ERNIE, LAYER_KEY, mtp_keys, key_map
 from fnmoe.hf.tokenizer import TokenizerFiles
 from fnmoe.hf.weights import hf_tensors, read_leaf, HFReader
-from fnmoe.params import leaf_inits
+from fnmoe.models.params import leaf_inits
 from fnmoe.parallel.sharding import distribute
 from fnmoe.tree import Tree, flatten_dict, unflatten_dict
 from fnmoe.tree_io import new_dir, plain_name, save_safetensors

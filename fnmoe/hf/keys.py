@@ -9,7 +9,7 @@ import re
 import torch
 
 from fnmoe.config import ModelConfig
-from fnmoe.params import leaf_inits
+from fnmoe.models.params import leaf_inits
 from fnmoe.tree import flatten_dict
 
 LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")

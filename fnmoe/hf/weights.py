@@ -13,7 +13,7 @@ import torch
 
 from fnmoe.config import ModelConfig
 from fnmoe.hf.keys import ERNIE, hf_shape_of, key_map, rope_rows
-from fnmoe.params import leaf_inits
+from fnmoe.models.params import leaf_inits
 from fnmoe.tree import Tree, flatten_dict
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)

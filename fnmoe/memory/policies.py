@@ -38,13 +38,15 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from fnmoe import _torch, caches, transforms
+from fnmoe import _torch, caches
+
+from fnmoe.models import transforms
 from fnmoe import compile as fcompile
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import replay, reshard
 from fnmoe.config import REGIONS, MemoryConfig
 from fnmoe.memory.host_pool import Handle, HostPool
-from fnmoe.seams import Chunking
+from fnmoe.models.seams import Chunking
 from fnmoe._torch import TorchDispatchMode
 from fnmoe.tree import flatten_dict, tree_map
 
@@ -254,7 +256,7 @@ def offloads(mem: MemoryConfig) -> bool:
 
 
 class Runner:
-    """A fnmoe.seams.BlockRunner under a MemoryConfig: `runner(i, fn, p, x_BLD, *rest)` runs block
+    """A fnmoe.models.seams.BlockRunner under a MemoryConfig: `runner(i, fn, p, x_BLD, *rest)` runs block
     i under the block policy, and `runner.region(i, name, fn, compile, *args)` one of its regions
     under that region's policy. With reshard (several ranks, --mesh.reshard-after-forward) gathered
     weights are regathered in backward, not kept (fnmoe.parallel.reshard), composed with offload where both
@@ -272,7 +274,7 @@ class Runner:
         self.stats, self.handles, self.reloaded = {}, {}, set()
 
     def begin(self) -> None:
-        """A micro-batch's forward begins (fnmoe.train's step calls it): the pool is rewound (the
+        """A micro-batch's forward begins (fnmoe.training.step's step calls it): the pool is rewound (the
         previous backward is over, and its copies with it) and the per-block bookkeeping starts afresh."""
         if self.pool is not None:
             self.pool.rewind()
@@ -283,7 +285,7 @@ class Runner:
             _check_untransformed()
         inner = _plain
         chunked = self.block_chunks(i) is not None
-        if self.mem.recompute == "full" and not chunked:  # the chunks recompute themselves (fnmoe.block_chunks)
+        if self.mem.recompute == "full" and not chunked:  # the chunks recompute themselves (fnmoe.models.block_chunks)
             inner = functools.partial(recompute_block, kept=self._kept(i))
         if self.pool is not None and self._offloading(i) and x_BLD.requires_grad:
             x_BLD.register_hook(functools.partial(self._release, i))
@@ -304,7 +306,7 @@ class Runner:
                        if pool else (None, None)), replay_exchange=not self.mem.keep_exchange)
 
     def block_chunks(self, i: int) -> Chunking | None:
-        """fnmoe.seams.BlockRunner.block_chunks: memory.block_chunks > 1 under full recompute, while
+        """fnmoe.models.seams.BlockRunner.block_chunks: memory.block_chunks > 1 under full recompute, while
         gradients are taken (a forward without them runs whole); each chunk keeps its own routing and
         exchange (in the pool where the block offloads)."""
         n = self.mem.block_chunks
@@ -328,7 +330,7 @@ class Runner:
             return call(*args)
 
     def chunk_recompute(self, i: int) -> str | None:
-        """fnmoe.seams.BlockRunner.chunk_recompute: the MoE region's chunks are recomputed one
+        """fnmoe.models.seams.BlockRunner.chunk_recompute: the MoE region's chunks are recomputed one
         at a time under full recompute (the block's or the region's); the region's checkpoint keeps the
         exchange's outputs, the block's unless --memory.no-keep-exchange. Selective recompute keeps the
         matmuls the chunks would recompute: its chunks run as they are."""
@@ -379,12 +381,13 @@ def _check_untransformed() -> None:
     names = transforms.active()
     if names:
         raise ValueError(f"memory policies (recompute, offload, resharding) do not run under torch.func's "
-                         f"transforms ({', '.join(names)}): pass runner=None (fnmoe.seams.PLAIN) inside the transform")
+                         f"transforms ({', '.join(names)}): pass runner=None (fnmoe.models.seams.PLAIN) inside "
+                         "the transform")
 
 
 def block_runner(mem: MemoryConfig, n_layers: int = 0, pool: HostPool | None = None,
                  reshard: bool = False) -> Runner | None:
-    """The runner for model.hidden_states under this policy (None: fnmoe.seams.PLAIN will do)."""
+    """The runner for model.hidden_states under this policy (None: fnmoe.models.seams.PLAIN will do)."""
     plain = mem.recompute == "none" and not offloads(mem) and all(getattr(mem, r) == "none" for r in REGIONS)
     if plain and not reshard:
         return None
@@ -402,7 +405,7 @@ def train_runner(run, pool_bytes: int = 0) -> Runner:
     the step is built: fnmoe.plan.activations.pool_bytes; 0 when nothing is offloaded) on the device
     training runs on; with regathers(run), resharding."""
     mem = run.memory
-    device = fdist.compute_device(run.dist, run.mesh.world)  # where training runs (fnmoe.loop's rule)
+    device = fdist.compute_device(run.dist, run.mesh.world)  # where training runs (fnmoe.training.loop's rule)
     device = device if device.type == "cuda" else None
     pool = HostPool(pool_bytes, device, mem.max_inflight_bytes) if pool_bytes and offloads(mem) else None
     return Runner(mem, max(run.model.n_layers, 1), pool, regathers(run))

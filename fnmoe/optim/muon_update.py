@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from fnmoe import transforms
+from fnmoe.models import transforms
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.parallel.dispatch import all_to_all

@@ -1,7 +1,7 @@
 """Expert-parallel token exchange on the "ep" axis, and the functional collectives it rests on.
 
 Legend: R routed rows (sorted by global expert), E experts, X local experts (E/ep), S ep ranks,
-D model, N token chunks of a MoE layer (fnmoe.moe_chunks).
+D model, N token chunks of a MoE layer (fnmoe.models.moe_chunks).
 
 An ep rank owns experts [r*X, (r+1)*X). After `permute` a rank's rows are sorted by global
 expert, so the rows for ep rank s are one contiguous run. The exchange:
@@ -144,7 +144,7 @@ def returned(back: torch.Tensor, sent: Sent) -> torch.Tensor:
 
 
 def in_flight(t: torch.Tensor, group) -> Iterator[None]:
-    """Where a chunk's steps (fnmoe.block_chunks) let another chunk compute while t's exchange
+    """Where a chunk's steps (fnmoe.models.block_chunks) let another chunk compute while t's exchange
     travels: yields once. On a group that takes one collective in flight at a time (gloo,
     fnmoe.parallel.gather.is_serial), t is waited for first."""
     if gather.is_serial(group):

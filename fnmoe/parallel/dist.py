@@ -61,7 +61,7 @@ def exit_worker(code: int) -> NoReturn:
     thread that takes it while the interpreter finalizes is ended by a forced unwind that aborts
     the process ('terminate called without an active exception', SIGABRT) after a run that
     succeeded: 2 launches in ~30 of a compiled 2x2 run here. The caller closes its files first
-    (fnmoe.train joins the checkpoint writer and closes the metrics); logs and stdio are flushed here."""
+    (fnmoe.training.step joins the checkpoint writer and closes the metrics); logs and stdio are flushed here."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

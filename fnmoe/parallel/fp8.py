@@ -37,7 +37,9 @@ import weakref
 
 import torch
 
-from fnmoe import _torch, caches, seams
+from fnmoe import _torch, caches
+
+from fnmoe.models import seams
 from fnmoe.parallel import dist as fdist
 
 BLOCK = 128
@@ -169,7 +171,7 @@ def clear() -> None:
 
 
 class _Updates:
-    """Forgets the packs where a train step's update begins (fnmoe.seams.mark("update")): the next
+    """Forgets the packs where a train step's update begins (fnmoe.models.seams.mark("update")): the next
     step's params are new or written in place, and the update's peak does not hold the packs."""
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""FSDP as the model's params source (fnmoe.seams.ParamsSource): sharded params gathered one block
+"""FSDP as the model's params source (fnmoe.models.seams.ParamsSource): sharded params gathered one block
 at a time, each block's gathers issued while the block before computes, and tracked for resharding.
 
 Forward issues layer i+1's gathers before block i computes (`outside`), and block i+1 waits for them
@@ -7,7 +7,7 @@ block i in backward gathers it again there, and issues the gathers of the layer 
 backward recomputes next. Resharding (fnmoe.parallel.reshard) notes the gathered weights, to gather
 again what backward needs instead of keeping it.
 
-`params_source(params)` is the one rule: GATHER for sharded (DTensor) leaves, else fnmoe.seams.CAST.
+`params_source(params)` is the one rule: GATHER for sharded (DTensor) leaves, else fnmoe.models.seams.CAST.
 
 Legend: no shape-suffixed tensors here; weights are handled leaf by leaf.
 """
@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from fnmoe import _torch
 from fnmoe.parallel import gather as fgather
 from fnmoe.parallel import reshard
-from fnmoe.seams import CAST, LayerFeed, ParamsSource
+from fnmoe.models.seams import CAST, LayerFeed, ParamsSource
 from fnmoe.tree import Tree
 
 

@@ -5,7 +5,7 @@ while blocks compute.
 `issue(tree, dtype)` starts the gathers and returns at once (on gloo a worker thread sends, on NCCL
 a stream): one coalesced all-gather per process group (dense leaves over dp, expert stacks over
 fsdp), each leaf into its own output. `finish(issued, tree)` waits for each where the block needs
-it and puts it on the autograd graph. `gather` is the two back to back. fnmoe.model issues block
+it and puts it on the autograd graph. `gather` is the two back to back. fnmoe.models.transformer issues block
 i+1's gathers before block i computes, and in backward a recomputed block i issues block i-1's;
 fnmoe.parallel.reshard does the same for the weights backward gathers again.
 
@@ -123,7 +123,7 @@ _reduce_dtype = torch.float32
 def reducing(dtype: torch.dtype):
     """Gathers issued inside reduce-scatter their gradients in dtype (mesh.reduce_dtype). Each
     gather keeps the dtype it was issued under, so a backward outside still sends what its forward
-    chose; fnmoe.train enters it around a micro-batch's forward and backward (a recompute in
+    chose; fnmoe.training.step enters it around a micro-batch's forward and backward (a recompute in
     backward issues its gathers again)."""
     global _reduce_dtype
     before, _reduce_dtype = _reduce_dtype, dtype
@@ -140,7 +140,7 @@ _expert_dtype: torch.dtype | None = None
 @contextlib.contextmanager
 def expert_dtype(dtype: torch.dtype | None):
     """Gathers issued inside send expert stacks in dtype (mesh.expert_gather_dtype: fp8.E4M3, or None:
-    the compute dtype). As `reducing`, fnmoe.train enters it around a micro-batch's forward and
+    the compute dtype). As `reducing`, fnmoe.training.step enters it around a micro-batch's forward and
     backward, so backward's regathers send what the forward's did."""
     if dtype not in (None, fp8.E4M3):
         raise ValueError(f"expert stacks are gathered in the compute dtype or float8_e4m3fn, not {dtype}")

@@ -2,7 +2,7 @@
 exchanges (memory.keep_exchange off: the recompute sends its rows again).
 
 NCCL runs one communicator's collectives in the order they were issued. Under whole-block chunks
-(fnmoe.block_chunks) chunk c-1's recompute issues its replayed dispatch before chunk c's backward
+(fnmoe.models.block_chunks) chunk c-1's recompute issues its replayed dispatch before chunk c's backward
 sends its gradients, and that backward waits for them at once: on one group, the gradients queue
 behind the replay. fnmoe.memory.policies._Replaying sends the replayed rows on the replay group
 instead, while autograd sends their gradients on the ep group the forward named (it keeps the group

@@ -2,5 +2,6 @@
 
 summary.py (the plan of one run), network.py (which groups span nodes; the EP exchange's
 traffic), search.py (every layout of a world size, ranked), meters.py (storage and collectives
-measured at the ops), rehearse.py (a step run on fake tensors, measured against the plan).
+measured at the ops), rehearse.py (a step run on fake tensors, measured against the plan), inspect_compile.py
+(`fnmoe inspect`: what torch.compile makes of each region of the model).
 """

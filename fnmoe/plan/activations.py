@@ -48,7 +48,7 @@ def attention_bytes(cfg: ModelConfig, T: int, s: int) -> int:
     qk = T * (N + M) * (4 + s) + 4 * T * (H + cfg.n_kv_heads) if cfg.qk_norm else 0
     # q, k, v after RoPE and the output, which flash (and efficient, and fnmoe's CPU kernel) write
     # [B, L, H, A]: the reshape w_o reads is a view of it, not a second copy. In fp32 no CUDA fused
-    # kernel takes grouped kv: fnmoe.attention.sdpa repeats it to every head for the efficient one
+    # kernel takes grouped kv: fnmoe.models.attention.sdpa repeats it to every head for the efficient one
     kv = N if s == 4 else M
     return norm_bytes(T, D, s) + qk + T * s * (2 * N + 2 * kv) + lse
 
@@ -74,7 +74,7 @@ def moe_bytes(cfg: ModelConfig, T: int, s: int, imbalance: float = 1.0, ep: int 
 
 def moe_unchunked_bytes(cfg: ModelConfig, T: int, s: int) -> int:
     """The part of moe_bytes that sees all T tokens at once when the region runs in token chunks
-    (fnmoe.moe_chunks): its input norm and the routing (one router matmul over every token)."""
+    (fnmoe.models.moe_chunks): its input norm and the routing (one router matmul over every token)."""
     m, D = cfg.moe, cfg.dim
     K, E = m.top_k, m.n_experts
     # below fp32 the router reads an fp32 copy of the normed tokens, and only a shared expert keeps the
@@ -91,12 +91,12 @@ def moe_unchunked_bytes(cfg: ModelConfig, T: int, s: int) -> int:
 def weight_grad_bytes(run: RunConfig, i: int) -> int:
     """Compute-dtype weight gradients of layer i alive at once in its backward: as backward reaches
     each weight, that one before its reduce-scatter (the largest); a MoE layer in token chunks
-    (fnmoe.moe_chunks) differentiated chunk by chunk holds every chunked weight's gradient, summed
+    (fnmoe.models.moe_chunks) differentiated chunk by chunk holds every chunked weight's gradient, summed
     over the chunks, beside one chunk's new one."""
     s, one = DTYPE_BYTES[run.model.compute_dtype], largest_leaf(run, layers=True)
     m, full = run.model.moe, run.memory.recompute == "full"
     if full and run.memory.block_chunks > 1:
-        # every weight of the block (fnmoe.block_chunks): all of them summed over the chunks
+        # every weight of the block (fnmoe.models.block_chunks): all of them summed over the chunks
         chunked = [math.prod(shape) // (run.mesh.ep if leaf_kind(path) == "expert" else 1)
                    for path, shape in leaf_shapes(run.model) if path.startswith(f"layers.{i}.")]
     elif run.model.is_moe_layer(i) and m.token_chunks > 1 and full:
@@ -215,7 +215,7 @@ def _chunks(run: RunConfig, i: int) -> int:
 
 
 def _recomputing(run: RunConfig, i: int, T: int, regions: dict) -> int:
-    """What block i's recompute (full) holds at once. In block chunks (fnmoe.block_chunks) one chunk's
+    """What block i's recompute (full) holds at once. In block chunks (fnmoe.models.block_chunks) one chunk's
     regions, beside the input gradients of the chunks done before it (rehearsed on K2's shapes: the
     last chunk's peak is the block's) and, under expert parallelism, the next chunk's attention and
     routing. In MoE token chunks the MoE region is recomputed and
@@ -283,7 +283,7 @@ def pool_bytes(run: RunConfig) -> int:
 
 
 def head_bytes(cfg: ModelConfig, T: int, s: int, ce_chunks: int) -> int:
-    """What the final norm and the cross-entropy keep for backward (fnmoe.train.ce_loss_sum): whole,
+    """What the final norm and the cross-entropy keep for backward (fnmoe.training.step.ce_loss_sum): whole,
     the final norm (its output the head's input) and the fp32 log-softmax; in chunks, the last
     block's output alone, from which backward recomputes each chunk's norm and logits."""
     if ce_chunks == 1:

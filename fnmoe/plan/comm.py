@@ -114,7 +114,7 @@ def _sent(cfg: ModelConfig, fsdp: int, ep: int) -> dict:
 @lru_cache(maxsize=256)
 def _max_logit_sent(cfg: ModelConfig, fsdp: int, ep: int) -> float:
     """Elements a rank sends in QK-clip's max-logit gathers: each layer's attention and its norm
-    (fnmoe.model._block_max_logits_H gathers only the leaves it reads), dense leaves over every rank."""
+    (fnmoe.models.transformer._block_max_logits_H gathers only the leaves it reads), dense leaves over every rank."""
     n = sum(math.prod(shape) for path, shape in leaf_shapes(cfg) if path.split(".")[0] == "layers"
             and path.split(".")[2] in ("attn", "attn_norm"))
     return n * (fsdp * ep - 1) / (fsdp * ep)

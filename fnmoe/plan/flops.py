@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from fnmoe.config import ModelConfig
-from fnmoe.params import leaf_inits
+from fnmoe.models.params import leaf_inits
 from fnmoe.tree import flatten_dict, leaf_kind
 
 

@@ -10,7 +10,7 @@ in and out dims.
 A chunk runs each expert's matrices on r = T·K·imbalance / X / N rows. Forward (and its recompute
 in backward) and the input gradient each read the expert's weight I·O and the rows' inputs and
 outputs; the weight gradient reads the rows' inputs and output gradients and writes its I·O
-result, which autograd then adds in place into the gathered weight's gradient (fnmoe/moe_chunks.py:
+result, which autograd then adds in place into the gathered weight's gradient (fnmoe/models/moe_chunks.py:
 read both, write one) every chunk but the first: 4N - 3 passes over I·O a step of N chunks, where a
 GEMM accumulating into its output would make N. With few rows a chunk the weight's bytes outlast
 its FLOPs: on the busiest GH200 of the K2 preset (373 rows an expert a chunk) the weight gradient is
@@ -84,7 +84,7 @@ def routed_expert_s(run: RunConfig, recomputed: bool) -> dict:
 
 def moe_layer_expert_s(run: RunConfig, recomputed: bool) -> dict:
     """routed_expert_s of one MoE layer on one chunk of a micro-batch, by phase: every MoE layer has
-    the same expert stacks (tools/gpu_check.py times one such layer beside it)."""
+    the same expert stacks (tools/gpu_checks/k2layer.py times one such layer beside it)."""
     n_moe = sum(run.model.is_moe_layer(i) for i in range(run.model.n_layers))
     if not n_moe:
         raise ValueError("moe_layer_expert_s: the model has no MoE layer (model.moe.n_experts=0)")

@@ -32,7 +32,7 @@ from fnmoe._torch import TorchDispatchMode
 from fnmoe.config import REGIONS, MemoryConfig, RunConfig
 from fnmoe.memory.host_pool import HostPool
 from fnmoe.memory.policies import Runner, regathers
-from fnmoe.model import hidden_states
+from fnmoe.models.transformer import hidden_states
 from fnmoe.parallel.fsdp import params_source
 from fnmoe.plan.activations import pool_bytes
 from fnmoe.plan.meters import plain_tensors

@@ -18,7 +18,7 @@ is decided when it is made, from the op and the step's phase:
                   activation gradients of the block running, which recompute policies bound)
   phase update    optim (the optimizer's temporaries and its new state)
 
-The phase is set by fnmoe.seams.mark (fnmoe.train calls it at each micro-batch and before the update;
+The phase is set by fnmoe.models.seams.mark (fnmoe.training.step calls it at each micro-batch and before the update;
 a meter listens while it runs, and without one it does nothing). Tensors made before the meter
 starts are registered with `track`.
 
@@ -37,7 +37,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fnmoe import _torch, seams
+from fnmoe import _torch
+
+from fnmoe.models import seams
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import fp8
 from fnmoe._torch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -70,7 +72,7 @@ def _collective_kind(name: str) -> str | None:
 
 
 class PhaseMeter(TorchDispatchMode):
-    """A dispatch mode that the step's phase marks (fnmoe.seams.mark) reach while it is active."""
+    """A dispatch mode that the step's phase marks (fnmoe.models.seams.mark) reach while it is active."""
 
     def __enter__(self):
         seams.listen(self)

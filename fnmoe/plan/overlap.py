@@ -114,10 +114,10 @@ def _record(key: tuple, n_layers: int, chunks: int = 2) -> dict[tuple[str, str],
     from fnmoe.caches import clear_caches
     from fnmoe.parallel import dist as fdist
     from fnmoe.parallel import sharding
-    from fnmoe.params import init_params
+    from fnmoe.models.params import init_params
     from fnmoe.plan.meters import OrderMeter
     from fnmoe.memory.policies import train_runner
-    from fnmoe.train import init_state, make_train_step
+    from fnmoe.training.step import init_state, make_train_step
 
     run = _proxy(key, n_layers, chunks)
     n, B = run.mesh.world, run.train.batch_size

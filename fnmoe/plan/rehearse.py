@@ -7,7 +7,7 @@ The process joins torch's fake process group as rank R of mesh.fsdp x mesh.ep ra
 FakeTensorMode (shapes and dtypes, no bytes), fnmoe's own code: the sharded chunked init, the
 forward and backward under the configured memory policies (offload's host-pool bookkeeping
 included), the FSDP gathers and reduce-scatters, the EP all-to-alls, the optimizer update and the
-router-bias rule (fnmoe.train.make_device_step), and the checkpoint index every rank's shards
+router-bias rule (fnmoe.training.step.make_device_step), and the checkpoint index every rank's shards
 would give. Collectives return at once with outputs of the right shape: nothing is sent, the
 bytes are counted (fnmoe.plan.meters.CommMeter). Regions run eager (compiled ones save what inductor's
 partitioner picks, which can differ).
@@ -41,9 +41,9 @@ from fnmoe.config import RunConfig, to_toml, validate
 from fnmoe.memory.policies import train_runner
 from fnmoe.plan.activations import pool_bytes
 from fnmoe.plan.meters import CATEGORIES, CommMeter, PhaseMeter, StorageMeter, plain_tensors
-from fnmoe.params import init_params
-from fnmoe.train import make_device_step
-from fnmoe.train_state import TrainState
+from fnmoe.models.params import init_params
+from fnmoe.training.step import make_device_step
+from fnmoe.training.state import TrainState
 from fnmoe.tree import flatten_dict
 
 MAX_WORLD = 1 << 16  # ranks a rehearsal plays (its host structures are per leaf, not per rank)
@@ -63,7 +63,7 @@ def _check(run: RunConfig, rank: int | str) -> None:
 def held_bytes(run: RunConfig) -> list[int]:
     """Per rank, the bytes of its fp32 param shards (torch.chunk gives leading ranks more), from the
     mesh's shape alone (sharding.axis_coords: where rank r sits on ("fsdp", "ep"))."""
-    from fnmoe.params import leaf_inits
+    from fnmoe.models.params import leaf_inits
     fsdp, ep = run.mesh.fsdp, run.mesh.ep
     sizes = {"fsdp": fsdp, "ep": ep, sharding.DP: fsdp * ep}
     out = [0] * run.mesh.world
@@ -104,7 +104,7 @@ class Clock:
 
 
 class Phases(PhaseMeter):
-    """The step's phases on a Clock: each micro-batch's forward (fnmoe.seams.mark) and backward (the
+    """The step's phases on a Clock: each micro-batch's forward (fnmoe.models.seams.mark) and backward (the
     first op autograd's engine runs after it), and the update. Passes every op on unchanged."""
 
     def __init__(self, clock: Clock, n_micro: int):

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.dtypes import DTYPE_BYTES
-from fnmoe.params import leaf_inits
+from fnmoe.models.params import leaf_inits
 from fnmoe.optim.base import default_label
 from fnmoe.parallel import fp8, sharding
 from fnmoe.tree import flatten_dict, leaf_kind

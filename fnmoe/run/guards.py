@@ -5,7 +5,7 @@ Preflight (`check_outputs`): every directory a run writes later (checkpoints on 
 TensorBoard logs, W&B files, profiler traces on every rank, the compile cache's artifacts) is
 created if needed and a file is created and removed in it, before step 1: an unwritable
 <run-dir>/checkpoints used to surface at the final save, after the whole run. (config.toml,
-metrics.jsonl and the lock are opened before step 1 anyway: fnmoe.loop, fnmoe.run.rundir.) What
+metrics.jsonl and the lock are opened before step 1 anyway: fnmoe.training.loop, fnmoe.run.rundir.) What
 rank 0 created only to test it is removed again, so a run that stops here leaves what it found.
 
 Starting weights (`check_finite_start`): a NaN or inf in the weights a run starts from (a Hugging
@@ -13,7 +13,7 @@ Face import, a damaged checkpoint, an overflowing model.init_std) makes every st
 every step is then skipped: refused before step 1 instead.
 
 Skipped steps (`SkipCounter`): a step whose loss, gradients or update are not finite is skipped
-(fnmoe.train: params and optimizer state stay as they were). Since the state does not change, the
+(fnmoe.training.step: params and optimizer state stay as they were). Since the state does not change, the
 next step repeats the same computation on the next batch: a cause in the data (one bad batch, a
 rare spike) clears at once, a cause in the state or the config (NaN weights, `--optim.eps 0`, an
 lr that overflows the update) never does. So `train.max_consecutive_skips` (default 10) skipped

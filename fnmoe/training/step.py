@@ -1,11 +1,11 @@
-"""Training: loss_fn and the step (make_train_step); the loop is fnmoe.loop.
+"""Training: loss_fn and the step (make_train_step); the loop is fnmoe.training.loop.
 
 Legend: B batch, L sequence, D model, T tokens (B·L), V vocab, N MoE layers, E experts, H heads.
 
 The loss of a step is the sum of token losses over every micro-batch (and, with a mesh, every
 rank) divided by the global count of non-ignored labels; each micro-batch's gradient is taken
 of its share of that sum, so k micro-batches give exactly the update of one k-times batch
-(`microbatched` sums them). The step is built from its caller's runner (fnmoe.seams.BlockRunner:
+(`microbatched` sums them). The step is built from its caller's runner (fnmoe.models.seams.BlockRunner:
 fnmoe.memory.policies.train_runner, its host pool sized where the step is built) and takes its params
 source from the params it is given (fnmoe.parallel.fsdp.params_source).
 """
@@ -23,19 +23,19 @@ from fnmoe import _torch
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import gather as fgather
 from fnmoe import optim
-from fnmoe.attention import rms_norm, upcast
+from fnmoe.models.attention import rms_norm, upcast
 from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.data.loader import IGNORE
 from fnmoe.dtypes import DTYPE
-from fnmoe.model import check_inputs, check_tokens, final_norm_weight, head_weight, hidden_states
-from fnmoe.moe import balance_loss_part, update_router_bias
+from fnmoe.models.transformer import check_inputs, check_tokens, final_norm_weight, head_weight, hidden_states
+from fnmoe.models.moe import balance_loss_part, update_router_bias
 from fnmoe.parallel.fsdp import params_source
 from fnmoe.parallel.sharding import all_sum
-from fnmoe.routing import Router
-from fnmoe.seams import CAST, BlockRunner, ParamsSource, mark
+from fnmoe.models.routing import Router
+from fnmoe.models.seams import CAST, BlockRunner, ParamsSource, mark
 from fnmoe.optim import in_place
-from fnmoe.train_state import DonatedError, TrainState, check_live
-from fnmoe.train_state import donate as donate_state
+from fnmoe.training.state import DonatedError, TrainState, check_live
+from fnmoe.training.state import donate as donate_state
 from fnmoe.tree import Tree, tree_flatten, tree_map, tree_unflatten, value_and_grad
 
 
@@ -304,7 +304,7 @@ def make_train_step(run: RunConfig, tx: optim.GradientTransformation, runner: Bl
     """train_step(state, micro_batches) -> (state, metrics); micro_batches: [(inputs_BL, labels_BL)]
     or, for packed documents, [(inputs_BL, labels_BL, positions_BL)] (Loader.batch_at's). runner runs
     the blocks under run.memory: fnmoe.memory.policies.train_runner(run, pool_bytes), its host pool
-    sized by fnmoe.plan.activations.pool_bytes(run) when the run offloads (fnmoe.seams.PLAIN runs them
+    sized by fnmoe.plan.activations.pool_bytes(run) when the run offloads (fnmoe.models.seams.PLAIN runs them
     as they are). loss is differentiated on each micro-batch: loss_fn's signature and (loss, aux)
     result, aux holding what the step folds (loss_fn's ce_loss, expert_counts_NE, dropped_N with a
     capacity, max_logits_NH with QK-clip); wrap loss_fn to add a term or pass it a router

@@ -46,12 +46,12 @@ class BlockRunner(Protocol):
         """Region `name` of block i: fn(*args), compiled when compile, under its region policy."""
 
     def chunk_recompute(self, i: int) -> str | None:
-        """How backward recomputes block i's MoE token chunks (fnmoe.moe_chunks): None when it keeps
+        """How backward recomputes block i's MoE token chunks (fnmoe.models.moe_chunks): None when it keeps
         what they save; "keep" when it recomputes them, keeping the expert-parallel exchange's outputs
         (the recompute around the region replays them); "replay" when the chunks send their rows again."""
 
     def block_chunks(self, i: int) -> Chunking | None:
-        """Whether block i runs in chunks of its sequences (fnmoe.block_chunks), recomputed one at a
+        """Whether block i runs in chunks of its sequences (fnmoe.models.block_chunks), recomputed one at a
         time in backward; None runs it whole (under the runner's policy)."""
 
 

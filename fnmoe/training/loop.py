@@ -1,6 +1,6 @@
 """The training loop: data in, steps, metrics.jsonl and a progress line out. This module starts the
 ranks, holds the run directory, answers signals and failures, and sets a run up (its state, outputs,
-step and saver); the steps themselves are fnmoe.loop_steps'.
+step and saver); the steps themselves are fnmoe.training.loop_steps'.
 
 Legend: B batch, L sequence.
 """
@@ -31,10 +31,10 @@ from fnmoe.run.progress import profile_window
 from fnmoe.run.metrics import JsonlWriter, MetricsWriter, TensorBoardWriter, drop_rows_after
 from fnmoe.data.mixture import training_data
 from fnmoe.memory.policies import train_runner
-from fnmoe.params import init_params, shape_mismatches
-from fnmoe.loop_steps import Session, run_dir_of, run_steps, to_device
-from fnmoe.train import init_state, make_train_step
-from fnmoe.train_state import TrainState
+from fnmoe.models.params import init_params, shape_mismatches
+from fnmoe.training.loop_steps import Session, run_dir_of, run_steps, to_device
+from fnmoe.training.step import init_state, make_train_step
+from fnmoe.training.state import TrainState
 
 log = logging.getLogger("fnmoe")
 

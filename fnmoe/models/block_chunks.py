@@ -12,13 +12,13 @@ autograd. It saves the block's input and its params as they reach compute: the g
 once for every chunk, which the runner's saved-tensor hooks regather in backward under resharding,
 as they move the input to the host under offload. Its backward recomputes and differentiates one
 chunk at a time, the last first, sums each weight's gradient over the chunks in the compute dtype
-(as fnmoe.moe_chunks does), and returns the sums to the gathers' backward: one reduce-scatter a leaf.
+(as fnmoe.models.moe_chunks does), and returns the sums to the gathers' backward: one reduce-scatter a leaf.
 
 Each chunk keeps what its recompute must not change, its routing and its expert-parallel exchange,
-under the runner's modes (fnmoe.seams.Chunking), so backward routes each token as the forward did.
+under the runner's modes (fnmoe.models.seams.Chunking), so backward routes each token as the forward did.
 
 Under expert parallelism the forward runs two chunks at a time (`interleaved`): a chunk's steps
-(fnmoe.model.block_steps) yield while its dispatch or its combine travels, and the other chunk computes
+(fnmoe.models.transformer.block_steps) yield while its dispatch or its combine travels, and the other chunk computes
 meanwhile. So chunk c's dispatch travels behind chunk c+1's attention, chunk c+1's behind chunk c's
 experts, chunk c's combine behind chunk c+1's experts, and chunk c+1's behind chunk c's output and
 chunk c+2's attention; only the last combine of a block waits with less to hide it (its chunk's
@@ -28,7 +28,7 @@ own mode, so what it keeps and its values are the sequential forward's.
 The block's MoE statistics are the unchunked ones: counts, probability sums and dropped rows summed
 over the chunks, the router logits joined in token order, the sequence-wise balance and z losses
 averaged (the chunks are equal), and the Switch balance loss built from the summed parts
-(fnmoe.moe.balance_loss_part), since it is not linear in a chunk's.
+(fnmoe.models.moe.balance_loss_part), since it is not linear in a chunk's.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ from typing import Callable, Generator
 
 import torch
 
-from fnmoe.moe import balance_loss_part
-from fnmoe.seams import Chunking
+from fnmoe.models.moe import balance_loss_part
+from fnmoe.models.seams import Chunking
 from fnmoe.tree import Tree, tree_flatten, tree_unflatten
 
 SUMMED = ("counts_E", "probs_sum_E", "dropped")
@@ -117,7 +117,8 @@ class _Run:
             return []
         unknown = sorted(set(stats[0]) - set(SUMMED + MEANS + JOINED + REBUILT))
         if unknown:
-            raise ValueError(f"block chunks cannot merge the MoE statistics {unknown}: say how in fnmoe.block_chunks")
+            raise ValueError(f"block chunks cannot merge the MoE statistics {unknown}: "
+                             "say how in fnmoe.models.block_chunks")
         self.keys = [k for k in stats[0] if k not in REBUILT]
         out = []
         for k in self.keys:

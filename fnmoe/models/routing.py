@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from fnmoe.attention import upcast
+from fnmoe.models.attention import upcast
 from fnmoe.config import ModelConfig, MoEConfig
 
 

@@ -23,8 +23,8 @@ from fnmoe.config import RunConfig
 from fnmoe.data.loader import EOS_ID, IGNORE, PREPARED_TOKENIZER, read_prepared_index
 from fnmoe.data.mixture import training_data
 from fnmoe.hf.tokenizer import byte_to_unicode
-from fnmoe.sampling import prepared_corpus
-from fnmoe.train import eval_loss
+from fnmoe.sampling.text import prepared_corpus
+from fnmoe.training.step import eval_loss
 from fnmoe.tree import Tree, tree_map
 
 BYTE_PIECE = "<0x"

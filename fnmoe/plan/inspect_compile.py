@@ -26,11 +26,11 @@ from fnmoe import _torch
 from fnmoe import compile as fcompile
 from fnmoe.kernels import attention as cpu_attention
 from fnmoe.config import ModelConfig
-from fnmoe.attention import rope
+from fnmoe.models.attention import rope
 from fnmoe.dtypes import DTYPE
-from fnmoe.model import attention_region, forward, mlp_region, moe_region, layer_params
-from fnmoe.params import init_params
-from fnmoe.moe import expert_gemm
+from fnmoe.models.transformer import attention_region, forward, mlp_region, moe_region, layer_params
+from fnmoe.models.params import init_params
+from fnmoe.models.moe import expert_gemm
 
 SYNC_TARGETS = {"item", "tolist", "_local_scalar_dense", "nonzero", "_local_scalar_dense.default"}
 

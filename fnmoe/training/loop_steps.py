@@ -1,7 +1,7 @@
 """The training loop's steps, from the first to the last save: each step timed and its metrics row
 written, its state adopted only then (so a checkpoint never lacks its row), the step boundary every
 rank agrees on (a signal or a failed write stops all after the same step, saved), the progress line,
-the held-out loss, samples and checkpoints every so many steps. fnmoe.loop sets a run up (`Session`)
+the held-out loss, samples and checkpoints every so many steps. fnmoe.training.loop sets a run up (`Session`)
 and calls `run_steps`.
 
 Legend: B batch, L sequence.
@@ -27,9 +27,9 @@ from fnmoe.run.metrics import load_by_layer, load_max_over_mean, rank_load_max_o
 from fnmoe.run.notes import steps_done
 from fnmoe.run.progress import (ProfileWindow, eval_line, progress_line, progress_note, slow_steps, slow_warning,
                                 val_row)
-from fnmoe.sampling import log_sample
-from fnmoe.train import eval_loss
-from fnmoe.train_state import TrainState, donated
+from fnmoe.sampling.text import log_sample
+from fnmoe.training.step import eval_loss
+from fnmoe.training.state import TrainState, donated
 from fnmoe.tree import tree_map
 
 log = logging.getLogger("fnmoe")
@@ -63,7 +63,7 @@ def _save_on_interrupt(saver: checkpoint.Saver, state: TrainState, run: RunConfi
 
 @dataclass(eq=False)
 class Session:
-    """One run's steps and what they share (fnmoe.loop's setup). `state` is adopted step by step, only once
+    """One run's steps and what they share (fnmoe.training.loop's setup). `state` is adopted step by step, only once
     the step's metrics row is written: a stop or Ctrl-C saves it."""
     run: RunConfig
     rank: int

@@ -1,8 +1,8 @@
 """`TrainState`: what a training step carries from one step to the next, in a module of its own
-below the step (fnmoe.train), the loop and the checkpoint (fnmoe.checkpoint), so that saving and
+below the step (fnmoe.training.step), the loop and the checkpoint (fnmoe.checkpoint), so that saving and
 loading a state imports neither the step nor the data loader.
 
-A step built with donate=True (fnmoe.train.make_train_step) updates the params and optimizer state
+A step built with donate=True (fnmoe.training.step.make_train_step) updates the params and optimizer state
 of the TrainState it is given in place and returns a new TrainState over the same tensors; the
 given one is marked donated (`donate`), and a step or a save given it again raises DonatedError
 (`check_live`): its tensors hold the new values, or, if the step was cut short, part of them."""

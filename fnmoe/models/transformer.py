@@ -4,8 +4,8 @@ Legend: B batch, L sequence, D model, F ffn hidden, E experts, V vocab, N = H·A
 M = G·A key/value features (H heads, G kv heads, A head dim); MLA letters (Q, C, W, X, Y) as in
 attention.py.
 
-The params tree and its init live in fnmoe.params. How blocks run (memory policies) and how params
-reach compute (cast, or FSDP's gathers) are the caller's choices, passed in (fnmoe.seams).
+The params tree and its init live in fnmoe.models.params. How blocks run (memory policies) and how params
+reach compute (cast, or FSDP's gathers) are the caller's choices, passed in (fnmoe.models.seams).
 """
 from __future__ import annotations
 
@@ -15,16 +15,18 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from fnmoe import _torch, block_chunks, moe_chunks, transforms
+from fnmoe import _torch
+
+from fnmoe.models import block_chunks, moe_chunks, transforms
 from fnmoe import compile as fcompile
 from fnmoe.kernels import attention as cpu_attention
-from fnmoe.attention import attention, doc_mask, max_logits_H, rms_norm, rope, upcast
+from fnmoe.models.attention import attention, doc_mask, max_logits_H, rms_norm, rope, upcast
 from fnmoe.config import ModelConfig
 from fnmoe.dtypes import DTYPE
-from fnmoe.moe import EXPERT_STACKS, expert_gemm, moe_block, moe_steps, swiglu
-from fnmoe.params import check_config, check_params
-from fnmoe.routing import Router
-from fnmoe.seams import CAST, PLAIN, BlockRunner, LayerFeed, ParamsSource
+from fnmoe.models.moe import EXPERT_STACKS, expert_gemm, moe_block, moe_steps, swiglu
+from fnmoe.models.params import check_config, check_params
+from fnmoe.models.routing import Router
+from fnmoe.models.seams import CAST, PLAIN, BlockRunner, LayerFeed, ParamsSource
 from fnmoe.tree import Tree
 
 
@@ -92,8 +94,8 @@ def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=N
 
 def block_steps(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=None,
                 runner: BlockRunner = PLAIN, i: int = 0, router: Router | None = None, cut: bool = False):
-    """block i, a MoE block under expert parallelism, as steps (fnmoe.moe.moe_steps: a generator
-    that yields while its exchanges travel, returning block's (x_BLD, stats)). For fnmoe.block_chunks'
+    """block i, a MoE block under expert parallelism, as steps (fnmoe.models.moe.moe_steps: a generator
+    that yields while its exchanges travel, returning block's (x_BLD, stats)). For fnmoe.models.block_chunks'
     forward and recompute, where the MoE region's memory policy has nothing to keep of its own. cut:
     the MoE region's graph starts at a leaf of its own, so that backward can take the block in two
     parts; returns (x_BLD, stats, (the attention's output, that leaf))."""
@@ -241,20 +243,20 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
                   positions_BL: torch.Tensor | None = None, source: ParamsSource = CAST, *,
                   router: Router | None = None, record_router_logits: bool = False, final_norm: bool = True):
     """Final-norm hidden states [B, L, D] in the compute dtype (final_norm False: the last block's
-    output, which fnmoe.train's loss norms inside each cross-entropy chunk), and aux:
+    output, which fnmoe.training.step's loss norms inside each cross-entropy chunk), and aux:
     expert_counts_NE (tokens per expert per MoE layer) and balance_loss (the mean over MoE layers,
     0-D; both None without MoE), plus seq_balance_loss and z_loss (the same means) only when their
     coefficients are set, with record_max_logits max_logits_NH (per layer and head, fp32; MuonClip's
     input), and with record_router_logits router_logits_NTE (per MoE layer, fp32, detached: N·T·E·4
     bytes held until aux goes, so off by default in training).
 
-    runner (fnmoe.seams.BlockRunner; memory.Runner under a memory policy) runs each block and each
-    of its regions: recompute in backward, offload, resharding. source (fnmoe.seams.ParamsSource)
+    runner (fnmoe.models.seams.BlockRunner; memory.Runner under a memory policy) runs each block and each
+    of its regions: recompute in backward, offload, resharding. source (fnmoe.models.seams.ParamsSource)
     gives the params in the compute dtype: CAST in one process, fnmoe.parallel.fsdp.GATHER for
-    sharded params. Under torch.func's transforms it runs the paths fnmoe.transforms picks.
+    sharded params. Under torch.func's transforms it runs the paths fnmoe.models.transforms picks.
     positions_BL marks packed documents (positions restart at 0 where one starts): RoPE uses them
     and attention stays within each document; None is one sequence per row. router
-    (fnmoe.routing.Router) routes every MoE layer; None: the built-in of model.moe.score_func.
+    (fnmoe.models.routing.Router) routes every MoE layer; None: the built-in of model.moe.score_func.
     """
     cfg = transforms.model_config(cfg)
     transforms.check_transformable(params["embed"]["w_VD"])
@@ -299,8 +301,8 @@ def forward(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig, positions_B
     """(logits_BLV fp32, aux): aux["expert_counts_NE"] holds tokens per expert per MoE layer, with
     record_router_logits aux["router_logits_NTE"] the router logits (see hidden_states); positions_BL
     marks packed documents; source: how params reach compute (CAST; fnmoe.parallel.fsdp.params_source(params)
-    for sharded ones); runner: how blocks run (fnmoe.seams.BlockRunner, default PLAIN); router: how MoE
-    layers route (fnmoe.routing.Router, default by model.moe.score_func). Its inputs are checked first:
+    for sharded ones); runner: how blocks run (fnmoe.models.seams.BlockRunner, default PLAIN); router: how MoE
+    layers route (fnmoe.models.routing.Router, default by model.moe.score_func). Its inputs are checked first:
     cfg as the CLI validates it, params against cfg's leaves and shapes, tokens (check_tokens)."""
     check_inputs(params, tokens_BL, cfg)
     h_BLD, aux = hidden_states(params, tokens_BL, cfg, runner, positions_BL=positions_BL, source=source,

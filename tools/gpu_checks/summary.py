@@ -1,8 +1,9 @@
-"""The summary of tools/gpu_check.sh: `python tools/gpu_check_summary.py --results DIR [--dry-run]`.
+"""The summary of tools/gpu_check.sh: `python tools/gpu_checks/summary.py --results DIR [--dry-run]`.
 
-Reads the per-step files tools/gpu_check.py wrote in DIR (<step>.json: rows and notes, <step>.rc:
-the step's exit status from gpu_check.sh) and prints one table, also written to $OUT/gpu_check.txt
-(with each step's JSON) when $OUT is set. Exit status 1 when a check failed or a step died.
+Reads the per-step files the checks (tools/gpu_checks/, run by tools/gpu_check.py) wrote in DIR
+(<step>.json: rows and notes, <step>.rc: the step's exit status from gpu_check.sh) and prints one
+table, also written to $OUT/gpu_check.txt (with each step's JSON) when $OUT is set. Exit status 1
+when a check failed or a step died.
 
 Imports neither torch nor fnmoe (a second or two of the dry run's time on a small CPU): the steps
 record the torch version and device they ran on in their JSON.

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from fnmoe import caches
 from fnmoe.config import DataConfig, RunConfig
 from fnmoe.data.loader import EOS_ID, ByteTokenizer, corpus_codec
-from fnmoe.generate import generate
+from fnmoe.sampling.generate import generate
 from fnmoe.parallel.sharding import full_params
 from fnmoe.tree import Tree, flatten_dict
 

@@ -29,7 +29,7 @@ from fnmoe.compile import size_hint
 from fnmoe.config import ModelConfig
 from fnmoe.parallel import dispatch
 from fnmoe.parallel.dispatch import ep_expert_mlp
-from fnmoe.routing import Router, route
+from fnmoe.models.routing import Router, route
 
 _grouped_mm = _torch.grouped_mm  # None on a torch without it
 
@@ -38,7 +38,7 @@ class _RepeatRows(torch.autograd.Function):
     """x_RD = x_TD[order_R // K]: each token K times, in expert order. Its backward gathers the
     rows back into token order and sums each token's K, where indexing's would scatter-add.
     vmap batches it through its ops (generate_vmap_rule). No custom jvp: dynamo does not trace an
-    autograd.Function that has one, and forward AD runs the dense path (fnmoe.transforms)."""
+    autograd.Function that has one, and forward AD runs the dense path (fnmoe.models.transforms)."""
     generate_vmap_rule = True
 
     @staticmethod
@@ -289,10 +289,10 @@ def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed:
     (the stacks then hold that ep rank's experts; fnmoe.parallel.sharding.gather adds it). stats: counts_E,
     balance_loss, probs_sum_E (the Switch loss's parts, for data parallelism), dropped (rows over
     capacity), router_logits_TE (fp32, detached), and seq_balance_loss / z_loss when their coefficients
-    are non-zero. router (fnmoe.routing.Router) routes; None: the built-in of model.moe.score_func.
+    are non-zero. router (fnmoe.models.routing.Router) routes; None: the built-in of model.moe.score_func.
     routed(p, x_TD, w_TK, idx_TK, cfg, gemm) -> (out_TD, counts_E, kept_E), the shared experts included,
-    runs the experts in place of the unchunked sparse path: fnmoe.model passes fnmoe.moe_chunks.chunked
-    for model.moe.token_chunks > 1."""
+    runs the experts in place of the unchunked sparse path: fnmoe.models.transformer passes
+    fnmoe.models.moe_chunks.chunked for model.moe.token_chunks > 1."""
     if gemm not in GEMMS:
         raise ValueError(f"unknown expert GEMM path gemm={gemm!r}: one of {', '.join(map(repr, GEMMS))}")
     B, L, D = x_BLD.shape
@@ -314,7 +314,7 @@ def moe_steps(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, router:
     """moe_block on its sparse path under expert parallelism (p["ep_group"]), as steps: a generator
     that yields while its dispatch travels and again while its combine does (dispatch.in_flight), and
     returns moe_block's (out_BLD, stats), computed by the same ops in the same order.
-    fnmoe.block_chunks runs two block chunks' steps at a time; compile: their pieces compiled."""
+    fnmoe.models.block_chunks runs two block chunks' steps at a time; compile: their pieces compiled."""
     B, L, D = x_BLD.shape
     x_TD, group = x_BLD.reshape(B * L, D), p["ep_group"]
     fn = fcompile.compiled if compile else (lambda f: f)

@@ -14,11 +14,11 @@ import math
 
 import torch
 
-from fnmoe.attention import gqa_qk, mla_qkv, mla_softmax_scale, rms_norm, rope
+from fnmoe.models.attention import gqa_qk, mla_qkv, mla_softmax_scale, rms_norm, rope
 from fnmoe.config import ModelConfig
 from fnmoe.dtypes import DTYPE
-from fnmoe.model import mlp_region, moe_region, check_inputs, head_weight, layer_params, token_ids
-from fnmoe.moe import expert_gemm
+from fnmoe.models.transformer import mlp_region, moe_region, check_inputs, head_weight, layer_params, token_ids
+from fnmoe.models.moe import expert_gemm
 from fnmoe.tree import Tree, flatten_dict
 
 

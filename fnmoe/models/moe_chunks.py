@@ -3,7 +3,7 @@
 Legend: T tokens (a chunk's T/N where said), D model, E experts, K top-k, R routed rows (T·K), N chunks,
 S ep ranks, X local experts (E/S).
 
-fnmoe.model hands `chunked` to fnmoe.moe.moe_block, which routes all T tokens at once (one router
+fnmoe.models.transformer hands `chunked` to fnmoe.models.moe.moe_block, which routes all T tokens at once (one router
 matmul, so the choices are the unchunked ones: a chunk's own matmul could round differently and flip
 a near-tie) and stats them as unchunked; then `chunked` runs each
 chunk's rows through permute -> (dispatch) -> experts -> (combine) -> unpermute, plus the shared
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from fnmoe import _torch
-from fnmoe import moe as fmoe
+from fnmoe.models import moe as fmoe
 from fnmoe.config import ModelConfig
 from fnmoe.parallel import dispatch
 

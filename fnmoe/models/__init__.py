@@ -1,0 +1,21 @@
+"""The model as pure functions over a plain params tree: transformer, attention, MoE, routing, params.
+
+    tokens_BL
+      -> embedding                       transformer.py   hidden_states (token_ids, the embedding rows)
+      -> blocks, each:                   transformer.py   block (its regions through the runner, seams.py)
+           attention (GQA, MLA, RoPE)    attention.py
+           MoE (or a dense MLP):         moe.py           moe_block
+             route                       routing.py       route, the built-in routers (a Router of your own)
+             -> permute                  moe.py           sorted_rows / permute
+             -> experts                  moe.py           expert_mlp (grouped GEMM: fnmoe.kernels.gemm)
+             -> unpermute                moe.py           combined / unpermute; shared experts added
+           in token chunks               moe_chunks.py    chunked (model.moe.token_chunks)
+           in sequence chunks            block_chunks.py  run (memory.block_chunks)
+      -> final norm -> head              transformer.py   hidden_states' final norm; forward -> logits_BLV, aux
+
+params.py holds the parameter schema and its init (leaf_inits, init_params); seams.py what the model
+runs through, chosen by its caller (BlockRunner, ParamsSource, mark); transforms.py the model's paths
+under torch.func's transforms. The model imports nothing from fnmoe.memory or fnmoe.training; its
+imports of fnmoe.parallel (the expert-parallel exchange in moe.py and moe_chunks.py, a mesh's shards
+in params.py) are tools/import_graph.py's KNOWN list, each with the work that removes it.
+"""
