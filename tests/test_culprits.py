@@ -65,3 +65,25 @@ def test_update_in_place_names_the_paths_too(bad, said):
     with torch.no_grad(), pytest.raises(ValueError) as e:
         update_in_place(tx, g, state, params, torch.tensor(True), global_norm(g))
     assert str(e.value) == f"update_in_place: {said}"
+
+
+# ---------------------------------------------------------------- --config NAME: a preset or a file
+
+def test_config_name_beside_a_file_of_that_name_says_which_it_took(tmp_path, monkeypatch, caplog):
+    from fnmoe.config import RunConfig, load_config, to_toml
+    from fnmoe.config.toml import preset_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").write_text(to_toml(RunConfig(name="mine")))
+    with caplog.at_level("WARNING", logger="fnmoe"):
+        assert load_config("tiny") == RunConfig(name="tiny")
+    assert caplog.messages == [f"config 'tiny': took the preset {preset_path('tiny')}, not the file ./tiny here "
+                               "(--config ./tiny reads the file)"]
+    assert load_config("./tiny").model == RunConfig().model  # the file, by its path
+    (tmp_path / "mine").write_text(to_toml(RunConfig(name="mine")))
+    assert load_config("mine") == RunConfig(name="mine")  # no preset of that name: the file here
+    with pytest.raises(FileNotFoundError) as e:
+        load_config("nothing")
+    assert str(e.value).endswith(") and no file nothing here; a config file elsewhere is named by its path "
+                                 "(dir/nothing.toml)")
+    assert "./nothing" not in str(e.value)  # the hint no longer reads as if the file were there
