@@ -87,3 +87,42 @@ def test_config_name_beside_a_file_of_that_name_says_which_it_took(tmp_path, mon
     assert str(e.value).endswith(") and no file nothing here; a config file elsewhere is named by its path "
                                  "(dir/nothing.toml)")
     assert "./nothing" not in str(e.value)  # the hint no longer reads as if the file were there
+
+
+# ---------------------------------------------------------------- eval with a broken tokenizer.json
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A prepared corpus whose index names a tokenizer.json (the byte tokenizer's ids underneath)."""
+    import json
+
+    from fnmoe.data.prepare import prepare
+
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "in.jsonl").write_text("".join(json.dumps({"text": f"document {i}: " + "words " * 20}) + "\n"
+                                        for i in range(200)))
+    prepare([str(d / "in.jsonl")], "byte", d / "out", workers=1)
+    index = json.loads((d / "out" / "index.json").read_text())
+    (d / "out" / "index.json").write_text(json.dumps(index | {"tokenizer": "mine", "tokenizer_file": "tokenizer.json"}))
+    return d / "out"
+
+
+@pytest.mark.parametrize("content,said", [
+    (b"{not json", "not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+    (b'{"model": {"type": "BPE", "vocab": {}}}', "no model.vocab (a tokenizers tokenizer.json lists its pieces there)"),
+    (b"[1, 2]", "no model.vocab"),
+], ids=["not-json", "empty-vocab", "a-list"])
+def test_eval_with_a_broken_tokenizer_json_says_why_bits_per_byte_is_na(corpus, content, said):
+    import dataclasses
+
+    from fnmoe.config import DataConfig, RunConfig, TrainConfig
+    from fnmoe.evaluate import evaluate, format_eval
+
+    (corpus / "tokenizer.json").write_bytes(content)
+    run = RunConfig(model=dataclasses.replace(CFG, vocab_size=264), data=DataConfig(corpus=str(corpus), seq_len=16),
+                    train=TrainConfig(batch_size=2, eval_batches=1))
+    result = evaluate(init_params(run.model, seed=0), run)
+    assert result["bits_per_byte"] is None and result["val_loss"] > 0
+    why = f"the tokenizer's bytes per token are unknown: {corpus / 'tokenizer.json'}: {said}"
+    assert result["bits_per_byte_why"].startswith(why), result["bits_per_byte_why"]
+    assert format_eval(result, "x", run).splitlines()[-1].startswith(f"  bits/byte n/a: {why}")
