@@ -21,6 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -164,6 +165,9 @@ def load_tree(tree_dir: str | Path) -> tuple[ModelConfig, Tree]:
         stored = files[meta["file"]]
         if path not in stored:
             raise ValueError(f"{tree_dir / meta['file']}: missing tensor '{path}' listed in {INDEX}")
+        problem = _stored_problem(meta, stored[path])
+        if problem:
+            raise ValueError(f"{tree_dir / INDEX}: tensors['{path}'] {problem}")
         flat[current_path(path)] = stored[path]  # an earlier release's leaf name reads as today's
     params = unflatten_dict(flat)
     diff = shape_mismatches(params, cfg)
@@ -187,6 +191,19 @@ def _entry_problem(meta: object) -> str | None:
         return f"dtype = {show(dtype)} is {kind(dtype)}, expected a str"
     if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
         return f"shape = {show(shape)} is not a list of sizes (ints >= 0)"
+    return None
+
+
+def _stored_problem(meta: dict, t: torch.Tensor) -> str | None:
+    """How the index entry's dtype and shape differ from the tensor its file holds; None when not."""
+    held = str(t.dtype).removeprefix("torch.")
+    if meta["dtype"] != held:
+        named = getattr(torch, meta["dtype"], None) if meta["dtype"].isidentifier() else None
+        if not isinstance(named, torch.dtype):
+            return f"dtype = {show(meta['dtype'])} names no torch dtype ({meta['file']} holds it as {held})"
+        return f"dtype = {show(meta['dtype'])} differs from the {held} that {meta['file']} holds"
+    if meta["shape"] != list(t.shape):
+        return f"shape = {meta['shape']} differs from the {list(t.shape)} that {meta['file']} holds"
     return None
 
 

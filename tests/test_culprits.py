@@ -126,3 +126,28 @@ def test_eval_with_a_broken_tokenizer_json_says_why_bits_per_byte_is_na(corpus, 
     why = f"the tokenizer's bytes per token are unknown: {corpus / 'tokenizer.json'}: {said}"
     assert result["bits_per_byte_why"].startswith(why), result["bits_per_byte_why"]
     assert format_eval(result, "x", run).splitlines()[-1].startswith(f"  bits/byte n/a: {why}")
+
+
+# ---------------------------------------------------------------- a native tree's dtype field
+
+@pytest.mark.parametrize("field,value,said", [
+    ("dtype", "float16", "dtype = \"float16\" differs from the float32 that params.safetensors holds"),
+    ("dtype", "floatX", "dtype = \"floatX\" names no torch dtype (params.safetensors holds it as float32)"),
+    ("shape", [64, 17], "shape = [64, 17] differs from the [64, 16] that params.safetensors holds"),
+])
+def test_a_native_trees_dtype_and_shape_fields_are_checked_on_load(tmp_path, capsys, field, value, said):
+    import json
+
+    from fnmoe.cli import main
+    from fnmoe.tree_io import INDEX, load_tree, save_tree
+
+    tree = save_tree(tmp_path / "tree", init_params(CFG, 0), CFG)
+    index = json.loads((tree / INDEX).read_text())
+    index["tensors"]["embed.w_VD"][field] = value
+    (tree / INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError) as e:
+        load_tree(tree)
+    assert str(e.value) == f"{tree / INDEX}: tensors['embed.w_VD'] {said}"
+    assert main(["generate", "--from", str(tree), "--prompt", "a", "--max-new-tokens", "1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"fnmoe generate: error: {tree / INDEX}: "
+                                                                f"tensors['embed.w_VD'] {said}")
