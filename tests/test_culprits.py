@@ -2,7 +2,7 @@
 not pair with the params name the paths (not a "labels/mask tree"), and a wrong-shape gradient its
 path and both shapes (not a raw broadcast error); `--config NAME` with both a preset NAME and a file
 ./NAME says which it took; `eval` with a broken tokenizer.json says why bits/byte is n/a; a native
-tree's dtype field is checked; a resume with another --data.seq-len is refused, saying why."""
+tree's dtype field is checked. (A resume with another --data.seq-len: tests/test_resume_safety.py.)"""
 import pytest
 import torch
 
