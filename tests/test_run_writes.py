@@ -122,3 +122,17 @@ def test_plot_into_a_symlinked_plots_directory_is_refused(tmp_path, capsys):
     os.link(victim, tmp_path / "plots" / ".loss.png.tmp")  # a stale temp file sharing a file elsewhere
     assert main(["plot", str(tmp_path)]) == 0
     assert victim.read_text() == PRECIOUS and (tmp_path / "plots" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_plot_that_fails_removes_the_directory_it_made(tmp_path, capsys, monkeypatch):
+    """A chart that cannot be written: one line, and no plots/ directory left behind."""
+    figure = pytest.importorskip("matplotlib.figure")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(figure.Figure, "savefig", full)
+    assert main(["plot", str(tmp_path)]) == 2
+    assert _one_line(capsys) == (f"fnmoe plot: error: writing {tmp_path / 'plots' / 'loss.png'} failed: No space left "
+                                 "on device (disk full or over a file-size limit)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]

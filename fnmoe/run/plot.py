@@ -119,10 +119,21 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str
     out = Path(out_dir or Path(run_dir) / "plots")
     root = Path(out_dir or run_dir)  # a directory named by --out may be a link; plots/ in a run may not
     no_link_below(root, out / "loss.png", "writing")
+    made = [p for p in (out, *out.parents) if not p.exists()]
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunDirError(f"creating {out} failed: {os_reason(e)}") from None
+    try:
+        return _draw(plt, run_dir, rows, vals, out, root)
+    except BaseException:  # a failed plot leaves no directory it made
+        for p in made:
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
+
+
+def _draw(plt, run_dir, rows: list[dict], vals: list[dict], out: Path, root: Path) -> dict[str, dict]:
     x = [r["step"] for r in rows]
     drawn: dict[str, dict] = {
         "loss.png": {"train": (x, [r["loss"] for r in rows]),
