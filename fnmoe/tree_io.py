@@ -21,6 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -44,18 +45,37 @@ def umask() -> int:
     return mask
 
 
+def check_target(out_dir: str | Path, overwrite: bool = False, who: str = "") -> None:
+    """Refuse (ValueError, one line) an out_dir that new_dir could not end in, before anything is
+    written: a symbolic link (overwrite would replace the link, not what it names, and rmtree
+    refuses links), a file, or without overwrite a directory that is not empty."""
+    out_dir = Path(out_dir)
+    if out_dir.is_symlink():
+        raise ValueError(f"{who}{out_dir} is a symbolic link (to {os.readlink(out_dir)}); name the directory itself "
+                         "or remove the link; nothing was written")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{who}{out_dir} is a file, not a directory; remove it or choose another; nothing was written")
+    if not overwrite and out_dir.is_dir() and any(out_dir.iterdir()):
+        raise ValueError(f"{who}{out_dir} is not empty" + ("; pass overwrite=True to replace it" if who else ""))
+
+
 @contextlib.contextmanager
 def new_dir(out_dir: str | Path, overwrite: bool = False):
-    """A temporary sibling of out_dir (new or empty, or with overwrite any directory) to write into,
-    renamed to out_dir when the block ends without an error and removed when it raises: a full disk
-    or a crash never leaves half a model that a rerun would refuse as "not empty", and an overwritten
-    out_dir is removed only once its replacement is complete. An OSError in the block (a full disk,
-    a file-size limit) is one line naming the file as out_dir would hold it and the OS's reason."""
+    """A temporary sibling of out_dir (new or empty, or with overwrite any directory: `check_target`
+    first) to write into, renamed to out_dir when the block ends without an error and removed when
+    it raises, with the parents made for it: a full disk or a crash never leaves half a model that
+    a rerun would refuse as "not empty", and an overwritten out_dir is removed only once its
+    replacement is complete. An OSError in the block (a full disk, a file-size limit) is one line
+    naming the file as out_dir would hold it and the OS's reason."""
     out_dir = Path(out_dir)
-    if not overwrite and out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"{out_dir} is not empty")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    check_target(out_dir, overwrite)
+    made = [p for p in reversed(out_dir.parents) if not p.exists()]
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as e:
+        _remove(made)
+        raise ValueError(f"creating a directory for {out_dir} failed: {os_reason(e)}") from None
     try:
         yield tmp
         # mkdtemp's 0700, and safetensors' 0600 files, would hide the result from those the umask admits
@@ -63,19 +83,28 @@ def new_dir(out_dir: str | Path, overwrite: bool = False):
         tmp.chmod(0o777 & ~mask)
         for path in tmp.rglob("*"):
             path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+        if out_dir.exists() and overwrite:
+            shutil.rmtree(out_dir)
+        elif out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove(made)
         name = Path(e.filename) if e.filename else None
         path = out_dir / name.relative_to(tmp) if name and name.is_relative_to(tmp) else name or out_dir
         raise ValueError(f"writing {path} failed: {os_reason(e)}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove(made)
         raise
-    if out_dir.exists() and overwrite:
-        shutil.rmtree(out_dir)
-    elif out_dir.exists():
-        out_dir.rmdir()
-    os.replace(tmp, out_dir)
+
+
+def _remove(made: list[Path]) -> None:
+    """The directories made for a failed write, deepest first, where they are still empty."""
+    for p in reversed(made):
+        with contextlib.suppress(OSError):
+            p.rmdir()
 
 
 def plain_name(name) -> bool:
@@ -136,6 +165,9 @@ def load_tree(tree_dir: str | Path) -> tuple[ModelConfig, Tree]:
         stored = files[meta["file"]]
         if path not in stored:
             raise ValueError(f"{tree_dir / meta['file']}: missing tensor '{path}' listed in {INDEX}")
+        problem = _stored_problem(meta, stored[path])
+        if problem:
+            raise ValueError(f"{tree_dir / INDEX}: tensors['{path}'] {problem}")
         flat[current_path(path)] = stored[path]  # an earlier release's leaf name reads as today's
     params = unflatten_dict(flat)
     diff = shape_mismatches(params, cfg)
@@ -159,6 +191,19 @@ def _entry_problem(meta: object) -> str | None:
         return f"dtype = {show(dtype)} is {kind(dtype)}, expected a str"
     if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
         return f"shape = {show(shape)} is not a list of sizes (ints >= 0)"
+    return None
+
+
+def _stored_problem(meta: dict, t: torch.Tensor) -> str | None:
+    """How the index entry's dtype and shape differ from the tensor its file holds; None when not."""
+    held = str(t.dtype).removeprefix("torch.")
+    if meta["dtype"] != held:
+        named = getattr(torch, meta["dtype"], None) if meta["dtype"].isidentifier() else None
+        if not isinstance(named, torch.dtype):
+            return f"dtype = {show(meta['dtype'])} names no torch dtype ({meta['file']} holds it as {held})"
+        return f"dtype = {show(meta['dtype'])} differs from the {held} that {meta['file']} holds"
+    if meta["shape"] != list(t.shape):
+        return f"shape = {meta['shape']} differs from the {list(t.shape)} that {meta['file']} holds"
     return None
 
 

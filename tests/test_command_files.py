@@ -153,19 +153,26 @@ def test_convert_past_a_file_size_limit_is_one_line_and_leaves_no_temporary_dire
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # neither hf nor a .hf.* temporary directory
 
 
-@pytest.mark.skipif(not os.path.exists(FULL), reason="needs /dev/full")
+@pytest.mark.launch
 def test_plot_on_a_full_disk_or_of_undecodable_metrics_is_one_line(tmp_path, capsys):
     """matplotlib's OSError names no file; the chart is written to a temporary name, removed on
-    failure, so no partial PNG is left; a metrics.jsonl that is not UTF-8 is named too."""
+    failure, so no partial PNG is left; a metrics.jsonl that is not UTF-8 is named too. The full disk
+    is a file-size limit here: a run's files are never written through a link (issue 56), so
+    /dev/full behind the temporary name is refused before a write."""
     pytest.importorskip("matplotlib")
     rows = [{"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 100.0} for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plots = tmp_path / "plots"
     plots.mkdir()
-    os.symlink(FULL, plots / ".loss.png.tmp")
-    assert _one_line(capsys, ["plot", str(tmp_path)]) == (
-        f"fnmoe plot: error: writing {plots / 'loss.png'} failed: No space left on device (disk full or over a "
-        "file-size limit)")
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))  # a chart is ~20 kB
+    r = subprocess.run(fnmoe_cmd("plot", str(tmp_path)), cwd=tmp_path, env=spawn_env(PYTHONPATH=str(ROOT)),
+                       preexec_fn=small_files, capture_output=True, text=True, timeout=80)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"fnmoe plot: error: writing {plots / 'loss.png'} failed: File too large (disk full or over a file-size "
+        "limit)")
     assert list(plots.iterdir()) == []
     assert main(["plot", str(tmp_path)]) == 0 and (plots / "loss.png").is_file() and _temp_files(plots) == []
     capsys.readouterr()

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -643,3 +644,46 @@ def test_save_refuses_a_directory_in_use_unless_told_to_overwrite(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", hf.SINGLE]  # the old shards are gone
     got = flatten_dict(hf.load(out)[1])
     assert all(torch.equal(got[k], v) for k, v in flatten_dict(second).items())
+
+
+@pytest.mark.parametrize("target", ["symlink", "file", "dangling"])
+def test_save_with_overwrite_checks_its_target_before_writing(tmp_path, monkeypatch, target):
+    """overwrite=True onto a symbolic link (to a model directory) or a regular file: one clear error
+    before a byte is written, no temporary directory left, what the link names untouched (before:
+    a raw library error after the whole model was written, and its temp directory left)."""
+    from fnmoe import tree_io
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16,
+                      moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16))
+    params = init_params(cfg, seed=0)
+    real = hf.save(tmp_path / "real", params, cfg)
+    before = {p.name: p.read_bytes() for p in real.iterdir()}
+    out = tmp_path / "out"
+    if target == "file":
+        out.write_text("a file\n")
+        said = f"hf.save: {out} is a file, not a directory; remove it or choose another; nothing was written"
+    else:
+        out.symlink_to(real if target == "symlink" else tmp_path / "gone")
+        said = (f"hf.save: {out} is a symbolic link (to {os.readlink(out)}); name the directory itself or remove the "
+                "link; nothing was written")
+    writes = []
+    monkeypatch.setattr(tree_io, "save_file", lambda *a, **k: writes.append(a))
+    with pytest.raises(ValueError) as e:
+        hf.save(out, init_params(cfg, seed=1), cfg, overwrite=True)
+    assert str(e.value) == said and writes == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "real"]  # no .out.* temp directory
+    assert {p.name: p.read_bytes() for p in real.iterdir()} == before
+
+
+def test_a_save_that_fails_removes_the_directories_it_made(tmp_path, monkeypatch):
+    from fnmoe import tree_io
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16,
+                      moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16))
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tree_io, "save_file", full)
+    with pytest.raises(ValueError, match="^writing .*model.safetensors failed: No space left on device"):
+        hf.save(tmp_path / "a" / "b" / "out", init_params(cfg), cfg)
+    assert list(tmp_path.iterdir()) == []

@@ -8,7 +8,7 @@ import torch
 from fnmoe.cli import main
 from fnmoe.config import DataConfig
 from fnmoe.data.loader import EOS_ID, load_data, open_prepared, read_documents
-from fnmoe.data.prepare import PART_DOCS, prepare, read_inputs, scan
+from fnmoe.data.prepare import PART_DOCS, prepare, read_inputs, save_part, scan
 
 
 def write_jsonl(path, docs, field="text"):
@@ -51,7 +51,7 @@ def test_an_interrupted_run_resumes_from_finished_parts(tmp_path):
     # a part finished before the interruption (marked so we can see it was reused, not redone)
     marked = np.asarray(byte_stream(docs[:PART_DOCS]), dtype="uint16")
     marked[0] = ord("X")
-    np.save(parts / "000000.npy", marked)
+    save_part(parts / "000000.npy", marked)  # as prepare saves a part: with its record
     (parts / "000001.tmp.npy").write_bytes(b"torn")  # an unfinished write is ignored
     np.save(parts / "split_val.npy", marked)  # the interrupted run's split of the boundary part: redone
     (parts / "key.txt").write_text(scan([str(src)], "byte").key)
@@ -61,6 +61,40 @@ def test_an_interrupted_run_resumes_from_finished_parts(tmp_path):
     expected = byte_stream(docs[:-n_val])
     expected[0] = ord("X")
     assert arrays["train"].tolist() == expected and arrays["val"].tolist() == byte_stream(docs[-n_val:])
+
+
+def test_a_finished_part_cut_short_is_redone_on_resume(tmp_path, capsys, monkeypatch):
+    """A part that still reads (a whole .npy header and its data) but holds fewer tokens than were
+    saved: the resume names it and tokenises it again, and the corpus is an uninterrupted run's (it
+    lost the tokens, rc 0 and the same document count, before)."""
+    import fnmoe.data.prepare as prep
+
+    docs = [f"doc {i} " * (i % 7 + 2) for i in range(3 * PART_DOCS)]
+    src = write_jsonl(tmp_path / "in.jsonl", docs)
+    prepare([str(src)], "byte", tmp_path / "ref", workers=1)
+    real_add, calls = prep._Progress.add, []
+
+    def interrupt_at_third_part(self, n_bytes, tokens):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real_add(self, n_bytes, tokens)
+    monkeypatch.setattr(prep._Progress, "add", interrupt_at_third_part)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(src)], "byte", tmp_path / "out", workers=1)
+    monkeypatch.undo()
+    part = tmp_path / "out" / "parts" / "000001.npy"
+    full = np.load(part)
+    np.save(part, full[: len(full) * 9 // 10])  # readable, 10% short
+    capsys.readouterr()
+    index = prepare([str(src)], "byte", tmp_path / "out", workers=1)
+    err = capsys.readouterr().err
+    assert f"prepare: {part} is damaged ({len(full) * 9 // 10} tokens in " in err, err
+    assert "which do not match its record 000001.json" in err and "; tokenising it again\n" in err, err
+    ref = json.loads((tmp_path / "ref" / "index.json").read_text())
+    assert index["splits"] == ref["splits"] and index["fingerprint"] == ref["fingerprint"]
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
 
 
 def test_parts_of_other_inputs_are_not_resumed(tmp_path):
@@ -74,7 +108,7 @@ def test_parts_of_other_inputs_are_not_resumed(tmp_path):
     (tmp_path / "out" / "index.json").unlink()  # as if A's run stopped before its end; its parts stay
     parts = tmp_path / "out" / "parts"
     parts.mkdir()
-    np.save(parts / "000000.npy", np.asarray(byte_stream(read_inputs([str(a)], "text")[:PART_DOCS]), dtype="uint16"))
+    save_part(parts / "000000.npy", np.asarray(byte_stream(read_inputs([str(a)], "text")[:PART_DOCS]), dtype="uint16"))
     (parts / "key.txt").write_text(scan([str(a)], "byte").key)
     index = prepare([str(b)], "byte", tmp_path / "out")
     _, arrays = open_prepared(tmp_path / "out")

@@ -12,7 +12,7 @@ import pytest
 import fnmoe.data.prepare
 from fnmoe.cli import main
 from fnmoe.data.loader import open_prepared
-from fnmoe.data.prepare import PART_DOCS, prepare
+from fnmoe.data.prepare import PART_DOCS, prepare, save_part
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -152,7 +152,7 @@ def test_an_interrupted_parquet_run_resumes(tmp_path, monkeypatch):
     assert [p.name for p in parts] == ["000000.npy", "000001.npy"]  # saved; the 2nd interrupted after its rename
     marked = np.load(parts[0])
     marked[0] = ord("X")  # so the output shows the part was reused, not redone
-    np.save(parts[0], marked)
+    save_part(parts[0], marked)  # with its record, as prepare saves it
     prepare([str(src)], "byte", tmp_path / "out")
     index, arrays = prepared(tmp_path / "out")
     expected = prepared(tmp_path / "ref")[1]

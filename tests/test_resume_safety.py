@@ -138,3 +138,17 @@ def test_a_resume_with_another_batch_size_is_refused_naming_both(run_dir, capsys
     assert "resume with --train.batch-size 4" in err and len(err.strip().splitlines()) == 1
     assert digest(run_dir) == before
     assert train(run_dir, 4, "--resume", "auto", "--train.grad-accum", "2") == 0
+
+
+def test_a_resume_with_another_seq_len_is_refused_saying_why(run_dir, capsys):
+    """Step N's windows of the token stream follow from N and the sequence length as from the batch
+    size: another --data.seq-len is refused as another batch size is, saying it is the data order
+    (it only warned before, and the run went on reading other windows)."""
+    before = digest(run_dir)
+    capsys.readouterr()
+    assert train(run_dir, 5, "--resume", "auto", "--data.seq-len", "16") == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "with --data.seq-len 16: it was saved at step 3 with sequence length 32, and the data order" in err, err
+    assert "resume with --data.seq-len 32 or start a new run" in err, err
+    assert digest(run_dir) == before

@@ -101,6 +101,31 @@ def test_a_router_of_the_wrong_shape_is_refused():
         fnmoe.forward(fnmoe.init_params(CFG, seed=0), tokens(), CFG, router=one_expert)
 
 
+def past_the_last_expert(logits_TE, m, bias_E=None):
+    w_TK, idx_TK, probs_TE = routing.softmax_router(logits_TE, m, bias_E)
+    return w_TK, idx_TK + 1, probs_TE  # expert E for some tokens
+
+
+def two_outputs(logits_TE, m, bias_E=None):
+    return routing.softmax_router(logits_TE, m, bias_E)[:2]
+
+
+@pytest.mark.parametrize("router,said", [
+    (past_the_last_expert, "returned expert index 4 in idx_TK; the model has 4 experts, so indices must be in [0, 3]"),
+    (lambda logits_TE, m, bias_E=None: (logits_TE[:, :2], torch.full((16, 2), -1), logits_TE),
+     "returned expert index -1 in idx_TK"),
+    (two_outputs, "returned 2 values; a router returns 3: (weights_TK, idx_TK, probs_TE)"),
+    (lambda logits_TE, m, bias_E=None: None, "returned a NoneType; a router returns 3"),
+], ids=["past-E", "negative", "two-outputs", "none"])
+def test_a_users_router_that_returns_nonsense_is_named(router, said):
+    """Before: an out-of-range index failed deep in the MoE block with a raw torch error, and a wrong
+    count with "not enough values to unpack"; now one error naming the router and what was wrong."""
+    name = f"{router.__module__}.{router.__qualname__}"
+    with pytest.raises(ValueError) as e:
+        fnmoe.forward(fnmoe.init_params(CFG, seed=0), tokens(), CFG, router=router)
+    assert str(e.value).startswith(f"router {name} {said}"), str(e.value)
+
+
 def test_aux_has_router_logits_only_when_asked_and_the_counts():
     params, x_BL = fnmoe.init_params(SIGMOID, seed=0), tokens()
     seen = []

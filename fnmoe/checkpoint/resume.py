@@ -38,8 +38,9 @@ def _flat_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, A
 
 
 def check_resume_config(saved: RunConfig, run: RunConfig, ckpt: Path, step: int) -> None:
-    """Refuse a resume that changes the model's shape (listing the fields); warn about other changes
-    (optimizer, schedule, step count, mesh, ...), which apply from the resume point on."""
+    """Refuse a resume that changes the model's shape (listing the fields) or the data order (the batch
+    size, the sequence length); warn about other changes (optimizer, schedule, step count, mesh, ...),
+    which apply from the resume point on."""
     diffs = [d for d in _flat_diff(to_dict(saved), to_dict(run)) if d[0] != "resume"]
     shown = lambda ds: ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in ds)  # noqa: E731
     model = [d for d in diffs if d[0].startswith("model.") and d[0] not in RUNTIME_MODEL_FIELDS]
@@ -53,6 +54,13 @@ def check_resume_config(saved: RunConfig, run: RunConfig, ckpt: Path, step: int)
             f"with batch size {saved.train.batch_size}, and the samples of a step follow from the step and the "
             f"batch size, so the rest of the epoch would be skipped or repeated; resume with --train.batch-size "
             f"{saved.train.batch_size} (--train.grad-accum and the mesh may change) or start a new run")
+    if saved.data.seq_len != run.data.seq_len:
+        # the stream is cut into windows of seq_len + 1 tokens: another length is another set of windows
+        raise CheckpointError(
+            f"cannot resume from {ckpt} with --data.seq-len {run.data.seq_len}: it was saved at step {step} with "
+            f"sequence length {saved.data.seq_len}, and the data order (which windows of the token stream each step "
+            f"reads, and how many make an epoch) follows from the sequence length, so the rest of the epoch would be "
+            f"skipped or repeated; resume with --data.seq-len {saved.data.seq_len} or start a new run")
     if diffs and rank_in_job()[0] == 0:  # every rank finds the same: rank 0 says it
         log.warning("resuming from %s with settings that differ from the checkpoint's: %s; the new values "
                     "apply after step %d", ckpt, shown(diffs), step)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from fnmoe.run import faults
+from fnmoe.run.rundir import RunDirError, linked_dir, open_file
 from fnmoe.checkpoint.format import (CONFIG, FORMAT, INDEX, MESH_AXES, ST_DTYPES, TMP_PREFIX, VERSION,
                                      CheckpointError, list_checkpoints, read_index)
 from fnmoe.checkpoint.procs import from_lead, gather_to_lead, rank_in_job
@@ -36,9 +37,12 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 
 def _write_chunks(path: Path, chunks) -> dict[str, Any]:
-    """Write the byte chunks to path and fsync it; its size and sha256, hashed as the bytes go out."""
+    """Write the byte chunks to path, a new file, and fsync it; its size and sha256, hashed as the
+    bytes go out. The checkpoints directory and path's own follow no symlink (its run directory is
+    two levels up: <run-dir>/checkpoints/<temp directory>/<file>)."""
     h, size = hashlib.sha256(), 0
-    with open(path, "wb") as f:
+    with os.fdopen(open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "writing", path.parent.parent.parent),
+                   "wb") as f:
         for chunk in chunks:
             f.write(chunk)
             h.update(chunk)
@@ -73,7 +77,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _failure(path: Path, e: OSError) -> str:
+def _failure(path: Path, e: OSError | RunDirError) -> str:
+    if isinstance(e, RunDirError):
+        return str(e)
     hint = " (disk full or over a file-size limit)" if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else ""
     return f"writing {path} failed: {e.strerror or e}{hint}"
 
@@ -87,7 +93,7 @@ def _write_files(snap: Snapshot, tmp: Path) -> tuple[dict[str, dict], str | None
         for name, tensors in snap.files.items():
             current = tmp / name
             files[name] = {"writer_rank": snap.writers[name], **_write_chunks(current, _safetensors_chunks(tensors))}
-    except OSError as e:
+    except (OSError, RunDirError) as e:
         return {}, _failure(current, e)
     return files, None
 
@@ -136,7 +142,7 @@ def _commit(snap: Snapshot, parts: list[tuple[dict, dict, str | None]], tmp: Pat
         current = final
         os.rename(tmp, final)
         _fsync_dir(final.parent)
-    except OSError as e:
+    except (OSError, RunDirError) as e:
         return _failure(current, e)
     return None
 
@@ -152,6 +158,8 @@ def write(snap: Snapshot, root: Path, keep_last: int) -> Path:
     """
     root = Path(root)
     rank, _ = rank_in_job()
+    if root.is_symlink():  # before anything is made through it
+        raise CheckpointError(f"could not save checkpoint step {snap.step}: {linked_dir(root)}")
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{snap.step}"
     name = f"{TMP_PREFIX}{final.name}-{os.getpid()}"

@@ -8,6 +8,7 @@ installed fnmoe too.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -166,13 +167,22 @@ def config_from_tables(d: dict[str, Any], source: Path, validate_config: bool = 
 
 def preset_path(path: str | Path) -> Path:
     """path as a Path; a bare name (a str without a directory or suffix: "tiny") is the shipped
-    preset of that name, a FileNotFoundError listing them when there is none."""
+    preset of that name, or where there is none a file of that name here, a FileNotFoundError
+    listing the presets when neither is. With both, the preset is taken and a warning says so (and
+    how to read the file)."""
     if not isinstance(path, str) or Path(path).name != path or Path(path).suffix:
         return Path(path)
     presets = Path(str(resources.files("fnmoe").joinpath("presets")))
+    here = Path(path)
     if not (presets / f"{path}.toml").is_file():
+        if here.is_file():
+            return here
         names = ", ".join(sorted(p.stem for p in presets.glob("*.toml")))
-        raise FileNotFoundError(f"no preset named {path!r} (presets: {names}); a file of that name is ./{path}")
+        raise FileNotFoundError(f"no preset named {path!r} (presets: {names}) and no file {path} here; a config file "
+                                f"elsewhere is named by its path (dir/{path}.toml)")
+    if here.is_file():
+        logging.getLogger("fnmoe").warning("config %r: took the preset %s, not the file ./%s here (--config ./%s reads "
+                                           "the file)", path, presets / f"{path}.toml", path, path)
     return presets / f"{path}.toml"
 
 

@@ -28,9 +28,12 @@ the peak does not grow with the input).
 
 An interrupted run resumes at the missing parts, only for the same inputs and settings:
 `parts/key.txt` holds a digest of each input file's (path, size, mtime) -- nothing that needs the
-documents in memory -- with the fields, the tokenizer, the part size and the split. A part found
-damaged (no readable .npy header, or one whose size, dtype or shape the file does not match) is
-named and tokenised again, where it would fail every rerun at the end. The final files are written
+documents in memory -- with the fields, the tokenizer, the part size and the split. Each finished
+part `parts/<k>.npy` has a record `parts/<k>.json` (its tokens, bytes and sha256), written after it;
+a resume reuses a part only where the two agree. A part found damaged (no readable .npy header,
+one whose size, dtype or shape the file does not match, or one that does not match its record, as
+a part cut short but still readable, or none) is named in one line and tokenised again: it would
+fail every rerun at the end, or silently lose its tokens from the corpus. The final files are written
 to temporary names and renamed, so a crash never leaves a half-written `train.bin` behind an index
 that claims it, and an error writing one (a full disk) removes its temporary file and names the file
 and the OS's reason. SIGTERM and SIGHUP stop a run as Ctrl-C does (`Stopped`): the workers (which
@@ -250,6 +253,8 @@ def _tokenise_parts(sc: Scan, pool: ProcessPoolExecutor, workers: int, parts_dir
         if f.exists() and (why := _part_damage(f, sc.dtype, 2 if sc.prompt_field else 1)):
             print(f"prepare: {f} is damaged ({why}); tokenising it again", file=sys.stderr)
             f.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                _record(f).unlink()
     progress = _Progress(len(files), sum(f.exists() for f in files))
     pending: dict = {}  # future -> part number
 
@@ -257,10 +262,7 @@ def _tokenise_parts(sc: Scan, pool: ProcessPoolExecutor, workers: int, parts_dir
         for fut in futures:
             k = pending.pop(fut)
             ids_T, n_bytes = fut.result()
-            with _replacing(files[k], parts_dir / f"{k:06d}.tmp.npy") as tmp:
-                buf = io.BytesIO()  # numpy's own file write loses the OS's reason ("N requested and M written")
-                np.save(buf, ids_T)
-                tmp.write_bytes(buf.getbuffer())
+            save_part(files[k], ids_T)
             progress.add(n_bytes, ids_T.shape[-1])
 
     for k, part in enumerate(_parts(sc)):
@@ -274,10 +276,48 @@ def _tokenise_parts(sc: Scan, pool: ProcessPoolExecutor, workers: int, parts_dir
     return files
 
 
+def _record(part: Path) -> Path:
+    return part.with_suffix(".json")
+
+
+def save_part(path: Path, ids_T: np.ndarray) -> None:
+    """A finished part at path, then its record (tokens, bytes, sha256 of the file): a resume
+    reuses the part only where the two agree (`_part_damage`)."""
+    buf = io.BytesIO()  # numpy's own file write loses the OS's reason ("N requested and M written")
+    np.save(buf, ids_T)
+    data = buf.getbuffer()
+    with _replacing(path, path.with_name(f"{path.stem}.tmp.npy")) as tmp:
+        tmp.write_bytes(data)
+    record = {"tokens": int(ids_T.shape[-1]), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    with _replacing(_record(path), path.with_name(f"{path.stem}.tmp.json")) as tmp:
+        tmp.write_text(json.dumps(record))
+
+
 def _part_damage(path: Path, dtype: str, rows: int) -> str:
-    """Why the part at path is not a whole array of dtype and rows rows ('' when it is): a torn or
-    garbled part (a disk fault, a copy) kept for resuming would fail every rerun at concatenation.
-    Reads the header only; the tokens themselves carry no checksum."""
+    """Why the part at path is not a whole array of dtype and rows rows matching its record ('' when
+    it is): a torn, garbled or shortened part (a disk fault, a copy) kept for resuming would fail
+    every rerun at concatenation, or lose its tokens from the corpus."""
+    why = _header_damage(path, dtype, rows)
+    if why:
+        return why
+    try:
+        record = json.loads(_record(path).read_text())
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return f"no record {_record(path).name} of its length and checksum: its save did not finish"
+    except (OSError, ValueError) as e:
+        return f"its record {_record(path).name} is unreadable ({e})"
+    tokens = np.load(io.BytesIO(data)).shape[-1]
+    if not isinstance(record, dict) or record.get("tokens") != tokens or record.get("bytes") != len(data) or \
+            record.get("sha256") != hashlib.sha256(data).hexdigest():
+        return (f"{tokens} tokens in {len(data)} bytes, which do not match its record {_record(path).name} "
+                f"({record.get('tokens') if isinstance(record, dict) else '?'} tokens and a checksum)")
+    return ""
+
+
+def _header_damage(path: Path, dtype: str, rows: int) -> str:
+    """Why the part at path is not a whole array of dtype and rows rows by its .npy header and size
+    ('' when it is)."""
     fmt = np.lib.format
     try:
         with open(path, "rb") as f:

@@ -24,7 +24,7 @@ from fnmoe.hf.weights import hf_tensors, read_leaf, HFReader
 from fnmoe.models.params import leaf_inits
 from fnmoe.parallel.sharding import distribute
 from fnmoe.tree import Tree, flatten_dict, unflatten_dict
-from fnmoe.tree_io import new_dir, plain_name, save_safetensors
+from fnmoe.tree_io import check_target, new_dir, plain_name, save_safetensors
 
 log = logging.getLogger("fnmoe")
 
@@ -118,8 +118,7 @@ def save(hf_dir: str | Path, params: Tree, cfg: ModelConfig, max_shard_bytes: in
     than the architecture's defaults, which would name a token of another vocabulary). Weights
     holding NaN or inf are refused before anything is written."""
     hf_dir = Path(hf_dir)
-    if not overwrite and hf_dir.is_dir() and any(hf_dir.iterdir()):  # before the weights are converted
-        raise ValueError(f"hf.save: {hf_dir} is not empty; pass overwrite=True to replace it")
+    check_target(hf_dir, overwrite, "hf.save: ")  # before the weights are converted, or anything written
     broken = [p for p, t in flatten_dict(params).items()
               if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if broken:

@@ -15,7 +15,11 @@ build, `available()` is False and says why once; model.moe.impl='auto' then runs
 and model.attention_impl='auto' SDPA.
 
 Builds and loads take turns on a flock of build_dir()/fnmoe-build.lock (`build_lock`), which the
-kernel releases however its holder ends. torch's own lock beside it (a file `lock` made with
+kernel releases however its holder ends. Its holder writes its pid, host and start time there; a
+waiter names them after 2 s and every 30 s, gives up after FNMOE_BUILD_LOCK_WAIT_S seconds (default
+600: a build takes ~17 s; then the kernels are unavailable, saying why, and the padded path
+serves) and ends at once on SIGTERM or SIGINT (fnmoe.run.lock_wait): a holder that is stopped (not
+dead) never lets go. torch's own lock beside it (a file `lock` made with
 O_EXCL, removed by its maker) outlives a builder killed with kill -9, and every later load would
 wait for it forever; under our flock no one else builds, so one found there is such a leftover
 and is removed, with a line.
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import functools
 import logging
 import os
@@ -35,11 +38,14 @@ import torch
 
 from fnmoe import _torch
 from fnmoe.compile import default_cache_dir, say_once
+from fnmoe.run import lock_wait
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("grouped_gemm.cpp", "attention.cpp")]
 NAME = "fnmoe_cpu_gemm"
 LOCK = "fnmoe-build.lock"
 TORCH_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
+WAIT_ENV = "FNMOE_BUILD_LOCK_WAIT_S"
+WAIT_DEFAULT_S = 600.0
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 log = logging.getLogger("fnmoe")
 
@@ -91,17 +97,19 @@ def build_lock(build: Path):
     file system has no flock, torch's lock file alone, as cpp_extension takes it."""
     fd = os.open(build / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        if _flock(fd):
+        if _flock(fd, build / LOCK):
+            lock_wait.claim(fd)
             _remove_stale_torch_lock(build)
         yield
     finally:
         os.close(fd)  # releases the flock
 
 
-def _flock(fd: int) -> bool:
-    """Take the flock on fd, waiting while another process holds it; False where there is none."""
+def _flock(fd: int, path: Path) -> bool:
+    """Take the flock on fd, waiting while another process holds it (lock_wait.wait_flock: said,
+    bounded, ended by SIGTERM/SIGINT); False where there is none."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        lock_wait.wait_flock(fd, path, "the kernel-build lock", WAIT_ENV, WAIT_DEFAULT_S)
     except OSError as e:
         if e.errno in _NO_FLOCK:
             return False

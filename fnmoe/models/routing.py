@@ -29,15 +29,37 @@ recompiles)."""
 def route(x_TD: torch.Tensor, w_router_DE: torch.Tensor, cfg: ModelConfig,
           bias_E: torch.Tensor | None = None, router: Router | None = None):
     """(weights_TK, idx_TK, probs_TE, logits_TE): the router logits in fp32, then router's decision
-    (default: ROUTERS[model.moe.score_func])."""
+    (default: ROUTERS[model.moe.score_func]). What a router returns is checked here, the error naming
+    it: the count, the shapes and, for a user's router outside a compiled region, that its expert
+    indices are in [0, E) (one host sync a layer; an index out of range failed deep in the MoE block)."""
     logits_TE = upcast(x_TD) @ upcast(w_router_DE)
-    w_TK, idx_TK, probs_TE = (router or ROUTERS[cfg.moe.score_func])(logits_TE, cfg.moe, bias_E)
+    fn = router or ROUTERS[cfg.moe.score_func]
+    out = fn(logits_TE, cfg.moe, bias_E)
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        got = f"{len(out)} values" if isinstance(out, (tuple, list)) else f"a {type(out).__name__}"
+        raise ValueError(f"router {_name(fn)} returned {got}; a router returns 3: (weights_TK, idx_TK, probs_TE)")
+    w_TK, idx_TK, probs_TE = out
     T, K = x_TD.shape[0], cfg.moe.top_k
-    if (w_TK.shape, idx_TK.shape, idx_TK.dtype, probs_TE.shape) != ((T, K), (T, K), torch.int64, logits_TE.shape):
-        raise ValueError(f"a router returns (weights_TK, idx_TK int64, probs_TE) of shapes [{T}, {K}], [{T}, {K}], "
-                         f"{list(logits_TE.shape)}; got {list(w_TK.shape)}, {list(idx_TK.shape)} {idx_TK.dtype}, "
-                         f"{list(probs_TE.shape)}")
+    if not all(isinstance(t, torch.Tensor) for t in out) or (w_TK.shape, idx_TK.shape, idx_TK.dtype, probs_TE.shape) != (
+            (T, K), (T, K), torch.int64, logits_TE.shape):
+        raise ValueError(f"router {_name(fn)}: a router returns (weights_TK, idx_TK int64, probs_TE) of shapes [{T}, "
+                         f"{K}], [{T}, {K}], {list(logits_TE.shape)}; got {_shapes(out)}")
+    if router is not None and router not in ROUTERS.values() and not torch.compiler.is_compiling() and idx_TK.numel():
+        lo, hi = int(idx_TK.min()), int(idx_TK.max())
+        E = logits_TE.shape[1]
+        if lo < 0 or hi >= E:
+            raise ValueError(f"router {_name(fn)} returned expert index {lo if lo < 0 else hi} in idx_TK; the model has "
+                             f"{E} experts, so indices must be in [0, {E - 1}]")
     return w_TK, idx_TK, probs_TE, logits_TE
+
+
+def _name(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', None) or repr(fn)}"
+
+
+def _shapes(out) -> str:
+    return ", ".join(f"{list(t.shape)}{' ' + str(t.dtype) if i == 1 else ''}" if isinstance(t, torch.Tensor)
+                     else f"a {type(t).__name__}" for i, t in enumerate(out))
 
 
 def top_k_routing(scores_TE: torch.Tensor, m: MoEConfig, bias_E: torch.Tensor | None = None):

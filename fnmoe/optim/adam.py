@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from fnmoe.optim.base import (GradientTransformation, PerLeaf, ScalarOrSchedule, Tree, current_lr, device_of, hyper,
-                              hyper_tensor, initial_lr, leaves_of, per_leaf_values, zero_count)
+from fnmoe.optim.base import (GradientTransformation, PerLeaf, ScalarOrSchedule, Tree, check_grads, current_lr,
+                              device_of, hyper, hyper_tensor, initial_lr, leaves_of, per_leaf_values, zero_count)
 from fnmoe.tree import leaf_kind, tree_flatten_with_paths, tree_map
 
 
@@ -144,6 +144,7 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
     def update(grads: Tree, state: AdamWState, params: Tree = None) -> tuple[Tree, AdamWState]:
         if params is None:
             raise ValueError("adamw needs params")
+        check_grads(grads, params, "adamw update")
         paths, g_leaves, rebuild = tree_flatten_with_paths(grads)
         decay = per_leaf_values(mask, params, grads) if mask is not None else [True] * len(paths)
         count = state.count + 1

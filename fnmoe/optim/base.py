@@ -100,6 +100,36 @@ def per_leaf_values(tree_or_fn: PerLeaf, tree: Tree, order: Tree | None = None) 
     return [by_path[p] for p in paths]
 
 
+def check_grads(grads: Tree, params: Tree, who: str) -> None:
+    """Raise a ValueError naming what differs where grads do not pair with params leaf for leaf:
+    the paths one has and the other lacks, or a leaf's path and both shapes (a raw broadcast error,
+    or one blaming a labels tree, came from deep in the update before)."""
+    g = dict(zip(*tree_flatten_with_paths(grads)[:2]))
+    p = dict(zip(*tree_flatten_with_paths(params)[:2]))
+    if g.keys() != p.keys():
+        missing, extra = sorted(p.keys() - g.keys()), sorted(g.keys() - p.keys())
+        said = [f"no gradient for {_few(missing)}" if missing else "", f"a gradient for {_few(extra)}, which is not a "
+                "param" if extra else ""]
+        raise ValueError(f"{who}: the gradient tree does not match the params: {'; '.join(w for w in said if w)}")
+    for path, leaf in g.items():
+        if isinstance(leaf, Tensor) and isinstance(p[path], Tensor) and leaf.shape != p[path].shape:
+            raise ValueError(f"{who}: the gradient of {path} has shape {list(leaf.shape)}, its param "
+                             f"{list(p[path].shape)}")
+
+
+def _few(paths: list[str]) -> str:
+    return ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+
+
+def checked(tx: GradientTransformation, who: str) -> GradientTransformation:
+    """tx whose update first checks its gradients against the params it is given (check_grads)."""
+    def update(updates: Tree, state: Tree, params: Tree = None) -> tuple[Tree, Tree]:
+        if params is not None:
+            check_grads(updates, params, who)
+        return tx.update(updates, state, params)
+    return GradientTransformation(tx.init, update)
+
+
 def identity() -> GradientTransformation:
     return GradientTransformation(lambda params: EmptyState(), lambda updates, state, params=None: (updates, state))
 

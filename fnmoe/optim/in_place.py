@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from fnmoe import _torch
-from fnmoe.optim.base import GradientTransformation, Tree, whole_tree_norm
+from fnmoe.optim.base import GradientTransformation, Tree, check_grads, whole_tree_norm
 from fnmoe.tree import tree_flatten_with_paths
 
 
@@ -164,8 +164,7 @@ def update_in_place(tx: GradientTransformation, grads: Tree, state: Tree, params
     g_paths, g_leaves, _ = tree_flatten_with_paths(grads)
     p_by_path = dict(zip(*tree_flatten_with_paths(params)[:2]))
     s_paths, s_leaves, _ = tree_flatten_with_paths(state)
-    if set(g_paths) != p_by_path.keys():
-        raise ValueError(f"update_in_place: grads and params differ at {sorted(set(g_paths) ^ p_by_path.keys())[:4]}")
+    check_grads(grads, params, "update_in_place")
     param_paths = set(g_paths)
     s_old = dict(zip(s_paths, s_leaves))
     s_index, g_index, p_index = _Index(state, param_paths), _Index(grads, param_paths), _Index(params, param_paths)

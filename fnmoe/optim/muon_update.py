@@ -40,8 +40,8 @@ from fnmoe.parallel import sharding
 from fnmoe.parallel.dispatch import all_to_all
 from fnmoe.optim.adam import Fused, adamw
 from fnmoe.optim.base import (GradientTransformation, PerLeaf, ScalarOrSchedule, Tree, add_decayed_weights, chain,
-                              decay_mask, default_labels, device_of, hyper, hyper_tensor, leaves_of, partition,
-                              scale_by_learning_rate, set_to_zero)
+                              checked, decay_mask, default_labels, device_of, hyper, hyper_tensor, leaves_of,
+                              partition, scale_by_learning_rate, set_to_zero)
 from fnmoe.tree import tree_flatten_with_paths, tree_map
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -293,7 +293,7 @@ def muon(lr: ScalarOrSchedule, weight_decay: float = 0.1, momentum: float = 0.95
     hyper("muon: learning rate", lr)
     if adamw_lr is not None:
         hyper("muon: adamw_lr", adamw_lr)
-    return partition({
+    return checked(partition({
         "muon": chain(scale_by_muon(momentum, nesterov, ns_steps, adjust_lr, momentum_dtype=momentum_dtype,
                                     ns_dtype=ns_dtype),
                       add_decayed_weights(weight_decay),
@@ -302,4 +302,4 @@ def muon(lr: ScalarOrSchedule, weight_decay: float = 0.1, momentum: float = 0.95
                        weight_decay if adamw_weight_decay is None else adamw_weight_decay, mask=decay_mask,
                        fused=fused),
         "frozen": set_to_zero(),
-    }, default_labels if labels is None else labels)
+    }, default_labels if labels is None else labels), "muon update")

@@ -4,7 +4,9 @@ steps skipped one after another stop it.
 Preflight (`check_outputs`): every directory a run writes later (checkpoints on every rank,
 TensorBoard logs, W&B files, profiler traces on every rank, the compile cache's artifacts) is
 created if needed and a file is created and removed in it, before step 1: an unwritable
-<run-dir>/checkpoints used to surface at the final save, after the whole run. (config.toml,
+<run-dir>/checkpoints used to surface at the final save, after the whole run. One under the run
+directory reached through a symbolic link (checkpoints/ -> elsewhere) is refused: a run writes only
+inside its own directory (fnmoe.run.rundir.open_file). (config.toml,
 metrics.jsonl and the lock are opened before step 1 anyway: fnmoe.training.loop, fnmoe.run.rundir.) What
 rank 0 created only to test it is removed again, so a run that stops here leaves what it found.
 
@@ -35,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from fnmoe.config import RunConfig
 from fnmoe.parallel import dist as fdist
-from fnmoe.run.rundir import RunDirError, os_reason
+from fnmoe.run.rundir import RunDirError, first_link_below, linked_dir, os_reason
 from fnmoe.tree import Tree, flatten_dict
 
 
@@ -103,6 +105,9 @@ def check_outputs(run: RunConfig, run_dir: Path, rank: int, artifacts: Path | No
     created: list[Path] = []
     try:
         for what, d in outputs(run, run_dir, rank, artifacts):
+            link = first_link_below(run_dir, d / "file")
+            if link is not None and link.exists():  # a dangling one: _writable names its target
+                return f"cannot write {what}: {linked_dir(link)}"
             error = _writable(what, d, created)
             if error:
                 return error

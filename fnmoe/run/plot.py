@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from fnmoe.run.rundir import os_reason
+from fnmoe.run.rundir import RunDirError, no_link_below, open_file, os_reason
 
 
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
@@ -65,7 +65,7 @@ def _pyplot():
     return plt
 
 
-def _line_chart(plt, path: Path, title: str, ylabel: str, series: dict[str, tuple[list, list]]) -> None:
+def _line_chart(plt, path: Path, root: Path, title: str, ylabel: str, series: dict[str, tuple[list, list]]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     for label, (x, y) in series.items():
         ax.plot(x, y, label=label, marker="o" if len(x) < 30 else None)
@@ -74,22 +74,27 @@ def _line_chart(plt, path: Path, title: str, ylabel: str, series: dict[str, tupl
     if len(series) > 1:
         ax.legend()
     fig.tight_layout()
-    _save(plt, fig, path)
+    _save(plt, fig, path, root)
 
 
-def _save(plt, fig, path: Path) -> None:
-    """fig as a PNG at path, via a temporary name; an OSError (a full disk) removes it and is one line
-    naming path and the OS's reason (matplotlib's names no file)."""
+def _save(plt, fig, path: Path, root: Path) -> None:
+    """fig as a PNG at path, via a new file at a temporary name opened as a run's files are (no
+    symlink under root, no file shared by a hard link: fnmoe.run.rundir.open_file); an OSError (a
+    full disk) removes it and is one line naming path and the OS's reason (matplotlib's names no file)."""
     tmp = path.with_name(f".{path.name}.tmp")
+    made = False
     try:
-        fig.savefig(tmp, format="png")
+        with os.fdopen(open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "writing", root), "wb") as f:
+            made = True
+            fig.savefig(f, format="png")
         os.replace(tmp, path)
     except OSError as e:
         raise ValueError(f"writing {path} failed: {os_reason(e)}") from None
     finally:
         plt.close(fig)
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        if made:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 def moe_layers(run_dir: str | Path, n: int) -> list[int]:
@@ -112,7 +117,23 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str
     if not rows:
         raise ValueError(f"{run_dir}/metrics.jsonl has no step rows to plot")
     out = Path(out_dir or Path(run_dir) / "plots")
-    out.mkdir(parents=True, exist_ok=True)
+    root = Path(out_dir or run_dir)  # a directory named by --out may be a link; plots/ in a run may not
+    no_link_below(root, out / "loss.png", "writing")
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"creating {out} failed: {os_reason(e)}") from None
+    try:
+        return _draw(plt, run_dir, rows, vals, out, root)
+    except BaseException:  # a failed plot leaves no directory it made
+        for p in made:
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
+
+
+def _draw(plt, run_dir, rows: list[dict], vals: list[dict], out: Path, root: Path) -> dict[str, dict]:
     x = [r["step"] for r in rows]
     drawn: dict[str, dict] = {
         "loss.png": {"train": (x, [r["loss"] for r in rows]),
@@ -128,7 +149,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str
     titles = {"loss.png": ("loss", "cross-entropy (nats/token)"), "tokens_per_s.png": ("throughput", "tokens/s"),
               "mfu.png": ("model FLOPs utilisation", "MFU %")}
     for name, series in drawn.items():
-        _line_chart(plt, out / name, *titles[name], series)
+        _line_chart(plt, out / name, root, *titles[name], series)
     loads = [r["expert_load_by_layer"] for r in rows if r.get("expert_load_by_layer")]
     if loads:
         steps = [r["step"] for r in rows if r.get("expert_load_by_layer")]
@@ -140,6 +161,6 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str
         ax.set_yticks(range(len(layers)), [str(i) for i in layers])  # whole rows, named by model layer
         fig.colorbar(im, ax=ax, label="max / mean")
         fig.tight_layout()
-        _save(plt, fig, out / "expert_load.png")
+        _save(plt, fig, out / "expert_load.png", root)
         drawn["expert_load.png"] = {f"layer {i}": (steps, [l[k] for l in loads]) for k, i in enumerate(layers)}
     return drawn

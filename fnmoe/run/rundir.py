@@ -8,9 +8,13 @@ the next run takes it over with a warning naming that holder. Where the file sys
 the file's content decides: a holder on this host whose process is gone is stale; any other is
 taken to be running. A second run is refused with a RunDirError naming the holder.
 
-Every file the run writes in its directory is opened by `open_file`, which follows no symlink
-there: a link planted in the run directory (metrics.jsonl -> a file elsewhere) would have the run
-write over what it names, so it is refused with a RunDirError instead.
+Every file the run writes in its directory is opened by `open_file`, the package's one way to open
+a file for writing inside a run: it follows no symlink at any level under the run directory (a
+link planted there, metrics.jsonl or checkpoints/ -> somewhere else, would have the run write over
+what it names) and writes into no file with more than one hard link (which shares its bytes with a
+file elsewhere, where O_NOFOLLOW does not look): a file opened to be rewritten whole is a new file
+(what stood at its name is unlinked, never truncated), and one opened to be written in place (the
+lock) with other links is refused. Either refusal is a RunDirError naming the path.
 """
 from __future__ import annotations
 
@@ -58,16 +62,60 @@ def make_dir(path: Path) -> bool:
         raise failure("creating the run directory", path, e) from None
 
 
-def open_file(path: Path, flags: int, what: str) -> int:
-    """os.open(path, flags) of a file in the run directory, refused with a RunDirError (naming what
-    was being done) where path is a symlink, which would lead the run's writes out of its directory."""
+def first_link_below(root: Path, path: Path) -> Path | None:
+    """The first directory between root (itself allowed to be a link: a run directory on another
+    disk) and path that is a symbolic link, or None."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+        parts = Path(path).parent.relative_to(root).parts
+    except ValueError:
+        return None
+    p = Path(root)
+    for part in parts:
+        p = p / part
+        if p.is_symlink():
+            return p
+    return None
+
+
+def linked_dir(p: Path) -> str:
+    return (f"{p} is a symbolic link (to {os.readlink(p)}), and a run writes only inside its own directory; remove "
+            "the link (for a run on another disk, point --train.run-dir there)")
+
+
+def no_link_below(root: Path, path: Path, what: str) -> None:
+    """Refuse (RunDirError) where a directory between root and path is a symbolic link."""
+    link = first_link_below(root, path)
+    if link is not None:
+        raise RunDirError(f"{what} {path} refused: {linked_dir(link)}")
+
+
+def open_file(path: Path, flags: int, what: str, root: Path | None = None) -> int:
+    """os.open(path, flags) of a file in the run directory root (default: path's directory),
+    refused with a RunDirError (naming what was being done) where path or a directory between root
+    and it is a symlink, or, opened for writing in place, where path has other hard links. With
+    O_TRUNC the file is a new one: whatever regular file stood at path is unlinked first."""
+    path = Path(path)
+    no_link_below(root if root is not None else path.parent, path, what)
+    writing = flags & (os.O_WRONLY | os.O_RDWR)
+    try:
+        if writing and flags & os.O_TRUNC:
+            if path.is_symlink():
+                raise OSError(errno.ELOOP, "a symbolic link")
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # a hard link's other names keep their bytes
+            flags = (flags & ~os.O_TRUNC) | os.O_CREAT | os.O_EXCL
+        fd = os.open(path, flags | os.O_NOFOLLOW, 0o644)
     except OSError as e:
         if e.errno == errno.ELOOP and path.is_symlink():  # ELOOP is also a loop of links further up
             raise RunDirError(f"{what} {path} refused: it is a symbolic link, and a run writes only its own files; "
                               "remove the link") from None
         raise failure(what, path, e) from None
+    links = os.fstat(fd).st_nlink if writing else 1
+    if links > 1:
+        os.close(fd)
+        raise RunDirError(f"{what} {path} refused: it has {links} hard links, so writing it would change a file "
+                          "outside the run too; remove it (or give it a copy of its own)")
+    return fd
 
 
 def write_text(path: Path, text: str) -> None:

@@ -8,6 +8,8 @@ stand for: one a byte for the byte tokenizer, none for its end-of-text token; fo
 each vocabulary entry's bytes (exact for byte-level BPE, GPT-2's and `fnmoe tokenizer train`'s;
 the pieces' UTF-8 with SentencePiece's '▁' a space and `<0xHH>` one byte otherwise), none for
 special tokens. A mixture's val_loss and bits per byte are its sources' weighted as the batches are.
+Where bits per byte cannot be had (a tokenizer.json that is not one, or tokens that stand for no
+bytes) they are None and `bits_per_byte_why` says why; the table prints that line under "n/a".
 
 Legend: B batch, L sequence, V vocab, T the labelled tokens of a source's batches.
 """
@@ -51,11 +53,21 @@ def _has_byte_level(part: dict | None) -> bool:
 
 
 def tokenizer_json_bytes(path: Path, V: int) -> torch.Tensor:
-    """int64 [V]: the bytes of each id of a tokenizers tokenizer.json (0 for special tokens and ids it lacks)."""
-    tok = json.loads(path.read_text())
-    model = tok.get("model") or {}
-    vocab = model.get("vocab") or {}
-    pieces = vocab.items() if isinstance(vocab, dict) else ((p[0], i) for i, p in enumerate(vocab))
+    """int64 [V]: the bytes of each id of a tokenizers tokenizer.json (0 for special tokens and ids it
+    lacks); a ValueError naming path and the problem where it holds no vocabulary to count."""
+    try:
+        tok = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    except ValueError as e:  # not UTF-8, or not JSON
+        raise ValueError(f"{path}: not valid JSON ({str(e).splitlines()[0]})") from None
+    model = tok.get("model") if isinstance(tok, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if not vocab or not isinstance(vocab, (dict, list)):
+        raise ValueError(f"{path}: no model.vocab (a tokenizers tokenizer.json lists its pieces there)")
+    pieces = vocab.items() if isinstance(vocab, dict) else ((p[0] if isinstance(p, list) and p else p, i)
+                                                            for i, p in enumerate(vocab))
+    pieces = [(p, i) for p, i in pieces if isinstance(p, str) and isinstance(i, int)]
     byte_level = _has_byte_level(tok.get("decoder"))
     of_char = {c: b for b, c in byte_to_unicode().items()}
     prefix = model.get("continuing_subword_prefix") or ""
@@ -71,7 +83,8 @@ def tokenizer_json_bytes(path: Path, V: int) -> torch.Tensor:
             n = len(piece.removeprefix(prefix).replace("▁", " ").encode())
         bytes_V[i] = n
     for added in tok.get("added_tokens") or []:
-        if 0 <= added["id"] < V:
+        if isinstance(added, dict) and isinstance(added.get("id"), int) and isinstance(added.get("content"), str) \
+                and 0 <= added["id"] < V:
             bytes_V[added["id"]] = 0 if added.get("special") else len(added["content"].encode())
     return bytes_V
 
@@ -85,20 +98,27 @@ def evaluate(params: Tree, run: RunConfig, device: torch.device | str = "cpu") -
     "bytes", "weight", "batches"}}} of params on the run's held-out batches (one source named ""
     for data.corpus). One process; params whole."""
     _, val, weights = training_data(run)
-    bytes_V = token_bytes(run)
+    why = None
+    try:
+        bytes_V = token_bytes(run)
+    except ValueError as e:  # the loss stands; only the bytes its tokens stand for are unknown
+        bytes_V, why = None, f"the tokenizer's bytes per token are unknown: {e}"
     params = _to(params, torch.device(device))
     sources = {}
     for name, batches in val.items():
         loss = eval_loss(params, [_to(b, torch.device(device)) for b in batches], run)
         labels_T = torch.cat([b[1].flatten() for b in batches])
         labels_T = labels_T[labels_T != IGNORE]
-        tokens, n_bytes = labels_T.numel(), int(bytes_V[labels_T].sum())
+        tokens, n_bytes = labels_T.numel(), 0 if bytes_V is None else int(bytes_V[labels_T].sum())
+        if bytes_V is not None and not n_bytes:
+            why = why or f"the {tokens} labelled tokens{f' of {name}' if name else ''} stand for no bytes by the tokenizer"
         sources[name] = {"loss": loss, "bits_per_byte": loss * tokens / math.log(2) / n_bytes if n_bytes else None,
                          "tokens": tokens, "bytes": n_bytes, "weight": weights[name], "batches": len(batches)}
     val_loss = sum(s["weight"] * s["loss"] for s in sources.values())
     bpb = None if any(s["bits_per_byte"] is None for s in sources.values()) else \
         sum(s["weight"] * s["bits_per_byte"] for s in sources.values())
-    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 80.0)), "bits_per_byte": bpb, "sources": sources}
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 80.0)), "bits_per_byte": bpb, "sources": sources,
+            **({"bits_per_byte_why": why} if bpb is None else {})}
 
 
 def format_eval(result: dict, what: str, run: RunConfig) -> str:
@@ -114,4 +134,6 @@ def format_eval(result: dict, what: str, run: RunConfig) -> str:
     if "" not in result["sources"]:
         lines.append(f"  {'weighted':<24}{result['val_loss']:>8.4f}{result['val_ppl']:>10.2f}"
                      f"{bpb(result['bits_per_byte']):>11}")
+    if result.get("bits_per_byte_why"):
+        lines.append(f"  bits/byte n/a: {result['bits_per_byte_why']}")
     return "\n".join(lines)
