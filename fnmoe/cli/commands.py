@@ -119,7 +119,14 @@ def _parse_run_and(argv: list[str], prog: str, flag: str, spec: dict, usage: str
 
 
 def cmd_train(argv: list[str]) -> int:
-    run = parse_run(argv, "fnmoe train")  # every flag and config value checked before the loop is imported
+    from fnmoe.cli.resumed import saved_run
+
+    saved = saved_run(argv)  # --resume continues the run: its saved config is the flags' base
+    if saved is not None:
+        logging.getLogger("fnmoe").info("--resume: the base config is %s's config.toml (the run's preset and "
+                                        "flags); the flags given here change it", saved[0])
+    # every flag and config value checked before the loop is imported
+    run = parse_run(argv, "fnmoe train", base=None if saved is None else saved[1])
     from fnmoe.loop import train
 
     summary = train(run)

@@ -315,7 +315,10 @@ class RunConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     resume: str = "none"
-    """auto | none | PATH"""
+    """none: a fresh run (refused where <run-dir>/checkpoints holds one); auto: continue from the newest
+    checkpoint under <run-dir>/checkpoints that verifies (a fresh run when there is none); PATH: from that
+    checkpoint directory. Resuming, `fnmoe train` takes the checkpoint's config.toml as the base of every
+    flag (the run's preset and flags); flags given with it change it, each change named"""
     compile_cache: str = ""
     """compile cache directory (default: the checkout's compile_cache/); TORCHINDUCTOR_CACHE_DIR wins"""
     name: str = "run"
