@@ -177,6 +177,17 @@ def test_checkpoint_flags_are_fields_of_the_config():
     assert run.train.deterministic and run.resume == "auto"
 
 
+def test_a_run_saves_a_checkpoint_every_500_steps_by_default():
+    """A SIGKILL or the OOM killer loses at most 500 steps (TorchTitan's and HF Trainer's interval)
+    unless --checkpoint.every says otherwise; every shipped preset keeps the default."""
+    from fnmoe.config.toml import preset_path
+
+    assert parse_run([], "fnmoe train").checkpoint.every == 500
+    for preset in sorted(preset_path("tiny").parent.glob("*.toml")):
+        assert parse_run(["--config", str(preset)], "fnmoe train").checkpoint.every == 500, preset
+    assert parse_run(["--checkpoint.every", "0"], "fnmoe train").checkpoint.every == 0
+
+
 def test_outputs_that_cannot_be_written_are_one_error(tmp_path, capsys, monkeypatch):
     """plot, prepare, convert and inspect into a directory under a file (and, not as root, under a
     read-only directory), a directory part that is a file mid-write, and generate into a full stdout:

@@ -122,8 +122,9 @@ class MemoryConfig:
 class CheckpointConfig:
     """Checkpoints go to <run-dir>/checkpoints/step_<N> (fnmoe/checkpoint/); resume with --resume auto."""
 
-    every: Count = 0
-    """save every N steps (0: only the final save, and one on Ctrl-C)"""
+    every: Count = 500
+    """save every N steps besides the final save and the one on Ctrl-C or SIGTERM (500, as TorchTitan and
+    HF Trainer: a SIGKILL or the OOM killer loses at most that many steps); 0: only those two"""
     keep_last: Annotated[int, Range(1)] = 3
     """keep the newest K complete checkpoints; older ones are deleted after each save"""
     async_save: bool = False
