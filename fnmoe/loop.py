@@ -230,10 +230,11 @@ def _initial_params(run: RunConfig, device: torch.device, mesh):
 def _train(run: RunConfig, rank: int, mesh, request: stop.Request) -> dict:
     """The run, holding its directory's lock (rank 0 takes it) from before anything in it is read
     until every exit: a return, an error, a signal's stop or abort."""
-    lock, error = None, None
+    lock, console, error = None, None, None
     if rank == 0:
         try:
             lock = rundir.acquire(run_dir_of(run))
+            console = rundir.console_log(run_dir_of(run))
         except rundir.RunDirError as e:
             error = str(e)
     try:
@@ -242,6 +243,8 @@ def _train(run: RunConfig, rank: int, mesh, request: stop.Request) -> dict:
             stop.forget(run_dir_of(run))  # this run's own ending will say how it ended
         return _train_locked(run, rank, mesh, request)
     finally:
+        if console:
+            rundir.close_console_log(console)
         if lock:
             lock.release()
 

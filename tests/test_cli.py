@@ -143,6 +143,32 @@ def test_flags_are_typed_before_anything_is_created(flag, value, tmp_path, capsy
     assert (flag in err or "Unrecognized options" in err) and value in err
 
 
+def test_the_last_line_labels_its_losses_and_the_run_dir_keeps_the_console(tmp_path, capsys):
+    """The done line's train loss is the last step's, beside the mean the last progress line showed
+    (both from metrics.jsonl here); <run-dir>/console.log holds the log lines, a resume's appended."""
+    assert main(["train", *SMALL, "--train.steps", "4", "--train.log-every", "4", "--train.run-dir",
+                 str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    loss = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    mean = sum(loss[s] for s in (2, 3, 4)) / 3
+    assert (f"final train loss {loss[4]:.4f} (step 4; {mean:.4f} the mean of steps 2-4, as on the progress line)"
+            in out), out
+    assert f"loss {mean:.4f} |" in out  # the progress line's figure
+    console = (tmp_path / "console.log").read_text()
+    assert console == out, (console, out)
+    assert main(["train", *SMALL, "--train.steps", "5", "--train.run-dir", str(tmp_path), "--resume", "auto"]) == 0
+    more = capsys.readouterr().out
+    resumed = more[more.index("resuming from"):]  # the lines before the run took its directory are the CLI's
+    assert (tmp_path / "console.log").read_text() == out + resumed
+    assert "final train loss" in resumed and "(step 5)" in resumed
+
+
+def test_convert_help_says_a_run_directory_works(capsys):
+    assert main(["--help"]) == 0
+    assert "--to-hf SRC --out DST: a run directory" in capsys.readouterr().out
+
+
 def test_bad_flag_is_rejected(capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--train.stepz", "3"])

@@ -45,7 +45,8 @@ subcommands:
   inspect   what torch.compile makes of each region: graphs, breaks, recompiles, kernels, host syncs
   checkpoint verify DIR   check what a resume checks: files (sizes, sha256, shapes), config, params finite
   convert   --from-hf SRC --out DST: a Hugging Face checkpoint to the native tree format;
-            --to-hf SRC --out DST: a native tree to a Hugging Face checkpoint
+            --to-hf SRC --out DST: a run directory (its newest checkpoint), a checkpoint or a native
+            tree to a Hugging Face checkpoint
 
 Run `fnmoe SUBCOMMAND --help` for the flags of one subcommand.
 """

@@ -27,6 +27,7 @@ from pathlib import Path
 log = logging.getLogger("fnmoe")
 
 LOCK = "fnmoe.lock"
+CONSOLE = "console.log"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
@@ -85,6 +86,37 @@ def write_text(path: Path, text: str) -> None:
         raise failure("writing", path, e) from None
 
 
+class ConsoleLog(logging.StreamHandler):
+    """console_log's handler: a stream on <run-dir>/console.log (`path`)."""
+
+    path: Path
+
+
+def console_log(run_dir: Path) -> ConsoleLog:
+    """A copy of the run's log lines (the fnmoe logger's: header, progress, evals, warnings, the last
+    line) appended to <run-dir>/console.log, as the console shows them; a resumed run's follow the
+    earlier ones. Opened by open_file (no symlink followed); detach it with `close_console_log`."""
+    path = run_dir / CONSOLE
+    fd = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "writing")
+    handler = ConsoleLog(open(fd, "a", buffering=1, encoding="utf-8"))
+    handler.path = path
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    return handler
+
+
+def close_console_log(handler: ConsoleLog) -> None:
+    """Detach console_log's handler; an empty console.log (a run stopped before it said anything)
+    is removed, so such a run leaves its directory as it found it."""
+    log.removeHandler(handler)
+    handler.close()
+    empty = os.fstat(handler.stream.fileno()).st_size == 0
+    handler.stream.close()
+    if empty:
+        with contextlib.suppress(OSError):
+            handler.path.unlink()
+
+
 def _start_ticks(pid: int) -> str | None:
     """When process pid started (clock ticks since boot), which tells a reused pid apart; None
     where /proc cannot say."""
@@ -130,8 +162,10 @@ class Lock:
                 self.path.unlink()
         os.close(self._fd)
         self._fd = -1
-        if self._created_dir:  # a run that failed before writing anything leaves no directory
+        if self._created_dir:  # a run that failed before writing anything (but its log) leaves no directory
             with contextlib.suppress(OSError):
+                if {p.name for p in self.path.parent.iterdir()} <= {CONSOLE}:
+                    (self.path.parent / CONSOLE).unlink(missing_ok=True)
                 self.path.parent.rmdir()
 
 
