@@ -27,6 +27,7 @@ from fnmoe.attention import rms_norm, upcast
 from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.data.loader import IGNORE
 from fnmoe.dtypes import DTYPE
+from fnmoe.kernels.bf16 import fp32_gemms
 from fnmoe.model import check_inputs, check_tokens, final_norm_weight, head_weight, hidden_states
 from fnmoe.moe import balance_loss_part, update_router_bias
 from fnmoe.parallel.fsdp import params_source
@@ -41,7 +42,8 @@ from fnmoe.tree import Tree, tree_flatten, tree_map, tree_unflatten, value_and_g
 
 def _ce_sum(x_TD: torch.Tensor, norm_D: torch.Tensor, w_DV: torch.Tensor, labels_T: torch.Tensor,
             eps: float) -> torch.Tensor:
-    logits_TV = upcast(rms_norm(x_TD, norm_D, eps) @ w_DV)
+    with fp32_gemms(x_TD):  # here: a chunk's recompute in backward takes it again
+        logits_TV = upcast(rms_norm(x_TD, norm_D, eps) @ w_DV)
     return F.cross_entropy(logits_TV, labels_T, ignore_index=IGNORE, reduction="sum")
 
 

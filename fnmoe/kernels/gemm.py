@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from fnmoe import _torch
+from fnmoe.kernels import bf16
 from fnmoe.compile import default_cache_dir, say_once
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("grouped_gemm.cpp", "attention.cpp")]
@@ -72,9 +73,10 @@ def build_error() -> str | None:
     except Exception as e:  # no compiler, no ninja, a read-only cache: the padded path serves
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     torch.library.register_fake("fnmoe_cpu::grouped_mm")(
-        lambda x_RD, w_EDF, end_E: x_RD.new_empty(x_RD.shape[0], w_EDF.shape[2]))
+        lambda x_RD, w_EDF, end_E, fp32: x_RD.new_empty(x_RD.shape[0], w_EDF.shape[2]))
     torch.library.register_fake("fnmoe_cpu::grouped_mm_wgrad")(
-        lambda x_RD, g_RF, end_E, dtype: x_RD.new_empty(end_E.shape[0], x_RD.shape[1], g_RF.shape[1], dtype=dtype))
+        lambda x_RD, g_RF, end_E, dtype, fp32: x_RD.new_empty(end_E.shape[0], x_RD.shape[1], g_RF.shape[1],
+                                                              dtype=dtype))
     torch.library.register_fake("fnmoe_cpu::attention")(
         lambda q, k, v, scale: (q.new_empty(*q.shape[:3], v.shape[3]),
                                 q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)))
@@ -167,25 +169,27 @@ class _GroupedMM(torch.autograd.Function):
     train step's value_and_grad is tested against torch.func.grad_and_value)."""
 
     @staticmethod
-    def forward(x_RD, w_EDF, end_E):
-        return torch.ops.fnmoe_cpu.grouped_mm(x_RD, w_EDF, end_E)
+    def forward(x_RD, w_EDF, end_E, fp32):
+        return torch.ops.fnmoe_cpu.grouped_mm(x_RD, w_EDF, end_E, fp32)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
+        ctx.save_for_backward(*inputs[:3])
+        ctx.fp32 = inputs[3]
 
     @staticmethod
     def backward(ctx, g_RF):
         x_RD, w_EDF, end_E = ctx.saved_tensors
         ops = torch.ops.fnmoe_cpu
-        g_x = ops.grouped_mm(g_RF, w_EDF.transpose(1, 2), end_E) if ctx.needs_input_grad[0] else None
-        g_w = ops.grouped_mm_wgrad(x_RD, g_RF, end_E, w_EDF.dtype) if ctx.needs_input_grad[1] else None
-        return g_x, g_w, None
+        g_x = ops.grouped_mm(g_RF, w_EDF.transpose(1, 2), end_E, ctx.fp32) if ctx.needs_input_grad[0] else None
+        g_w = ops.grouped_mm_wgrad(x_RD, g_RF, end_E, w_EDF.dtype, ctx.fp32) if ctx.needs_input_grad[1] else None
+        return g_x, g_w, None, None
 
 
 def grouped_mm(x_RD: torch.Tensor, w_EDF: torch.Tensor, end_E: torch.Tensor) -> torch.Tensor:
     """y_RF[r] = x_RD[r] @ w_EDF[expert of r]; end_E: int64 cumulative row counts per expert. w may
     be stored in another float dtype (fp32 master weights): slices are cast to x's dtype as they
-    are multiplied, and w's gradient comes back in w's dtype."""
+    are multiplied, and w's gradient comes back in w's dtype. A bf16 x on a CPU without native bf16
+    GEMMs multiplies in fp32, each result rounded once to bf16 (fnmoe.kernels.bf16)."""
     require("model.moe.impl='padded'")
-    return _GroupedMM.apply(x_RD, w_EDF, end_E)
+    return _GroupedMM.apply(x_RD, w_EDF, end_E, x_RD.dtype == torch.bfloat16 and bf16.wanted())
