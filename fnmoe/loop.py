@@ -23,6 +23,7 @@ from fnmoe.parallel import dist as fdist
 from fnmoe.parallel.same_config import ConfigMismatch, check_same_config
 from fnmoe.checkpoint.procs import first_error, from_lead
 from fnmoe.compile import warm_start
+from fnmoe.kernels import gemm as cpu_gemm
 from fnmoe.config import RunConfig, to_toml
 from fnmoe.plan.activations import pool_bytes
 from fnmoe.plan.flops import flops_per_token
@@ -331,6 +332,7 @@ def _setup(run: RunConfig, rank: int, state: TrainState, resumed: bool, data: tu
     fpt = flops_per_token(run.model, L)
     saver = checkpoint.Saver(run_dir / "checkpoints", run.checkpoint, last_step=state.step)  # on every rank: collective
     prof = profile_window(run.profile.steps, run_dir, state.step + 1, rank)
+    cpu_gemm.build_before(run.model, device)  # a first build here, not in step 1's time
     log.info("run %s: steps %d..%d x %d sequences x %d tokens -> %s", run.name, state.step + 1, t.steps,
              t.batch_size, L, run_dir)
     log.info(threads.describe())

@@ -9,7 +9,8 @@ threads once per expert, and a bmm over [E, C] slabs multiplies padding (C is th
 E=16, one skewed layer): this 0.73 ms, padded bmm 1.20 ms, torch's grouped_mm 1.66 ms, one dense
 matmul of the same rows 0.61 ms.
 
-The extension builds with torch's cpp_extension (a C++ compiler and ninja; ~17 s once) into
+The extension builds with torch's cpp_extension (a C++ compiler and ninja; ~20 s once on 2 quiet cores,
+minutes under load: 175-221 s seen at load 7-10) into
 build_dir(): the checkout's compile_cache/cpu_gemm/torch-<version>-<SIMD level>. When it cannot
 build, `available()` is False and says why once; model.moe.impl='auto' then runs the padded path
 and model.attention_impl='auto' SDPA.
@@ -61,9 +62,10 @@ def build_error() -> str | None:
         build.mkdir(parents=True, exist_ok=True)
         with build_lock(build):
             building = needs_build(build)
-            if building:  # ~17 s of silence otherwise
-                log.info("building fnmoe's C++ CPU kernels in %s (once per checkout and torch version; ~17 s on 2 "
-                         "quiet cores)...", build)
+            if building:  # a long silence otherwise; said where a library's logging shows no INFO too
+                log.log(logging.INFO if log.isEnabledFor(logging.INFO) else logging.WARNING,
+                        "building fnmoe's C++ CPU kernels in %s (once per checkout and torch version; ~20 s on 2 "
+                        "quiet cores, minutes while other work shares them)...", build)
             t0 = time.perf_counter()
             cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], build_directory=str(build),
                                extra_cflags=["-O3", "-fopenmp", *isa_flags], extra_ldflags=["-fopenmp"],
@@ -144,6 +146,18 @@ def vector_isa() -> tuple[str, list[str]]:
         return "default", []
     flags = isa.build_arch_flags().split() + [f"-D{m}" for m in isa.build_macro()]
     return str(isa).split()[0], flags
+
+
+def build_before(model, device: torch.device | str) -> None:
+    """Build or load the extension now where `model` (a ModelConfig) takes it on device: CPU experts on
+    model.moe.impl auto or grouped, CPU attention in bf16 on auto or cpu. A training loop calls it
+    before its first step, so that a first build is no step's time (step 1's tokens/s)."""
+    if torch.device(device).type != "cpu":
+        return
+    experts = model.moe.n_experts > 0 and model.moe.impl in ("auto", "grouped")
+    attention = model.compute_dtype == "bfloat16" and model.attention_impl in ("auto", "cpu")
+    if experts or attention:
+        available()
 
 
 @torch.compiler.assume_constant_result  # compiled callers take it while they trace: never trace the build
