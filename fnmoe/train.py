@@ -344,13 +344,15 @@ def _metrics(run: RunConfig, out: dict, n_global: int) -> dict:
     return metrics
 
 
-def eval_loss(params: Tree, batches: list[tuple[torch.Tensor, ...]], run: RunConfig) -> float:
-    """Mean token cross-entropy over batches (as train_step's micro-batches), no gradients."""
+def eval_loss(params: Tree, batches: list[tuple[torch.Tensor, ...]], run: RunConfig, *,
+              router: Router | None = None) -> float:
+    """Mean token cross-entropy over batches (as train_step's micro-batches), no gradients; router:
+    the one the model was trained with (loss_fn's router=; None: the built-in of model.moe.score_func)."""
     total, count, source = 0.0, 0, params_source(params)
     with torch.no_grad():
         for inputs_BL, labels_BL, *positions in batches:
             x_BLD, _ = hidden_states(params, inputs_BL, run.model, positions_BL=positions[0] if positions else None,
-                                     source=source, final_norm=False)
+                                     source=source, final_norm=False, router=router)
             norm_D = final_norm_weight(params, run.model, source)
             total += ce_loss_sum(x_BLD, norm_D, head_weight(params, run.model, source), labels_BL,
                                  run.model.norm_eps, run.train.ce_chunks).item()

@@ -187,3 +187,20 @@ def test_an_unknown_gemm_path_is_refused():
     counts_E = torch.tensor([8, 8, 8, 8])
     with pytest.raises(ValueError, match="expert_mlp takes 'grouped', 'padded' or 'loop'"):
         expert_mlp(torch.randn(32, CFG.dim), p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"], counts_E, "dense")
+
+
+def test_eval_loss_takes_the_router_the_model_trained_with():
+    """eval_loss(..., router=) evaluates with that router (it used to take none and evaluate with the
+    built-in silently): its loss is loss_fn's cross-entropy under the same router, batch by batch."""
+    from fnmoe.train import eval_loss
+
+    params, run = fnmoe.init_params(CFG, seed=0), RunConfig(model=CFG, data=DataConfig(seq_len=8))
+    batches = [(tokens(seed=s)[:, :8], tokens(seed=s + 10)[:, :8]) for s in range(2)]
+
+    def reference(router):
+        ce = [loss_fn(params, x, y, CFG, router=router)[1]["ce_loss"] for x, y in batches]
+        return (sum(ce) / len(ce)).item()  # equal label counts: the mean of the batches' means
+    got = eval_loss(params, batches, run, router=round_robin)
+    assert got == pytest.approx(reference(round_robin), rel=1e-6)
+    assert got != pytest.approx(eval_loss(params, batches, run), rel=1e-6)
+    assert eval_loss(params, batches, run) == pytest.approx(reference(None), rel=1e-6)
