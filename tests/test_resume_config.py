@@ -65,3 +65,19 @@ def test_a_flag_given_on_resume_wins_and_is_named(tmp_path, capsys):
                  "  --train.steps: 2 -> 3"):
         assert line in out.splitlines(), out
     assert 'corpus = "bundled"' in saved(run) and "lr = 0.001" in saved(run)
+
+
+def test_a_copied_run_continues_where_it_is_now(tmp_path, monkeypatch):
+    """A run directory copied to the default place (runs/tiny) and resumed there without
+    --train.run-dir, its config.toml naming the old place: the copy gets the checkpoints and metrics,
+    the original is left as it was."""
+    import shutil
+
+    old, new = tmp_path / "old", tmp_path / "runs" / "tiny"
+    assert main(["train", *RUN_FLAGS, "--train.steps", "2", "--train.run-dir", str(old)]) == 0
+    shutil.copytree(old, new)
+    before = sorted(p.name for p in (old / "checkpoints").iterdir())
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--resume", "auto", "--train.steps", "3"]) == 0
+    assert (new / "checkpoints" / "step_3").is_dir() and 3 in losses(new)
+    assert sorted(p.name for p in (old / "checkpoints").iterdir()) == before and 3 not in losses(old)

@@ -10,6 +10,7 @@ base as it was, and the loop's resume names what is wrong with it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 from pathlib import Path
@@ -47,14 +48,25 @@ def saved_run(argv: list[str]) -> tuple[Path, RunConfig] | None:
     if given.resume == "none" or given.config or "-h" in argv or "--help" in argv:
         return None
     if given.resume != "auto":
-        saved = _read(Path(given.resume))
-        return None if saved is None else (Path(given.resume), saved)
+        ckpt = Path(given.resume)
+        saved = _read(ckpt)
+        return None if saved is None else (ckpt, _in(saved, ckpt.parent.parent if ckpt.parent.name == "checkpoints"
+                                                     else None))
     root = Path(given.run_dir or Path("runs") / "tiny") / "checkpoints"  # the default run's, as run_dir_of says
     steps = sorted(((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else ())
                     if p.is_dir() and (m := STEP_DIR.fullmatch(p.name))), reverse=True)
     for _, ckpt in steps:
         saved = _read(ckpt)
         if saved is not None:
-            return ckpt, saved
+            return ckpt, _in(saved, root.parent)
     return None
+
+
+def _in(saved: RunConfig, run_dir: Path | None) -> RunConfig:
+    """saved, its run directory the one its checkpoint is in (a run directory moved or copied since it
+    was saved continues where it is now, not where it was); run_dir None: as saved."""
+    was = Path(saved.train.run_dir or Path("runs") / saved.name)
+    if run_dir is None or was.resolve() == run_dir.resolve():
+        return saved
+    return dataclasses.replace(saved, train=dataclasses.replace(saved.train, run_dir=str(run_dir)))
 
