@@ -235,7 +235,7 @@ def _train(run: RunConfig, rank: int, mesh, request: stop.Request) -> dict:
     if rank == 0:
         try:
             lock = rundir.acquire(run_dir_of(run))
-            console = rundir.console_log(run_dir_of(run))
+            console = rundir.console_log()
         except rundir.RunDirError as e:
             error = str(e)
     try:
@@ -256,6 +256,7 @@ def _open_outputs(run: RunConfig, run_dir: Path, state: TrainState, resumed: boo
     if rank == 0:
         try:
             rundir.write_text(run_dir / "config.toml", to_toml(run))
+            rundir.start_console_log(run_dir)  # the run's checks passed: its log lines so far, then the rest
             # alone: the other ranks reach their first save only after rank 0 is past this (a step's collectives)
             checkpoint.set_aside_after(run_dir / "checkpoints", state.step)
             mirrors = [TensorBoardWriter(run_dir / "tensorboard")] if run.train.tensorboard else []
