@@ -255,8 +255,9 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     expert_counts_NE (tokens per expert per MoE layer) and balance_loss (the mean over MoE layers,
     0-D; both None without MoE), plus seq_balance_loss and z_loss (the same means) only when their
     coefficients are set, with record_max_logits max_logits_NH (per layer and head, fp32; MuonClip's
-    input), and with record_router_logits router_logits_NTE (per MoE layer, fp32, detached: N·T·E·4
-    bytes held until aux goes, so off by default in training).
+    input), and with record_router_logits router_logits_NTE (per MoE layer, fp32, with their gradients,
+    so that a loss of yours may take them: N·T·E·4 bytes and their graph held until aux goes, so off
+    by default in training).
 
     runner (fnmoe.seams.BlockRunner; memory.Runner under a memory policy) runs each block and each
     of its regions: recompute in backward, offload, resharding. source (fnmoe.seams.ParamsSource)
