@@ -8,10 +8,14 @@ no torch (~3 s of CPU: torch, dynamo, DTensor). A missing private torch API stil
 first use naming the supported range: fnmoe/_torch.py, the one module that reaches them, is
 loaded before any name below.
 """
-# before anything loads torch, hence OpenMP: the fnmoe command's threads wait passively (fnmoe/threads.py)
+# before anything loads torch, hence OpenMP: threads spin briefly, then sleep (fnmoe/threads.py), for
+# the command and a library import alike; where torch loaded first, one line says how instead
 from fnmoe import threads as _threads
 
-_threads.before_torch()
+if (_late := _threads.before_torch()) is not None:
+    import logging as _logging
+
+    _logging.getLogger("fnmoe").warning(_late)
 
 import importlib as _importlib  # noqa: E402
 

@@ -70,6 +70,9 @@ LocalTensor, LocalTensorMode, enabled_local_tensor_mode, maybe_disable_local_ten
     "maybe_disable_local_tensor_mode")
 (FakeStore,) = _names("torch.testing._internal.distributed.fake_pg", "FakeStore")
 FakeTensorMode, is_fake = _names("torch._subclasses.fake_tensor", "FakeTensorMode", "is_fake")
+
+# -- whether the CPU multiplies bf16 natively (fnmoe.kernels.bf16)
+cpu_avx512_bf16, cpu_amx_tile = _names("torch.cpu", "_is_avx512_bf16_supported", "_is_amx_tile_supported")
 _attr(LocalTensor, "_local_tensors", "LocalTensor._local_tensors")
 
 

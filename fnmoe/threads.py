@@ -1,11 +1,11 @@
-"""How the `fnmoe` command runs torch's CPU threads: OpenMP threads spin briefly, then sleep.
+"""How fnmoe runs torch's CPU threads: OpenMP threads spin briefly, then sleep.
 
 Legend: no tensors here.
 
 torch's CPU ops run on OpenMP (GNU libgomp in the Linux wheels). Between parallel regions a waiting
 libgomp thread spins GOMP_SPINCOUNT turns (300,000 by default, ~3 ms by libgomp's own estimate)
 before it sleeps: the fastest when the cores are the run's alone, ruinous when other processes share
-them, as each spinning thread holds a core the thread it waits for needs. The command sets
+them, as each spinning thread holds a core the thread it waits for needs. fnmoe sets
 GOMP_SPINCOUNT=1000 (~10 us): long enough to catch the next region of a run of small ops, short
 enough to give a shared core back. Measured with `python tools/bench_threads.py` on a 2-core AMD EPYC
 (the numbers and their loads: README "Threads"): with one to four busy processes beside the run,
@@ -15,9 +15,12 @@ best under load (9-27% over this) but gives up 28% of a quiet machine's speed, w
 a run's numerics depend on it (reductions split by thread); the wait changes no result.
 
 libgomp reads its variables once, when torch loads it, so the choice is made while the fnmoe package
-loads (fnmoe/__init__.py calls `before_torch` before anything imports torch), and only for the
-`fnmoe` command (`fnmoe ...`, `python -m fnmoe ...`, torchrun's `-m fnmoe` workers): a program that
-imports fnmoe as a library keeps its own OpenMP settings. A user's OMP_WAIT_POLICY or
+loads (fnmoe/__init__.py calls `before_torch` before anything imports torch), for the `fnmoe`
+command and a program that imports fnmoe as a library alike (the same speed from Python as from
+the command: a library user's own loop on a 2-core machine at load 4-5 took 15.4 s with libgomp's default against
+4.3 s, identical losses).
+A program that imported torch before fnmoe is too late for it: fnmoe then says once how to get it
+(import fnmoe first, or set GOMP_SPINCOUNT before Python starts). A user's OMP_WAIT_POLICY or
 GOMP_SPINCOUNT is kept (OMP_WAIT_POLICY=PASSIVE is the choice for a machine that stays busy). Other
 OpenMP runtimes (LLVM's libomp, Intel's) ignore GOMP_SPINCOUNT. This module imports nothing (torch
 only inside `describe`).
@@ -32,24 +35,31 @@ WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # a user who sets either has 
 DEFAULT = {"GOMP_SPINCOUNT": "1000"}  # spin ~10 us, then sleep
 
 
-def is_command(argv0: str) -> bool:
-    """Whether a process whose sys.argv[0] is argv0 while the fnmoe package loads is the fnmoe
-    command: the console script, or `python -m fnmoe` (argv[0] is "-m" while -m finds its module)."""
-    return argv0 == "-m" or os.path.basename(argv0) in ("fnmoe", "fnmoe.exe")
-
-
-def wait_settings(environ: Mapping[str, str], torch_loaded: bool, command: bool) -> dict[str, str]:
-    """The OpenMP variables the fnmoe command sets (DEFAULT), or none: not the command, the environment
-    sets one of WAIT_VARS (the user's choice), or torch, hence libgomp, is loaded already (it has read
-    them)."""
-    if not command or torch_loaded or any(var in environ for var in WAIT_VARS):
+def wait_settings(environ: Mapping[str, str], torch_loaded: bool) -> dict[str, str]:
+    """The OpenMP variables fnmoe sets (DEFAULT), or none: the environment sets one of WAIT_VARS (the
+    user's choice), or torch, hence libgomp, is loaded already (it has read them)."""
+    if torch_loaded or any(var in environ for var in WAIT_VARS):
         return {}
     return dict(DEFAULT)
 
 
-def before_torch() -> None:
-    """Set the command's OpenMP waiting in this process's environment (before torch loads)."""
-    os.environ.update(wait_settings(os.environ, "torch" in sys.modules, is_command(sys.argv[0])))
+def too_late(environ: Mapping[str, str], torch_loaded: bool, cores: int) -> str | None:
+    """What to do, when torch loaded before fnmoe could set the wait and the user chose none on a
+    machine of several cores; else None."""
+    if not torch_loaded or cores < 2 or any(var in environ for var in WAIT_VARS):
+        return None
+    return ("fnmoe: torch was imported before fnmoe, so OpenMP's threads keep libgomp's default wait (each spins "
+            "~3 ms for the next parallel region: several times slower while other work shares the cores); "
+            "import fnmoe before torch, or set GOMP_SPINCOUNT=1000 (what `fnmoe train` uses) or "
+            "OMP_WAIT_POLICY=PASSIVE in the environment before Python starts")
+
+
+def before_torch() -> str | None:
+    """Set fnmoe's OpenMP waiting in this process's environment (before torch loads); where torch
+    loaded first, what to do instead (too_late)."""
+    loaded = "torch" in sys.modules
+    os.environ.update(wait_settings(os.environ, loaded))
+    return too_late(os.environ, loaded, os.cpu_count() or 1)
 
 
 def passive(environ: Mapping[str, str] | None = None) -> bool:

@@ -284,8 +284,8 @@ def test_resume_refuses_model_changes_and_warns_about_others(tmp_path, warnings_
     train_here(*args(tmp_path, 4, "--resume", "auto", "--optim.weight-decay", "0.2",
                      "--model.compute-dtype", "bfloat16"))
     warned = warnings_text()
-    assert "optim.weight_decay 0.1 -> 0.2" in warned and "train.steps 2 -> 4" in warned
-    assert "model.compute_dtype 'float32' -> 'bfloat16'" in warned
+    assert "\n  --optim.weight-decay: 0.1 -> 0.2" in warned and "\n  --train.steps: 2 -> 4" in warned
+    assert "\n  --model.compute-dtype: 'float32' -> 'bfloat16'" in warned
     assert [r["step"] for r in rows(tmp_path) if "loss" in r] == [1, 2, 3, 4]
 
     run = parse_run(args(tmp_path, 6, "--optim.weight-decay", "0.3"), "fnmoe train")

@@ -44,6 +44,27 @@ def test_help_lists_subcommands_and_contract_flags(capsys):
     assert not missing
 
 
+def test_every_train_flag_has_a_description():
+    """`fnmoe train --help` describes each flag (a config field's docstring is its help), beyond the
+    default tyro appends; --resume says what auto picks and that the run's config is the base."""
+    import warnings
+
+    import tyro
+
+    from fnmoe.cli.commands import TrainArgs, _flag_types
+    from fnmoe.config import RunConfig
+
+    with warnings.catch_warnings():  # get_parser is deprecated; the help is built from its parser
+        warnings.simplefilter("ignore")
+        parser = tyro.extras.get_parser(TrainArgs, default=TrainArgs(config="", run=RunConfig(name="tiny")),
+                                        registry=_flag_types())
+    helps = {a.option_strings[-1]: (a.help or "").split("(default:")[0].strip()
+             for a in parser._actions if a.option_strings}
+    assert len(helps) > 140
+    assert [flag for flag, text in helps.items() if not text] == []
+    assert "auto: continue from the newest" in helps["--resume"] and "config.toml" in helps["--resume"]
+
+
 def test_overrides_apply_on_top_of_a_preset():
     run = parse_run(["--config", str(ROOT / "configs/tiny.toml"), "--train.steps", "7",
                      "--model.compute-dtype", "bfloat16", "--model.compile", "--mesh.no-reshard-after-forward",
@@ -122,6 +143,32 @@ def test_flags_are_typed_before_anything_is_created(flag, value, tmp_path, capsy
     assert (flag in err or "Unrecognized options" in err) and value in err
 
 
+def test_the_last_line_labels_its_losses_and_the_run_dir_keeps_the_console(tmp_path, capsys):
+    """The done line's train loss is the last step's, beside the mean the last progress line showed
+    (both from metrics.jsonl here); <run-dir>/console.log holds the log lines, a resume's appended."""
+    assert main(["train", *SMALL, "--train.steps", "4", "--train.log-every", "4", "--train.run-dir",
+                 str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    loss = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    mean = sum(loss[s] for s in (2, 3, 4)) / 3
+    assert (f"final train loss {loss[4]:.4f} (step 4; {mean:.4f} the mean of steps 2-4, as on the progress line)"
+            in out), out
+    assert f"loss {mean:.4f} |" in out  # the progress line's figure
+    console = (tmp_path / "console.log").read_text()
+    assert console == out, (console, out)
+    assert main(["train", *SMALL, "--train.steps", "5", "--train.run-dir", str(tmp_path), "--resume", "auto"]) == 0
+    more = capsys.readouterr().out
+    resumed = more[more.index("resuming from"):]  # the lines before the run took its directory are the CLI's
+    assert (tmp_path / "console.log").read_text() == out + resumed
+    assert "final train loss" in resumed and "(step 5)" in resumed
+
+
+def test_convert_help_says_a_run_directory_works(capsys):
+    assert main(["--help"]) == 0
+    assert "--to-hf SRC --out DST: a run directory" in capsys.readouterr().out
+
+
 def test_bad_flag_is_rejected(capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--train.stepz", "3"])
@@ -175,6 +222,17 @@ def test_checkpoint_flags_are_fields_of_the_config():
                      "--train.deterministic", "--resume", "auto"], "fnmoe train")
     assert (run.checkpoint.every, run.checkpoint.keep_last, run.checkpoint.async_save) == (5, 2, True)
     assert run.train.deterministic and run.resume == "auto"
+
+
+def test_a_run_saves_a_checkpoint_every_500_steps_by_default():
+    """A SIGKILL or the OOM killer loses at most 500 steps (TorchTitan's and HF Trainer's interval)
+    unless --checkpoint.every says otherwise; every shipped preset keeps the default."""
+    from fnmoe.config.toml import preset_path
+
+    assert parse_run([], "fnmoe train").checkpoint.every == 500
+    for preset in sorted(preset_path("tiny").parent.glob("*.toml")):
+        assert parse_run(["--config", str(preset)], "fnmoe train").checkpoint.every == 500, preset
+    assert parse_run(["--checkpoint.every", "0"], "fnmoe train").checkpoint.every == 0
 
 
 def test_outputs_that_cannot_be_written_are_one_error(tmp_path, capsys, monkeypatch):

@@ -13,23 +13,35 @@ GUIDE = ROOT / "docs" / "library.md"
 
 
 def blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```$", GUIDE.read_text(), re.S | re.M)
+    return [code for _, code in fenced()]
+
+
+def fenced() -> list[tuple[str, str]]:
+    """(file name or "", code) of each ```python block: a block marked `file=NAME` is a file a later
+    block runs (written, not executed)."""
+    return re.findall(r"^```python(?: file=(\S+))?\n(.*?)^```$", GUIDE.read_text(), re.S | re.M)
 
 
 def test_the_guide_has_its_sections_and_code():
     text = GUIDE.read_text()
     for title in ("A custom training loop", "make_train_step", "Saving and loading", "Hugging Face",
-                  "torch.func", "planner and the inspector", "data loader", "Seams"):
+                  "torch.func", "planner and the inspector", "data loader", "Seams", "Several processes"):
         assert re.search(rf"^## \d\. .*{re.escape(title)}", text, re.M), title
     assert len(blocks()) >= 10
     assert "docs/library.md" in (ROOT / "README.md").read_text()
 
 
+@pytest.mark.launch  # section 9 launches its own loop with torchrun
 def test_every_code_block_of_the_guide_runs_in_order(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the snippets' tempfile.mkdtemp() lands here
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the launched ranks share the cores
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     scope: dict = {"__name__": "library_guide"}
-    for n, code in enumerate(blocks(), 1):
+    for n, (name, code) in enumerate(fenced(), 1):
+        if name:
+            (tmp_path / name).write_text(code)
+            continue
         first = code.strip().splitlines()[0]
         try:
             exec(compile(code, f"docs/library.md block {n}", "exec"), scope)

@@ -213,3 +213,46 @@ def test_an_unknown_gemm_path_is_refused():
     counts_E = torch.tensor([8, 8, 8, 8])
     with pytest.raises(ValueError, match="expert_mlp takes 'grouped', 'padded' or 'loop'"):
         expert_mlp(torch.randn(32, CFG.dim), p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"], counts_E, "dense")
+
+
+def test_eval_loss_takes_the_router_the_model_trained_with():
+    """eval_loss(..., router=) evaluates with that router (it used to take none and evaluate with the
+    built-in silently): its loss is loss_fn's cross-entropy under the same router, batch by batch."""
+    from fnmoe.training.step import eval_loss
+
+    params, run = fnmoe.init_params(CFG, seed=0), RunConfig(model=CFG, data=DataConfig(seq_len=8))
+    batches = [(tokens(seed=s)[:, :8], tokens(seed=s + 10)[:, :8]) for s in range(2)]
+
+    def reference(router):
+        ce = [loss_fn(params, x, y, CFG, router=router)[1]["ce_loss"] for x, y in batches]
+        return (sum(ce) / len(ce)).item()  # equal label counts: the mean of the batches' means
+    got = eval_loss(params, batches, run, router=round_robin)
+    assert got == pytest.approx(reference(round_robin), rel=1e-6)
+    assert got != pytest.approx(eval_loss(params, batches, run), rel=1e-6)
+    assert eval_loss(params, batches, run) == pytest.approx(reference(None), rel=1e-6)
+
+
+def test_a_users_loss_takes_the_router_logits_with_their_gradients():
+    """With record_router_logits the logits in aux carry their graph inside the loss: a term of them
+    reaches the routers and what feeds them. For the last MoE layer, d sum(logits_TE) / d w_router_DE
+    is sum_t x_t for every expert (its columns equal; an earlier layer's routing weights also feed the
+    later layers' logits), and a z-loss-like term changes the router's gradient."""
+    params, x_BL, y_BL = fnmoe.init_params(CFG, seed=0), tokens(), tokens(seed=1)
+
+    def logits_only(p, *args, **kwargs):
+        _, aux = loss_fn(p, *args, record_router_logits=True, **kwargs)
+        return aux["router_logits_NTE"].sum(), aux
+    (_, aux), grads = value_and_grad(logits_only, has_aux=True)(params, x_BL, y_BL, CFG, 16)
+    assert not aux["router_logits_NTE"].requires_grad  # value_and_grad's aux comes back detached
+    g_DE = grads["layers"]["2"]["moe"]["w_router_DE"]
+    assert g_DE.abs().sum() > 0 and torch.allclose(g_DE, g_DE[:, :1].expand_as(g_DE))
+    assert grads["layers"]["1"]["moe"]["w_router_DE"].abs().sum() > 0
+    assert grads["embed"]["w_VD"].abs().sum() > 0  # through the blocks below the routers
+
+    def pulled(p, *args, **kwargs):
+        loss, aux = loss_fn(p, *args, record_router_logits=True, **kwargs)
+        return loss + 0.1 * aux["router_logits_NTE"].square().mean(), aux
+    plain = value_and_grad(loss_fn, has_aux=True)(params, x_BL, y_BL, CFG, 16)[1]
+    pulled_g = value_and_grad(pulled, has_aux=True)(params, x_BL, y_BL, CFG, 16)[1]
+    w = ("layers", "1", "moe", "w_router_DE")
+    assert not torch.equal(plain[w[0]][w[1]][w[2]][w[3]], pulled_g[w[0]][w[1]][w[2]][w[3]])

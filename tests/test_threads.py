@@ -1,5 +1,6 @@
-"""The fnmoe command's CPU threading (fnmoe/threads.py): OpenMP threads spin briefly, then sleep,
-unless the user says otherwise, set before torch loads OpenMP; a library import changes nothing."""
+"""fnmoe's CPU threading (fnmoe/threads.py): OpenMP threads spin briefly, then sleep, unless the user
+says otherwise, set before torch loads OpenMP, for the command and a library import alike; a program
+that loaded torch first is told how."""
 import os
 import re
 import subprocess
@@ -8,20 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from fnmoe.threads import describe, is_command, passive, wait_settings
+from fnmoe.threads import describe, passive, too_late, wait_settings
 from conftest import tiny_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_command_spins_briefly_unless_told():
-    assert wait_settings({}, torch_loaded=False, command=True) == {"GOMP_SPINCOUNT": "1000"}
-    assert wait_settings({"OMP_WAIT_POLICY": "active"}, False, True) == {}  # the user's choice is kept
-    assert wait_settings({"GOMP_SPINCOUNT": "300000"}, False, True) == {}
-    assert wait_settings({}, torch_loaded=True, command=True) == {}  # too late: OpenMP has read its variables
-    assert wait_settings({}, torch_loaded=False, command=False) == {}  # a library import sets nothing
-    assert is_command("-m") and is_command("/venv/bin/fnmoe") and not is_command("/venv/bin/pytest")
-    assert not is_command("-c")
+def test_the_command_and_the_library_spin_briefly_unless_told():
+    assert wait_settings({}, torch_loaded=False) == {"GOMP_SPINCOUNT": "1000"}
+    assert wait_settings({"OMP_WAIT_POLICY": "active"}, False) == {}  # the user's choice is kept
+    assert wait_settings({"GOMP_SPINCOUNT": "300000"}, False) == {}
+    assert wait_settings({}, torch_loaded=True) == {}  # too late: OpenMP has read its variables
+    assert "import fnmoe before torch, or set GOMP_SPINCOUNT=1000" in too_late({}, True, 2)
+    assert too_late({}, False, 2) is None and too_late({"OMP_WAIT_POLICY": "PASSIVE"}, True, 2) is None
+    assert too_late({}, True, 1) is None  # one core: no thread waits for another
     assert "waiting threads spin 1000 turns, then sleep" in describe({"GOMP_SPINCOUNT": "1000"})
     assert "sleep at once" in describe({"OMP_WAIT_POLICY": "passive"}) and passive({"GOMP_SPINCOUNT": "0"})
     assert not passive({"GOMP_SPINCOUNT": "1000"}) and not passive({})
@@ -46,13 +47,16 @@ def test_a_fresh_train_process_spins_briefly(tmp_path):
 
 
 @pytest.mark.launch
-def test_the_users_choice_and_a_library_import_keep_libgomps_settings(tmp_path):
-    def spin_count(args: list[str], **env) -> str:
+def test_the_users_choice_is_kept_and_a_library_import_spins_briefly(tmp_path):
+    def spin_count(args: list[str], **env) -> tuple[str, str]:
         r = subprocess.run([sys.executable, *args], cwd=tmp_path, env=_env(**env), capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 0, r.stderr[-3000:]
-        return next(line.split("=")[1].strip() for line in r.stderr.splitlines() if "GOMP_SPINCOUNT =" in line)
+        return next(line.split("=")[1].strip() for line in r.stderr.splitlines() if "GOMP_SPINCOUNT =" in line), \
+            r.stderr
     plan = ["-m", "fnmoe", "plan"]  # a command that loads torch (its help does not)
-    assert spin_count(plan, OMP_WAIT_POLICY="ACTIVE") == "'30000000000'"
-    assert spin_count(plan, GOMP_SPINCOUNT="300000") == "'300000'"
-    assert spin_count(["-c", "import fnmoe, torch; torch.ones(4).sum()"]) == "'300000'"  # libgomp's default
+    assert spin_count(plan, OMP_WAIT_POLICY="ACTIVE")[0] == "'30000000000'"
+    assert spin_count(plan, GOMP_SPINCOUNT="300000")[0] == "'300000'"
+    assert spin_count(["-c", "import fnmoe, torch; torch.ones(4).sum()"])[0] == "'1000'"  # as the command
+    count, err = spin_count(["-c", "import torch, fnmoe; torch.ones(4).sum()"])  # too late: said how
+    assert count == "'300000'" and "torch was imported before fnmoe" in err and (os.cpu_count() or 1) > 1

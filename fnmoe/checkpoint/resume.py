@@ -62,11 +62,16 @@ def check_resume_config(saved: RunConfig, run: RunConfig, ckpt: Path, step: int)
             f"reads, and how many make an epoch) follows from the sequence length, so the rest of the epoch would be "
             f"skipped or repeated; resume with --data.seq-len {saved.data.seq_len} or start a new run")
     if diffs and rank_in_job()[0] == 0:  # every rank finds the same: rank 0 says it
-        log.warning("resuming from %s with settings that differ from the checkpoint's: %s; the new values "
-                    "apply after step %d", ckpt, shown(diffs), step)
+        log.warning("resuming from %s with %d setting%s changed from its %s (they apply after step %d):\n%s",
+                    ckpt, len(diffs), "s"[:len(diffs) != 1], CONFIG, step, changed_flags(diffs))
         jump = lr_jump(saved, run, step)
         if jump:
             log.warning(jump)
+
+
+def changed_flags(diffs: list[tuple[str, Any, Any]]) -> str:
+    """One line a changed setting, as its flag: `  --data.corpus: 'data/mine' -> 'bundled'`."""
+    return "\n".join(f"  --{k.replace('_', '-')}: {a!r} -> {b!r}" for k, a, b in diffs)
 
 
 def lr_jump(saved: RunConfig, run: RunConfig, step: int) -> str | None:

@@ -45,7 +45,8 @@ subcommands:
   inspect   what torch.compile makes of each region: graphs, breaks, recompiles, kernels, host syncs
   checkpoint verify DIR   check what a resume checks: files (sizes, sha256, shapes), config, params finite
   convert   --from-hf SRC --out DST: a Hugging Face checkpoint to the native tree format;
-            --to-hf SRC --out DST: a native tree to a Hugging Face checkpoint
+            --to-hf SRC --out DST: a run directory (its newest checkpoint), a checkpoint or a native
+            tree to a Hugging Face checkpoint
 
 Run `fnmoe SUBCOMMAND --help` for the flags of one subcommand.
 """
@@ -119,7 +120,14 @@ def _parse_run_and(argv: list[str], prog: str, flag: str, spec: dict, usage: str
 
 
 def cmd_train(argv: list[str]) -> int:
-    run = parse_run(argv, "fnmoe train")  # every flag and config value checked before the loop is imported
+    from fnmoe.cli.resumed import saved_run
+
+    saved = saved_run(argv)  # --resume continues the run: its saved config is the flags' base
+    if saved is not None:
+        logging.getLogger("fnmoe").info("--resume: the base config is %s's config.toml (the run's preset and "
+                                        "flags); the flags given here change it", saved[0])
+    # every flag and config value checked before the loop is imported
+    run = parse_run(argv, "fnmoe train", base=None if saved is None else saved[1])
     from fnmoe.training.loop import train
 
     summary = train(run)

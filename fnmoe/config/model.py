@@ -18,6 +18,7 @@ class MoEConfig:
     n_experts: Count = 8
     """routed experts per MoE layer (0 makes every layer dense)"""
     top_k: PositiveInt = 2
+    """experts a token is routed to (K); at most n_experts"""
     expert_hidden: PositiveInt = 256
     """hidden size F of one routed expert"""
     n_shared_experts: Count = 0
@@ -69,9 +70,14 @@ class MoEConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: PositiveInt = 264
+    """rows of the embedding and columns of the output head (the byte tokenizer: 256 bytes + EOS,
+    padded to 264)"""
     dim: PositiveInt = 128
+    """model width D: the residual stream, embedding and attention input size"""
     n_layers: PositiveInt = 4
+    """transformer blocks (attention plus a dense MLP or a MoE layer each)"""
     n_heads: PositiveInt = 4
+    """query heads of attention"""
     n_kv_heads: PositiveInt = 2
     """key/value heads of GQA (MLA ignores it: every head has its own keys and values)"""
     head_dim: Count = 0
@@ -98,15 +104,20 @@ class ModelConfig:
     ffn_hidden: PositiveInt = 512
     """hidden size of the dense SwiGLU MLP"""
     rope_theta: PositiveFloat = 10000.0
+    """RoPE base: the rotation of dim pair i is position * theta^(-2i/head dim)"""
     rope_interleave: bool = False
     """RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of (x_i, x_i+A/2)"""
     rope_scaling: Literal["none", "yarn"] = "none"
+    """RoPE context extension: none, or YaRN (the yarn_* fields)"""
     yarn_factor: PositiveFloat = 1.0
     """YaRN: context extension factor"""
     yarn_original_max_seq_len: PositiveInt = 4096
     """YaRN: the pre-extension context length"""
     yarn_beta_fast: float = 32.0
+    """YaRN: dims that rotate more than this many times over the original context keep their frequency"""
     yarn_beta_slow: float = 1.0
+    """YaRN: dims that rotate fewer than this many times are interpolated by yarn_factor (between the
+    two: a linear ramp)"""
     yarn_mscale: NonNegativeFloat = 0.0
     """YaRN: with yarn_mscale_all_dim, sets the cos/sin factor mscale(mscale) / mscale(mscale_all_dim);
     0 (either) means mscale(1) = 0.1 ln(factor) + 1"""
@@ -117,12 +128,17 @@ class ModelConfig:
     yarn_truncate: bool = True
     """YaRN: round the correction range to whole dims"""
     norm_eps: NonNegativeFloat = 1e-6
+    """epsilon of every RMSNorm"""
     tie_embeddings: bool = False
+    """the output head reuses the embedding matrix (one parameter)"""
     max_seq_len: PositiveInt = 1024
+    """longest sequence the RoPE tables cover (data.seq_len and generation must stay within it)"""
     init_std: NonNegativeFloat = 0.02
+    """standard deviation of the normal init of the weight matrices (norms start at one)"""
     moe: MoEConfig = field(default_factory=MoEConfig)
     compute_dtype: Dtype = "float32"
-    """float64 serves gradient checks"""
+    """dtype of the activations and GEMMs; the master params and optimizer state stay float32
+    (bfloat16 on a GPU; float64 serves gradient checks)"""
     compile: bool = False
     """compile each region (attention, MoE, dense MLP) with torch.compile"""
 

@@ -22,7 +22,11 @@ REGIONS = ("attention", "moe", "mlp")  # the regions a block compiles and Memory
 @dataclass(frozen=True)
 class MeshConfig:
     fsdp: PositiveInt = 1
+    """ranks the params, gradients and optimizer state are sharded over (FSDP / ZeRO-3); mesh.fsdp x
+    mesh.ep must be the job's ranks (torchrun --nproc-per-node ...)"""
     ep: PositiveInt = 1
+    """expert-parallel ranks: each holds n_experts / ep experts and tokens are exchanged all-to-all;
+    must divide model.moe.n_experts"""
     reshard_after_forward: bool = True
     """re-gather a block's params in backward instead of keeping them (ZeRO-3)"""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -44,11 +48,15 @@ class MeshConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     name: Literal["adamw", "muon"] = "adamw"
+    """optimizer: AdamW, or Muon (Newton-Schulz orthogonalised momentum) on the hidden matrices and AdamW
+    on the rest (embedding, output head, norms)"""
     lr: PositiveFloat = 3e-3
     """peak learning rate (Muon: the Muon lr; AdamW leaves use adamw_lr)"""
     min_lr_ratio: Annotated[float, Range(0, 1)] = 0.1
     """final lr as a fraction of the peak"""
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """the lr over the run: a linear warmup, then cosine decay to min_lr_ratio x lr, or warmup-stable-decay
+    (the decay in the last decay_fraction of the steps); or constant (no warmup)"""
     warmup_steps: Count = 50
     """linear warmup steps; one not shorter than the run is clamped to a tenth of it, with a warning"""
     warmup_fraction: Annotated[float, Range(0, 1, hi_open=True)] = 0.0
@@ -56,15 +64,24 @@ class OptimConfig:
     decay_fraction: Annotated[float, Range(0, 1, lo_open=True)] = 0.2
     """wsd: fraction of the steps spent in the final decay"""
     weight_decay: NonNegativeFloat = 0.1
+    """decoupled weight decay (AdamW's, times lr) of the matrices; norms and biases get none"""
     beta1: Annotated[float, Range(0, 1, hi_open=True)] = 0.9
+    """AdamW: decay of the first moment (the gradient's running mean)"""
     beta2: Annotated[float, Range(0, 1, hi_open=True)] = 0.95
+    """AdamW: decay of the second moment (the squared gradient's running mean)"""
     eps: NonNegativeFloat = 1e-8
+    """AdamW: added to the second moment's square root in the update's denominator"""
     clip_norm: NonNegativeFloat = 1.0
     """global gradient-norm clip; 0 disables"""
     momentum: Annotated[float, Range(0, 1, hi_open=True)] = 0.95
+    """Muon only: momentum of the matrices' update"""
     nesterov: bool = True
+    """Muon only: Nesterov momentum (orthogonalise gradient + momentum x buffer)"""
     ns_steps: Annotated[int, Range(1)] = 5
+    """Muon only: Newton-Schulz iterations that orthogonalise an update"""
     adjust_lr: Literal["original", "match_rms_adamw", "spectral"] = "match_rms_adamw"
+    """Muon only: how a matrix's lr scales with its shape: original (Keller Jordan's sqrt(max(1, out/in))),
+    match_rms_adamw (0.2 sqrt(max(in, out)), Moonlight: AdamW's lr and weight decay carry over) or spectral"""
     adamw_lr: NonNegativeFloat = 0.0
     """Muon only: lr of the AdamW leaves; 0 means the same as lr"""
     momentum_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -122,8 +139,9 @@ class MemoryConfig:
 class CheckpointConfig:
     """Checkpoints go to <run-dir>/checkpoints/step_<N> (fnmoe/checkpoint/); resume with --resume auto."""
 
-    every: Count = 0
-    """save every N steps (0: only the final save, and one on Ctrl-C)"""
+    every: Count = 500
+    """save every N steps besides the final save and the one on Ctrl-C or SIGTERM (500, as TorchTitan and
+    HF Trainer: a SIGKILL or the OOM killer loses at most that many steps); 0: only those two"""
     keep_last: Annotated[int, Range(1)] = 3
     """keep the newest K complete checkpoints; older ones are deleted after each save"""
     async_save: bool = False
@@ -175,7 +193,10 @@ class DataConfig:
     {corpus = DIR, weight = w} tables, `name` optional): each global batch takes its rows from the
     sources in proportion to the weights; a source that runs out starts a new epoch of itself"""
     tokenizer: Literal["byte"] = "byte"
+    """tokenizer of a text or JSONL corpus: bytes (256 ids + EOS); a prepared directory carries its own
+    (fnmoe prepare --tokenizer)"""
     seq_len: PositiveInt = 128
+    """tokens a training sequence (packed rows of documents); at most model.max_seq_len"""
     val_fraction: Annotated[float, Range(0, 1, lo_open=True, hi_open=True)] = 0.05
     """the last fraction of documents is held out for validation"""
     doc_mask: bool = False
@@ -190,21 +211,28 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: PositiveInt = 800
+    """optimizer steps of the run (the lr schedule spans them); see train.tokens"""
     tokens: Count = 0
     """> 0: train on this many tokens: train.steps becomes ceil(tokens / (batch_size x data.seq_len)) (given
     both, they must agree; on the command line the one given wins over a preset's)"""
     seed: int = 0
+    """seed of the init and of the data order (the same seed and batch size: the same samples at a step)"""
     batch_size: PositiveInt = 16
     """global batch in sequences per optimizer step (all ranks, all micro-batches)"""
     grad_accum: PositiveInt = 1
+    """micro-batches a step accumulates gradients over (the global batch is split into them); must
+    divide batch_size / (mesh.fsdp x mesh.ep)"""
     ce_chunks: PositiveInt = 1
     """cross-entropy computed in this many token chunks, logits recomputed in backward"""
     run_dir: str = ""
     """default ./runs/<config stem>"""
     log_every: PositiveInt = 20
+    """a progress line every N steps (its loss and tokens/s are the mean over those N steps); metrics.jsonl
+    gets every step"""
     eval_every: Count = 200
     """validation every N steps (0: only at the end)"""
     eval_batches: PositiveInt = 8
+    """held-out batches each validation averages (of batch_size sequences)"""
     peak_tflops: NonNegativeFloat = 0.0
     """accelerator peak for MFU (989 for H100/H200 bf16); 0 reports n/a"""
     threads: Annotated[int, Range(0, 1024)] = 0
@@ -220,6 +248,7 @@ class TrainConfig:
     (pip install 'fnmoe[wandb]'; WANDB_MODE=offline logs without a network); a resumed run continues
     the same W&B run (its id is kept in <run-dir>/wandb_id)"""
     wandb_project: str = "fnmoe"
+    """the W&B project of --train.wandb"""
     wandb_name: str = ""
     """the W&B run's display name (default: the run's name)"""
     init_from_hf: str = ""
@@ -251,6 +280,7 @@ class DistConfig:
     """seconds a collective waits for its peers before the run fails naming them; at most a year
     (31,536,000 s: gloo refuses timeouts past ~9e9 s, and Python's timedelta overflows)"""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: auto is nccl on CUDA, gloo on CPU"""
 
 
 @dataclass(frozen=True)
@@ -328,7 +358,10 @@ class RunConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     resume: str = "none"
-    """auto | none | PATH"""
+    """none: a fresh run (refused where <run-dir>/checkpoints holds one); auto: continue from the newest
+    checkpoint under <run-dir>/checkpoints that verifies (a fresh run when there is none); PATH: from that
+    checkpoint directory. Resuming, `fnmoe train` takes the checkpoint's config.toml as the base of every
+    flag (the run's preset and flags); flags given with it change it, each change named"""
     compile_cache: str = ""
     """compile cache directory (default: the checkout's compile_cache/); TORCHINDUCTOR_CACHE_DIR wins"""
     name: str = "run"

@@ -9,7 +9,8 @@ threads once per expert, and a bmm over [E, C] slabs multiplies padding (C is th
 E=16, one skewed layer): this 0.73 ms, padded bmm 1.20 ms, torch's grouped_mm 1.66 ms, one dense
 matmul of the same rows 0.61 ms.
 
-The extension builds with torch's cpp_extension (a C++ compiler and ninja; ~17 s once) into
+The extension builds with torch's cpp_extension (a C++ compiler and ninja; ~20 s once on 2 quiet cores,
+minutes under load: 175-221 s seen at load 7-10) into
 build_dir(): the checkout's compile_cache/cpu_gemm/torch-<version>-<SIMD level>. When it cannot
 build, `available()` is False and says why once; model.moe.impl='auto' then runs the padded path
 and model.attention_impl='auto' SDPA.
@@ -37,6 +38,7 @@ from pathlib import Path
 import torch
 
 from fnmoe import _torch
+from fnmoe.kernels import bf16
 from fnmoe.compile import default_cache_dir, say_once
 from fnmoe.run import lock_wait
 
@@ -66,9 +68,10 @@ def build_error() -> str | None:
         build.mkdir(parents=True, exist_ok=True)
         with build_lock(build):
             building = needs_build(build)
-            if building:  # ~17 s of silence otherwise
-                log.info("building fnmoe's C++ CPU kernels in %s (once per checkout and torch version; ~17 s on 2 "
-                         "quiet cores)...", build)
+            if building:  # a long silence otherwise; said where a library's logging shows no INFO too
+                log.log(logging.INFO if log.isEnabledFor(logging.INFO) else logging.WARNING,
+                        "building fnmoe's C++ CPU kernels in %s (once per checkout and torch version; ~20 s on 2 "
+                        "quiet cores, minutes while other work shares them)...", build)
             t0 = time.perf_counter()
             cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], build_directory=str(build),
                                extra_cflags=["-O3", "-fopenmp", *isa_flags], extra_ldflags=["-fopenmp"],
@@ -78,9 +81,10 @@ def build_error() -> str | None:
     except Exception as e:  # no compiler, no ninja, a read-only cache: the padded path serves
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     torch.library.register_fake("fnmoe_cpu::grouped_mm")(
-        lambda x_RD, w_EDF, end_E: x_RD.new_empty(x_RD.shape[0], w_EDF.shape[2]))
+        lambda x_RD, w_EDF, end_E, fp32: x_RD.new_empty(x_RD.shape[0], w_EDF.shape[2]))
     torch.library.register_fake("fnmoe_cpu::grouped_mm_wgrad")(
-        lambda x_RD, g_RF, end_E, dtype: x_RD.new_empty(end_E.shape[0], x_RD.shape[1], g_RF.shape[1], dtype=dtype))
+        lambda x_RD, g_RF, end_E, dtype, fp32: x_RD.new_empty(end_E.shape[0], x_RD.shape[1], g_RF.shape[1],
+                                                              dtype=dtype))
     torch.library.register_fake("fnmoe_cpu::attention")(
         lambda q, k, v, scale: (q.new_empty(*q.shape[:3], v.shape[3]),
                                 q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)))
@@ -152,6 +156,18 @@ def vector_isa() -> tuple[str, list[str]]:
     return str(isa).split()[0], flags
 
 
+def build_before(model, device: torch.device | str) -> None:
+    """Build or load the extension now where `model` (a ModelConfig) takes it on device: CPU experts on
+    model.moe.impl auto or grouped, CPU attention in bf16 on auto or cpu. A training loop calls it
+    before its first step, so that a first build is no step's time (step 1's tokens/s)."""
+    if torch.device(device).type != "cpu":
+        return
+    experts = model.moe.n_experts > 0 and model.moe.impl in ("auto", "grouped")
+    attention = model.compute_dtype == "bfloat16" and model.attention_impl in ("auto", "cpu")
+    if experts or attention:
+        available()
+
+
 @torch.compiler.assume_constant_result  # compiled callers take it while they trace: never trace the build
 def available() -> bool:
     """Whether the C++ CPU ops (grouped GEMM, attention) run here (builds them on the first call)."""
@@ -175,25 +191,27 @@ class _GroupedMM(torch.autograd.Function):
     train step's value_and_grad is tested against torch.func.grad_and_value)."""
 
     @staticmethod
-    def forward(x_RD, w_EDF, end_E):
-        return torch.ops.fnmoe_cpu.grouped_mm(x_RD, w_EDF, end_E)
+    def forward(x_RD, w_EDF, end_E, fp32):
+        return torch.ops.fnmoe_cpu.grouped_mm(x_RD, w_EDF, end_E, fp32)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
+        ctx.save_for_backward(*inputs[:3])
+        ctx.fp32 = inputs[3]
 
     @staticmethod
     def backward(ctx, g_RF):
         x_RD, w_EDF, end_E = ctx.saved_tensors
         ops = torch.ops.fnmoe_cpu
-        g_x = ops.grouped_mm(g_RF, w_EDF.transpose(1, 2), end_E) if ctx.needs_input_grad[0] else None
-        g_w = ops.grouped_mm_wgrad(x_RD, g_RF, end_E, w_EDF.dtype) if ctx.needs_input_grad[1] else None
-        return g_x, g_w, None
+        g_x = ops.grouped_mm(g_RF, w_EDF.transpose(1, 2), end_E, ctx.fp32) if ctx.needs_input_grad[0] else None
+        g_w = ops.grouped_mm_wgrad(x_RD, g_RF, end_E, w_EDF.dtype, ctx.fp32) if ctx.needs_input_grad[1] else None
+        return g_x, g_w, None, None
 
 
 def grouped_mm(x_RD: torch.Tensor, w_EDF: torch.Tensor, end_E: torch.Tensor) -> torch.Tensor:
     """y_RF[r] = x_RD[r] @ w_EDF[expert of r]; end_E: int64 cumulative row counts per expert. w may
     be stored in another float dtype (fp32 master weights): slices are cast to x's dtype as they
-    are multiplied, and w's gradient comes back in w's dtype."""
+    are multiplied, and w's gradient comes back in w's dtype. A bf16 x on a CPU without native bf16
+    GEMMs multiplies in fp32, each result rounded once to bf16 (fnmoe.kernels.bf16)."""
     require("model.moe.impl='padded'")
-    return _GroupedMM.apply(x_RD, w_EDF, end_E)
+    return _GroupedMM.apply(x_RD, w_EDF, end_E, x_RD.dtype == torch.bfloat16 and bf16.wanted())

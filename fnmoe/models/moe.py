@@ -288,7 +288,7 @@ def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed:
     the expert stacks, optionally shared.* and router_bias_E, and with expert parallelism ep_group
     (the stacks then hold that ep rank's experts; fnmoe.parallel.sharding.gather adds it). stats: counts_E,
     balance_loss, probs_sum_E (the Switch loss's parts, for data parallelism), dropped (rows over
-    capacity), router_logits_TE (fp32, detached), and seq_balance_loss / z_loss when their coefficients
+    capacity), router_logits_TE (fp32, with its graph), and seq_balance_loss / z_loss when their coefficients
     are non-zero. router (fnmoe.models.routing.Router) routes; None: the built-in of model.moe.score_func.
     routed(p, x_TD, w_TK, idx_TK, cfg, gemm) -> (out_TD, counts_E, kept_E), the shared experts included,
     runs the experts in place of the unchunked sparse path: fnmoe.models.transformer passes
@@ -347,7 +347,7 @@ def _stats(cfg: ModelConfig, probs_TE, logits_TE, idx_TK, counts_E, kept_E, B: i
     m = cfg.moe
     stats = {"counts_E": counts_E, "balance_loss": balance_loss(probs_TE, counts_E, m.top_k),
              "probs_sum_E": probs_TE.sum(0), "dropped": (counts_E - kept_E).sum(),
-             "router_logits_TE": logits_TE.detach()}
+             "router_logits_TE": logits_TE}  # with its graph: a user's loss may take it (hidden_states drops it else)
     if m.seq_aux_loss_coeff:
         stats["seq_balance_loss"] = seq_balance_loss(probs_TE.view(B, -1, m.n_experts), idx_TK.view(B, -1, m.top_k))
     if m.z_loss_coeff:

@@ -20,6 +20,7 @@ from fnmoe import _torch
 from fnmoe.models import block_chunks, moe_chunks, transforms
 from fnmoe import compile as fcompile
 from fnmoe.kernels import attention as cpu_attention
+from fnmoe.kernels.bf16 import fp32_gemms
 from fnmoe.models.attention import attention, doc_mask, max_logits_H, rms_norm, rope, upcast
 from fnmoe.config import ModelConfig
 from fnmoe.dtypes import DTYPE
@@ -45,12 +46,14 @@ def in_compute_dtype(p: dict, dtype: torch.dtype, keep: tuple[str, ...] = ("rout
 
 def attention_region(p, x_BLD, cos_LP, sin_LP, cfg, mask=None):
     p = in_compute_dtype(p, x_BLD.dtype)
-    return attention(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cos_LP, sin_LP, cfg, mask)
+    with fp32_gemms(x_BLD):  # each region takes it itself: a region recomputed in backward runs outside its block
+        return attention(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps), cos_LP, sin_LP, cfg, mask)
 
 
 def mlp_region(p, x_BLD, cfg):
     p = in_compute_dtype(p, x_BLD.dtype)
-    return swiglu(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps))
+    with fp32_gemms(x_BLD):
+        return swiglu(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps))
 
 
 def moe_region(p, x_BLD, cfg, gemm, recompute=None, router=None):
@@ -59,7 +62,8 @@ def moe_region(p, x_BLD, cfg, gemm, recompute=None, router=None):
     chunked = None  # the dense path (every expert on every token) takes no chunks
     if cfg.moe.token_chunks > 1 and gemm != "dense":
         chunked = functools.partial(moe_chunks.chunked, recompute=recompute)
-    return moe_block(*_moe_inputs(p, x_BLD, cfg, gemm), cfg, gemm, chunked, router)
+    with fp32_gemms(x_BLD):
+        return moe_block(*_moe_inputs(p, x_BLD, cfg, gemm), cfg, gemm, chunked, router)
 
 
 def _moe_inputs(p, x_BLD, cfg, gemm):
@@ -174,6 +178,12 @@ def fed_block(p: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg: ModelCo
     params here, inside the runner, so a runner that recomputes in backward takes them again there
     (under FSDP: gathers them again; fnmoe.parallel.fsdp). A runner that chunks the block
     (BlockRunner.block_chunks) runs it over chunks of its sequences on params taken once."""
+    with fp32_gemms(x_BLD, not cfg.compile):  # here, inside the runner: a recompute in backward takes it again
+        return _fed_block(p, x_BLD, bias_E, cos_LP, sin_LP, cfg, mask, runner, i, feed, router)
+
+
+def _fed_block(p: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg: ModelConfig, mask, runner: BlockRunner,
+               i: int, feed: LayerFeed, router: Router | None):
     w = _with_bias(feed.inside(p, i), bias_E)
     chunking = runner.block_chunks(i)
     if chunking is None:
@@ -247,8 +257,9 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     expert_counts_NE (tokens per expert per MoE layer) and balance_loss (the mean over MoE layers,
     0-D; both None without MoE), plus seq_balance_loss and z_loss (the same means) only when their
     coefficients are set, with record_max_logits max_logits_NH (per layer and head, fp32; MuonClip's
-    input), and with record_router_logits router_logits_NTE (per MoE layer, fp32, detached: N·T·E·4
-    bytes held until aux goes, so off by default in training).
+    input), and with record_router_logits router_logits_NTE (per MoE layer, fp32, with their gradients,
+    so that a loss of yours may take them: N·T·E·4 bytes and their graph held until aux goes, so off
+    by default in training).
 
     runner (fnmoe.models.seams.BlockRunner; memory.Runner under a memory policy) runs each block and each
     of its regions: recompute in backward, offload, resharding. source (fnmoe.models.seams.ParamsSource)
@@ -307,4 +318,5 @@ def forward(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig, positions_B
     check_inputs(params, tokens_BL, cfg)
     h_BLD, aux = hidden_states(params, tokens_BL, cfg, runner, positions_BL=positions_BL, source=source,
                                router=router, record_router_logits=record_router_logits)
-    return upcast(h_BLD @ head_weight(params, cfg, source).to(h_BLD.dtype)), aux
+    with fp32_gemms(h_BLD):
+        return upcast(h_BLD @ head_weight(params, cfg, source).to(h_BLD.dtype)), aux

@@ -45,6 +45,18 @@ def window_means(rows: list[dict]) -> dict:
             "skipped": len(rows) - len(losses)}
 
 
+def final_loss(rows: list[dict]) -> str:
+    """The last line's train loss, labelled: the last step's, and the mean the last progress line
+    showed (rows: its steps' metrics rows) where that line spans more steps."""
+    if not rows:
+        return "no step to train"
+    row, mean = rows[-1], window_means(rows)["loss"]
+    last = f"final train loss {row['loss']:.4f} (step {row['step']}"
+    if len(rows) == 1 or mean is None:
+        return last + ")"
+    return f"{last}; {mean:.4f} the mean of steps {rows[0]['step']}-{row['step']}, as on the progress line)"
+
+
 def progress_line(rows: list[dict], total: int, before_s: float = 0.0, first: bool = False) -> str:
     """The steps since the last progress line (their metrics rows, in order) as one log line: the
     last step's number, lr, gradient norm and expert load; the window's mean loss and tokens/s

@@ -31,6 +31,7 @@ from pathlib import Path
 log = logging.getLogger("fnmoe")
 
 LOCK = "fnmoe.lock"
+CONSOLE = "console.log"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
@@ -131,6 +132,56 @@ def write_text(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise failure("writing", path, e) from None
+
+
+class ConsoleLog(logging.Handler):
+    """A copy of the run's log lines (the fnmoe logger's: header, progress, evals, warnings, the last
+    line), as the console shows them, for <run-dir>/console.log: held in memory from when the run
+    takes its directory until `start_console_log` (the run's outputs opened: its checks passed),
+    then appended to the file, a resumed run's after the earlier ones. A run refused before then (a
+    resume that changes the model, another batch size) leaves the file as it was."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self.held: list[str] = []
+        self.file = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = self.format(record) + "\n"
+        if self.file is None:
+            self.held.append(line)
+            return
+        try:
+            self.file.write(line)
+        except (OSError, ValueError):
+            self.handleError(record)
+
+
+def console_log() -> ConsoleLog:
+    """Attach a ConsoleLog to the fnmoe logger (rank 0, once it holds the run directory); detach it
+    with `close_console_log`."""
+    handler = ConsoleLog()
+    log.addHandler(handler)
+    return handler
+
+
+def start_console_log(run_dir: Path) -> None:
+    """Open <run-dir>/console.log (by open_file: no symlink followed) for the attached ConsoleLog and
+    write what it held; nothing where none is attached (a rank other than 0)."""
+    for handler in log.handlers:
+        if isinstance(handler, ConsoleLog) and handler.file is None:
+            fd = open_file(run_dir / CONSOLE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "writing")
+            handler.file = open(fd, "a", buffering=1, encoding="utf-8")
+            handler.file.writelines(handler.held)
+            handler.held = []
+
+
+def close_console_log(handler: ConsoleLog) -> None:
+    log.removeHandler(handler)
+    handler.close()
+    if handler.file is not None:
+        handler.file.close()
 
 
 def _start_ticks(pid: int) -> str | None:

@@ -23,6 +23,7 @@ from fnmoe.parallel import dist as fdist
 from fnmoe.parallel.same_config import ConfigMismatch, check_same_config
 from fnmoe.checkpoint.procs import first_error, from_lead
 from fnmoe.compile import warm_start
+from fnmoe.kernels import gemm as cpu_gemm
 from fnmoe.config import RunConfig, to_toml
 from fnmoe.plan.activations import pool_bytes
 from fnmoe.plan.flops import flops_per_token
@@ -230,10 +231,11 @@ def _initial_params(run: RunConfig, device: torch.device, mesh):
 def _train(run: RunConfig, rank: int, mesh, request: stop.Request) -> dict:
     """The run, holding its directory's lock (rank 0 takes it) from before anything in it is read
     until every exit: a return, an error, a signal's stop or abort."""
-    lock, error = None, None
+    lock, console, error = None, None, None
     if rank == 0:
         try:
             lock = rundir.acquire(run_dir_of(run))
+            console = rundir.console_log()
         except rundir.RunDirError as e:
             error = str(e)
     try:
@@ -242,6 +244,8 @@ def _train(run: RunConfig, rank: int, mesh, request: stop.Request) -> dict:
             stop.forget(run_dir_of(run))  # this run's own ending will say how it ended
         return _train_locked(run, rank, mesh, request)
     finally:
+        if console:
+            rundir.close_console_log(console)
         if lock:
             lock.release()
 
@@ -252,6 +256,7 @@ def _open_outputs(run: RunConfig, run_dir: Path, state: TrainState, resumed: boo
     if rank == 0:
         try:
             rundir.write_text(run_dir / "config.toml", to_toml(run))
+            rundir.start_console_log(run_dir)  # the run's checks passed: its log lines so far, then the rest
             # alone: the other ranks reach their first save only after rank 0 is past this (a step's collectives)
             checkpoint.set_aside_after(run_dir / "checkpoints", state.step)
             mirrors = [TensorBoardWriter(run_dir / "tensorboard")] if run.train.tensorboard else []
@@ -328,6 +333,7 @@ def _setup(run: RunConfig, rank: int, state: TrainState, resumed: bool, data: tu
     fpt = flops_per_token(run.model, L)
     saver = checkpoint.Saver(run_dir / "checkpoints", run.checkpoint, last_step=state.step)  # on every rank: collective
     prof = profile_window(run.profile.steps, run_dir, state.step + 1, rank)
+    cpu_gemm.build_before(run.model, device)  # a first build here, not in step 1's time
     log.info("run %s: steps %d..%d x %d sequences x %d tokens -> %s", run.name, state.step + 1, t.steps,
              t.batch_size, L, run_dir)
     log.info(threads.describe())

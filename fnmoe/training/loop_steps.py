@@ -25,8 +25,8 @@ from fnmoe.plan.flops import mfu
 from fnmoe.run import faults, guards, rundir, stop
 from fnmoe.run.metrics import load_by_layer, load_max_over_mean, rank_load_max_over_mean
 from fnmoe.run.notes import steps_done
-from fnmoe.run.progress import (ProfileWindow, eval_line, progress_line, progress_note, slow_steps, slow_warning,
-                                val_row)
+from fnmoe.run.progress import (ProfileWindow, eval_line, final_loss, progress_line, progress_note, slow_steps,
+                                slow_warning, val_row)
 from fnmoe.sampling.text import log_sample
 from fnmoe.training.step import eval_loss
 from fnmoe.training.state import TrainState, donated
@@ -82,6 +82,7 @@ class Session:
     skips: Any = None
     window: list = field(default_factory=list)  # the metrics rows since the last progress line
     window_s: float = 0.0  # time_s when the window began
+    shown: list = field(default_factory=list)  # the rows of the last progress line
     step_s: list = field(default_factory=list)  # each step's time, for the slow-step warning
     slow: bool = False  # the slow-step warning was given and the steps have not recovered since
 
@@ -103,8 +104,8 @@ def run_steps(s: Session, request: stop.Request) -> dict:
     finally:
         s.saver.join()
         s.writer.close()
-    log.info("done: %s, final train loss %.4f, held-out loss %.4f; metrics in %s, checkpoint %s",
-             steps_done(first, t.steps, time.perf_counter() - s.start), s.row["loss"], val_loss,
+    log.info("done: %s, %s, held-out loss %.4f; metrics in %s, checkpoint %s",
+             steps_done(first, t.steps, time.perf_counter() - s.start), final_loss(s.shown), val_loss,
              run_dir_of(s.run) / "metrics.jsonl", saved)
     return {"steps": t.steps, "loss": s.row["loss"], "val_loss": val_loss, "run_dir": str(run_dir_of(s.run)),
             "params": s.state.params, "interrupted": False, "checkpoint": str(saved)}
@@ -177,7 +178,7 @@ def _after_step(s: Session, step: int, first: int) -> None:
         if step == first:
             log.info(progress_note(t.log_every))
         log.info(progress_line(s.window, t.steps, s.window_s, first=step == first))
-        s.window, s.window_s = [], s.row["time_s"]
+        s.shown, s.window, s.window_s = s.window, [], s.row["time_s"]
     _warn_if_slow(s, step)
 
 

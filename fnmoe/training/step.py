@@ -27,6 +27,7 @@ from fnmoe.models.attention import rms_norm, upcast
 from fnmoe.config import ModelConfig, RunConfig
 from fnmoe.data.loader import IGNORE
 from fnmoe.dtypes import DTYPE
+from fnmoe.kernels.bf16 import fp32_gemms
 from fnmoe.models.transformer import check_inputs, check_tokens, final_norm_weight, head_weight, hidden_states
 from fnmoe.models.moe import balance_loss_part, update_router_bias
 from fnmoe.parallel.fsdp import params_source
@@ -41,7 +42,8 @@ from fnmoe.tree import Tree, tree_flatten, tree_map, tree_unflatten, value_and_g
 
 def _ce_sum(x_TD: torch.Tensor, norm_D: torch.Tensor, w_DV: torch.Tensor, labels_T: torch.Tensor,
             eps: float) -> torch.Tensor:
-    logits_TV = upcast(rms_norm(x_TD, norm_D, eps) @ w_DV)
+    with fp32_gemms(x_TD):  # here: a chunk's recompute in backward takes it again
+        logits_TV = upcast(rms_norm(x_TD, norm_D, eps) @ w_DV)
     return F.cross_entropy(logits_TV, labels_T, ignore_index=IGNORE, reduction="sum")
 
 
@@ -342,13 +344,15 @@ def _metrics(run: RunConfig, out: dict, n_global: int) -> dict:
     return metrics
 
 
-def eval_loss(params: Tree, batches: list[tuple[torch.Tensor, ...]], run: RunConfig) -> float:
-    """Mean token cross-entropy over batches (as train_step's micro-batches), no gradients."""
+def eval_loss(params: Tree, batches: list[tuple[torch.Tensor, ...]], run: RunConfig, *,
+              router: Router | None = None) -> float:
+    """Mean token cross-entropy over batches (as train_step's micro-batches), no gradients; router:
+    the one the model was trained with (loss_fn's router=; None: the built-in of model.moe.score_func)."""
     total, count, source = 0.0, 0, params_source(params)
     with torch.no_grad():
         for inputs_BL, labels_BL, *positions in batches:
             x_BLD, _ = hidden_states(params, inputs_BL, run.model, positions_BL=positions[0] if positions else None,
-                                     source=source, final_norm=False)
+                                     source=source, final_norm=False, router=router)
             norm_D = final_norm_weight(params, run.model, source)
             total += ce_loss_sum(x_BLD, norm_D, head_weight(params, run.model, source), labels_BL,
                                  run.model.norm_eps, run.train.ce_chunks).item()

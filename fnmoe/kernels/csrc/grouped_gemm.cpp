@@ -49,8 +49,15 @@ void check(const at::Tensor& x_RD, const at::Tensor& end_E, int64_t E) {
               "grouped GEMM: the experts' rows must add up to the ", x_RD.size(0), " rows of x");
 }
 
-// y_RF[r] = x_RD[r] @ w_EDF[expert of r] (w cast to x's dtype)
-at::Tensor grouped_mm(const at::Tensor& x_RD, const at::Tensor& w_EDF, const at::Tensor& end_E_in) {
+// a @ b (b cast to a's dtype); with fp32 and a bf16 a (a CPU without native bf16 GEMMs, which are
+// 10-45x slower there), one fp32 GEMM of the bf16 values (exact in fp32), rounded once to bf16.
+at::Tensor mm_in(const at::Tensor& a, const at::Tensor& b, bool fp32) {
+  if (!fp32 || a.scalar_type() != at::kBFloat16) return at::mm(a, b.to(a.scalar_type()));
+  return at::mm(a.to(at::kFloat), b.to(at::kBFloat16).to(at::kFloat)).to(at::kBFloat16);
+}
+
+// y_RF[r] = x_RD[r] @ w_EDF[expert of r] (w cast to x's dtype; fp32: mm_in's)
+at::Tensor grouped_mm(const at::Tensor& x_RD, const at::Tensor& w_EDF, const at::Tensor& end_E_in, bool fp32) {
   TORCH_CHECK(w_EDF.dim() == 3 && w_EDF.size(1) == x_RD.size(1) && w_EDF.is_floating_point(),
               "grouped GEMM: w must be a float [E, D, F] with D = x.size(1)");
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // a kernel: autograd is the custom op's
@@ -62,7 +69,9 @@ at::Tensor grouped_mm(const at::Tensor& x_RD, const at::Tensor& w_EDF, const at:
   over_row_shares(R, [&](int64_t lo, int64_t hi) {
     for (const Piece& p : pieces(ends, E, lo, hi)) {
       at::Tensor y = y_RF.narrow(0, p.start, p.stop - p.start);
-      at::mm_out(y, x_RD.narrow(0, p.start, p.stop - p.start), w_EDF.select(0, p.expert).to(x_RD.scalar_type()));
+      const at::Tensor x = x_RD.narrow(0, p.start, p.stop - p.start), w = w_EDF.select(0, p.expert);
+      if (fp32 && x_RD.scalar_type() == at::kBFloat16) y.copy_(mm_in(x, w, true));
+      else at::mm_out(y, x, w.to(x_RD.scalar_type()));
     }
   });
   return y_RF;
@@ -72,7 +81,7 @@ at::Tensor grouped_mm(const at::Tensor& x_RD, const at::Tensor& w_EDF, const at:
 // expert cut by a share boundary gets a partial product per share, summed in fp32 after the
 // parallel region.
 at::Tensor grouped_mm_wgrad(const at::Tensor& x_RD, const at::Tensor& g_RF, const at::Tensor& end_E_in,
-                            at::ScalarType dtype) {
+                            at::ScalarType dtype, bool fp32) {
   TORCH_CHECK(g_RF.dim() == 2 && g_RF.size(0) == x_RD.size(0) && g_RF.scalar_type() == x_RD.scalar_type(),
               "grouped GEMM wgrad: g must be [R, F] of x's dtype");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -90,11 +99,11 @@ at::Tensor grouped_mm_wgrad(const at::Tensor& x_RD, const at::Tensor& g_RF, cons
       const at::Tensor g = g_RF.narrow(0, p.start, p.stop - p.start);
       if (p.start == (p.expert ? ends[p.expert - 1] : 0) && p.stop == ends[p.expert]) {
         at::Tensor out = g_EDF.select(0, p.expert);
-        if (dtype == x_RD.scalar_type()) at::mm_out(out, xT, g);
-        else out.copy_(at::mm(xT, g));
+        if (dtype == x_RD.scalar_type() && !fp32) at::mm_out(out, xT, g);
+        else out.copy_(mm_in(xT, g, fp32));
         whole[p.expert] = 1;
       } else {
-        mine.emplace_back(p.expert, at::mm(xT, g).to(at::kFloat));
+        mine.emplace_back(p.expert, mm_in(xT, g, fp32).to(at::kFloat));
       }
     }
   });
@@ -112,8 +121,8 @@ at::Tensor grouped_mm_wgrad(const at::Tensor& x_RD, const at::Tensor& g_RF, cons
 
 // CPU kernels (fnmoe/cpu_gemm.py registers fake kernels for compile and the autograd formula)
 TORCH_LIBRARY(fnmoe_cpu, m) {
-  m.def("grouped_mm(Tensor x_RD, Tensor w_EDF, Tensor end_E) -> Tensor");
-  m.def("grouped_mm_wgrad(Tensor x_RD, Tensor g_RF, Tensor end_E, ScalarType dtype) -> Tensor");
+  m.def("grouped_mm(Tensor x_RD, Tensor w_EDF, Tensor end_E, bool fp32) -> Tensor");
+  m.def("grouped_mm_wgrad(Tensor x_RD, Tensor g_RF, Tensor end_E, ScalarType dtype, bool fp32) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fnmoe_cpu, CPU, m) {
