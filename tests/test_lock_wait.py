@@ -27,7 +27,7 @@ with gemm.build_lock(Path(sys.argv[1])):
 WAIT = """import logging, signal, sys, time
 from pathlib import Path
 from fnmoe.kernels import gemm
-from fnmoe.run import lock_wait
+from fnmoe.kernels import lock_wait
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 lock_wait.SAY_EVERY_S = 1.0  # the repeat, quicker than a real wait's 30 s
 signal.signal(signal.SIGTERM, lambda *a: None)  # as a run's stop request notes a signal and goes on

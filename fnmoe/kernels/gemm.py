@@ -19,7 +19,7 @@ Builds and loads take turns on a flock of build_dir()/fnmoe-build.lock (`build_l
 kernel releases however its holder ends. Its holder writes its pid, host and start time there; a
 waiter names them after 2 s and every 30 s, gives up after FNMOE_BUILD_LOCK_WAIT_S seconds (default
 600: a build takes ~17 s; then the kernels are unavailable, saying why, and the padded path
-serves) and ends at once on SIGTERM or SIGINT (fnmoe.run.lock_wait): a holder that is stopped (not
+serves) and ends at once on SIGTERM or SIGINT (fnmoe.kernels.lock_wait): a holder that is stopped (not
 dead) never lets go. torch's own lock beside it (a file `lock` made with
 O_EXCL, removed by its maker) outlives a builder killed with kill -9, and every later load would
 wait for it forever; under our flock no one else builds, so one found there is such a leftover
@@ -40,7 +40,7 @@ import torch
 from fnmoe import _torch
 from fnmoe.kernels import bf16
 from fnmoe.compile import default_cache_dir, say_once
-from fnmoe.run import lock_wait
+from fnmoe.kernels import lock_wait
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("grouped_gemm.cpp", "attention.cpp")]
 NAME = "fnmoe_cpu_gemm"

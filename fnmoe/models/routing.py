@@ -40,16 +40,17 @@ def route(x_TD: torch.Tensor, w_router_DE: torch.Tensor, cfg: ModelConfig,
         raise ValueError(f"router {_name(fn)} returned {got}; a router returns 3: (weights_TK, idx_TK, probs_TE)")
     w_TK, idx_TK, probs_TE = out
     T, K = x_TD.shape[0], cfg.moe.top_k
-    if not all(isinstance(t, torch.Tensor) for t in out) or (w_TK.shape, idx_TK.shape, idx_TK.dtype, probs_TE.shape) != (
-            (T, K), (T, K), torch.int64, logits_TE.shape):
+    shapes = (w_TK.shape, idx_TK.shape, idx_TK.dtype, probs_TE.shape) if all(
+        isinstance(t, torch.Tensor) for t in out) else None
+    if shapes != ((T, K), (T, K), torch.int64, logits_TE.shape):
         raise ValueError(f"router {_name(fn)}: a router returns (weights_TK, idx_TK int64, probs_TE) of shapes [{T}, "
                          f"{K}], [{T}, {K}], {list(logits_TE.shape)}; got {_shapes(out)}")
     if router is not None and router not in ROUTERS.values() and not torch.compiler.is_compiling() and idx_TK.numel():
         lo, hi = int(idx_TK.min()), int(idx_TK.max())
         E = logits_TE.shape[1]
         if lo < 0 or hi >= E:
-            raise ValueError(f"router {_name(fn)} returned expert index {lo if lo < 0 else hi} in idx_TK; the model has "
-                             f"{E} experts, so indices must be in [0, {E - 1}]")
+            raise ValueError(f"router {_name(fn)} returned expert index {lo if lo < 0 else hi} in idx_TK; the model "
+                             f"has {E} experts, so indices must be in [0, {E - 1}]")
     return w_TK, idx_TK, probs_TE, logits_TE
 
 

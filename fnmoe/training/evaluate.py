@@ -111,7 +111,8 @@ def evaluate(params: Tree, run: RunConfig, device: torch.device | str = "cpu") -
         labels_T = labels_T[labels_T != IGNORE]
         tokens, n_bytes = labels_T.numel(), 0 if bytes_V is None else int(bytes_V[labels_T].sum())
         if bytes_V is not None and not n_bytes:
-            why = why or f"the {tokens} labelled tokens{f' of {name}' if name else ''} stand for no bytes by the tokenizer"
+            of = f" of {name}" if name else ""
+            why = why or f"the {tokens} labelled tokens{of} stand for no bytes by the tokenizer"
         sources[name] = {"loss": loss, "bits_per_byte": loss * tokens / math.log(2) / n_bytes if n_bytes else None,
                          "tokens": tokens, "bytes": n_bytes, "weight": weights[name], "batches": len(batches)}
     val_loss = sum(s["weight"] * s["loss"] for s in sources.values())

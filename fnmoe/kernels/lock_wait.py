@@ -93,8 +93,8 @@ def wait_flock(fd: int, path: Path, what: str, bound_env: str, default_s: float)
                 pass
             now = time.monotonic()
             if now - t0 >= bound:
-                raise LockWaitError(f"gave up waiting for {what} {path} after {now - t0:.0f} s ({bound_env}={bound:g}): "
-                                    f"held by {holder(fd)}; end that process or wait longer")
+                raise LockWaitError(f"gave up waiting for {what} {path} after {now - t0:.0f} s "
+                                    f"({bound_env}={bound:g}): held by {holder(fd)}; end that process or wait longer")
             if now >= next_say:
                 log.warning("waiting for %s %s: held by %s (%.0f s so far; giving up after %g s, %s)", what, path,
                             holder(fd), now - t0, bound, bound_env)
