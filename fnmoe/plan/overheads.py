@@ -68,12 +68,18 @@ def fp8_dequant_s(run: RunConfig) -> tuple[float, float]:
     mesh = run.mesh
     if mesh.expert_gather_dtype != "float8_e4m3fn" or mesh.world == 1:
         return 0.0, 0.0
-    elems = sum(expert_numels(run.model, mesh.ep))
+    elems = _expert_elems(run.model, mesh.ep)
     pack = expert_pack_bytes(run.model, mesh.fsdp, mesh.ep) * mesh.fsdp  # every shard's pack, received
     s = 2 if run.model.compute_dtype == "bfloat16" else 4
     once = run.train.grad_accum * (pack + s * elems) / (hardware(run.plan).hbm_tbps * 1e12)
     again = mesh.reshard_after_forward or run.memory.recompute == "full"
     return once, once if again else 0.0
+
+
+@lru_cache(maxsize=256)
+def _expert_elems(cfg: ModelConfig, ep: int) -> int:
+    """Elements of the expert stacks a rank gathers, every layer (`plan --search` asks often)."""
+    return sum(expert_numels(cfg, ep))
 
 
 def count_sync_s(run: RunConfig) -> tuple[float, float]:
