@@ -205,3 +205,31 @@ def test_the_busiest_ep_ranks_load_is_reported_beside_the_busiest_experts():
     row = {"step": 1, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "mfu": None,
            "expert_load_max_over_mean": 2.0, "ep_rank_load_max_over_mean": 1.0, "skipped": 0, "time_s": 1.0}
     assert "load max/mean 2.00 (ep rank 1.00)" in progress_line([row], 10)
+
+
+def test_an_exchange_longer_than_its_window_is_waited_for_by_what_it_outlasts():
+    """Two block chunks in flight hide each exchange behind the other chunk's compute; the op order
+    says only that some compute runs between. K2's passes (2.4 ms a chunk a layer) fit their shortest
+    window (a chunk's attention, 4.8 ms): nothing more waited for. At an all-to-all of 20 GB/s a pass
+    outlasts every window, and the as-built step waits for each excess: the forward's four windows a
+    pair of chunks, backward's two replayed exchanges for every chunk but the last (none kept)."""
+    from fnmoe.plan import windows
+    from fnmoe.plan.comm import comm_bytes
+    k2 = load_config("configs/kimi_k2_1t.toml")
+    recv = st.ep_receive_factor(k2)
+    assert windows.window_excess_s(k2, comm_bytes(k2), recv) == {"forward": 0.0, "backward": 0.0}
+    slow = dataclasses.replace(k2, plan=dataclasses.replace(k2.plan, nvlink_a2a_gbps=20.0))
+    comm, w, n_moe, N = comm_bytes(slow), windows.windows_s(slow), 60, 14
+    t = recv * comm["parts"]["forward/all_to_all/blocks"]["intra"] / 20e9 / (2 * n_moe * N)
+    assert t > w["experts"] > w["attention"]
+    forward = (4 * t - w["attention"] - 2 * w["experts"] - w["output"] - w["attention"]) * n_moe * N / 2
+    backward = (2 * t - w["moe_backward"] - w["attention_backward"]) * n_moe * (N - 1)
+    got = windows.window_excess_s(slow, comm, recv)
+    assert got["forward"] == pytest.approx(forward) and got["backward"] == pytest.approx(backward)
+    exposed = {("forward", "all_to_all"): 0.0, ("backward", "all_to_all"): 0.5}
+    with_late = st.step_time(slow, 1e9, comm, 0, exposed)
+    assert with_late["window_excess_s"] == got
+    for phase in ("forward", "backward"):
+        assert with_late["as_built_s"][phase]["exposed"] >= got[phase] > 0
+    kept = dataclasses.replace(slow, memory=dataclasses.replace(slow.memory, keep_exchange=True))
+    assert windows.window_excess_s(kept, comm_bytes(kept), recv)["backward"] == 0.0

@@ -13,6 +13,7 @@ from fnmoe.tree import leaf_kind
 from fnmoe.plan.activations import tokens_per_rank
 from fnmoe.plan.gemm_time import routed_expert_s, routed_flops_per_token
 from fnmoe.plan.overheads import overheads_s
+from fnmoe.plan.windows import window_excess_s
 from fnmoe.plan.state import GB, leaf_shapes
 
 
@@ -135,8 +136,9 @@ def _as_built(run: RunConfig, comm: dict, compute: dict, copies: dict, exposed: 
     kernels running beside it slow; what it waits for at issue adds to it. The hidden traffic of each
     link (NIC, NVLink, host link) is summed apart, and the busiest link bounds the phase. A layer's
     collectives are exposed in the fractions recorded for a MoE layer of the proxy
-    (overlap.exposed_fractions); the embedding's, final norm's and head's, at the ends of each pass,
-    are exposed whole. Blocks are alike, so a phase's sums stand for its blocks'."""
+    (overlap.exposed_fractions), and what an exchange hidden between two chunks in flight outlasts its
+    window by (windows.py); the embedding's, final norm's and head's, at the ends of each pass, are
+    exposed whole. Blocks are alike, so a phase's sums stand for its blocks'."""
     hw = hardware(run.plan)
     nv, net, recv = hw.nvlink_gbps * GB, hw.network_gbps * GB, ep_receive_factor(run)
     phases = ("forward", "backward", "update")
@@ -154,10 +156,14 @@ def _as_built(run: RunConfig, comm: dict, compute: dict, copies: dict, exposed: 
         links[phase]["nvlink"] += (1 - f) * intra
         links[phase]["nic"] += (1 - f) * inter
         busy[phase]["all_to_all" if a2a else "ring"] += (1 - f) * t
+    late = window_excess_s(run, comm, recv) if comm["parts"] else {}
+    for phase, sec in late.items():  # hidden by op order, yet longer than the compute it hides behind
+        shown[phase] += sec
     slow = {ph: _slowdown(hw, compute[ph], busy[ph]["ring"], busy[ph]["all_to_all"]) for ph in phases}
     step = {ph: max(compute[ph] + slow[ph], *links[ph].values()) + shown[ph] for ph in phases}
     total = sum(step.values())
     return {"step_s_as_built": total, "tokens_per_s_per_gpu_as_built": tokens / total,
             "as_built_s": {ph: {"compute": compute[ph], "nccl_slowdown": slow[ph], "hidden": max(links[ph].values()),
                                 "hidden_by_link": links[ph], "exposed": shown[ph]} for ph in phases},
+            "window_excess_s": late,
             "exposed_fractions": {"/".join(k): v for k, v in sorted(exposed.items())}}
