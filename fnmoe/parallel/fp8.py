@@ -57,7 +57,7 @@ def scale_count(shape: tuple[int, ...]) -> int:
     return math.prod(shape[:-2]) * blocks(shape[-2]) * blocks(shape[-1])
 
 
-def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     """The least power of two s with amax / s <= 448, at least 2^-126 (frexp: exact, no log2 rounding)."""
     mantissa, exponent = torch.frexp(amax / E4M3_MAX)  # amax / 448 = mantissa * 2^exponent, mantissa in [0.5, 1)
     exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power of two needs no larger one
@@ -75,7 +75,7 @@ def quantise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.float()
     padded = torch.nn.functional.pad(x, (0, blocks(O) * BLOCK - O, 0, blocks(I) * BLOCK - I))
     amax = padded.unflatten(-2, (blocks(I), BLOCK)).unflatten(-1, (blocks(O), BLOCK)).abs().amax(dim=(-3, -1))
-    s = _pow2_scale(amax)
+    s = pow2_scale(amax)
     q = (x / _spread(s, x.shape)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, s
 
