@@ -138,6 +138,28 @@ def _validate_expert_gather(e: list[str], cfg: RunConfig) -> None:
            "or leave it 'compute'")
 
 
+def _validate_expert_gemm(e: list[str], cfg: RunConfig) -> None:
+    """fp8 expert GEMMs need the dtype in this torch, routed experts through expert_mlp, and on a GPU
+    fp8 tensor cores (compute capability 8.9+) and torch's scaled grouped GEMM."""
+    name, moe = cfg.mesh.expert_gemm_dtype, cfg.model.moe
+    if name == "compute":
+        return
+    import torch  # here: a config without the field is checked without torch
+    field = f"mesh.expert_gemm_dtype={name!r}"
+    if getattr(torch, name, None) is None:
+        return _check(e, False, f"{field} needs torch.{name}, which this torch ({torch.__version__}) lacks")
+    _check(e, moe.n_experts > 0 and moe.impl != "dense",
+           f"{field} runs the routed experts' GEMMs in fp8, but model.moe.n_experts={moe.n_experts} with "
+           f"model.moe.impl={moe.impl!r} runs none: needs experts and an impl other than 'dense'")
+    if torch.cuda.is_available():
+        cc = torch.cuda.get_device_capability()
+        _check(e, cc >= (8, 9), f"{field} needs a GPU with fp8 GEMMs (compute capability 8.9+), but "
+                                f"{torch.cuda.get_device_name()} is {cc[0]}.{cc[1]}")
+        _check(e, hasattr(torch.nn.functional, "scaled_grouped_mm"),
+               f"{field} on a GPU needs torch.nn.functional.scaled_grouped_mm, which this torch "
+               f"({torch.__version__}) lacks")
+
+
 MIX_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 """a mixture source's name, as it appears in metric keys (val_loss/<name>)"""
 
@@ -201,6 +223,7 @@ def _run_relations(cfg: RunConfig) -> list[str]:
     _check(e, not (o.qk_clip and cfg.model.qk_norm), "optim.qk_clip needs model.qk_norm=false")
     _validate_memory(e, cfg.memory)
     _validate_expert_gather(e, cfg)
+    _validate_expert_gemm(e, cfg)
     _validate_token_chunks(e, cfg)
     _validate_block_chunks(e, cfg)
     if cfg.profile.steps:

@@ -39,6 +39,13 @@ class MeshConfig:
     the compute dtype, the gradient reaches the float32 master shard as from a compute-dtype gather
     (dense leaves, reduce-scatters, master params and evaluation's gathers are unchanged). Needs
     mesh.fsdp > 1 and experts"""
+    expert_gemm_dtype: Literal["compute", "float8_e4m3fn"] = "compute"
+    """dtype the routed experts' GEMMs run in: 'compute', or float8_e4m3fn: forward, input and weight
+    gradient in e4m3 with fp32 accumulation and compute-dtype outputs, DeepSeek-V3's tiling
+    (activations in 1x128 tiles, weights in 128x128 blocks, power-of-two scales; with fp8 expert
+    gathers the gathered stack's blocks are taken as they come, with no second rounding). On a GPU
+    through torch's scaled_grouped_mm, on CPU an emulation (dequantise, fp32 GEMM)
+    (fnmoe.kernels.fp8_gemm). Not with model.moe.impl='dense'"""
 
     @property
     def world(self) -> int:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from fnmoe import _torch
+from fnmoe.kernels import fp8_gemm
 from fnmoe.kernels import gemm as cpu_gemm
 from fnmoe import compile as fcompile
 from fnmoe.compile import size_hint
@@ -200,7 +201,10 @@ def dense_expert_mlp(x_TD, gate_TE, w_gate_EDF, w_up_EDF, w_down_EFD) -> torch.T
 
 def expert_mlp(x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, counts_E, gemm: str) -> torch.Tensor:
     """SwiGLU of each row with its expert's weights; rows are sorted by expert. gemm: "grouped",
-    "padded" or "loop" (see expert_gemm)."""
+    "padded" or "loop" (see expert_gemm); all three GEMMs in fp8 under mesh.expert_gemm_dtype float8_e4m3fn
+    (fnmoe.kernels.fp8_gemm, whatever gemm)."""
+    if fp8_gemm.active():
+        return fp8_gemm.expert_mlp(x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, counts_E)
     if gemm == "grouped":
         if x_RD.device.type == "cpu":
             end_E = torch.cumsum(counts_E, 0)

@@ -4,47 +4,15 @@ the host link, each link apart; overlapped and serial bounds, and what bounds th
 """
 from __future__ import annotations
 
-import math
-from functools import lru_cache
 
-from fnmoe.config import REGIONS, ModelConfig, RunConfig
+from fnmoe.config import RunConfig
 from fnmoe.config.hardware import hardware
-from fnmoe.tree import leaf_kind
 from fnmoe.plan.activations import tokens_per_rank
+from fnmoe.plan.flops import recompute_flops, region_flops
 from fnmoe.plan.gemm_time import routed_expert_s, routed_flops_per_token
 from fnmoe.plan.overheads import overheads_s
 from fnmoe.plan.windows import window_excess_s
-from fnmoe.plan.state import GB, leaf_shapes
-
-
-def region_flops(run: RunConfig) -> dict:
-    """Forward FLOPs per token of every region kind summed over layers: {attention (its GEMMs),
-    attention_core (q·k and p·v), moe, mlp}; recompute repeats a region's forward in backward."""
-    return dict(_region_flops(run.model, run.data.seq_len))
-
-
-@lru_cache(maxsize=64)
-def _region_flops(cfg: ModelConfig, seq_len: int) -> tuple:
-    out = {"attention": 0.0, "attention_core": 0.0, "moe": 0.0, "mlp": 0.0}
-    for path, shape in leaf_shapes(cfg):
-        parts = path.split(".")
-        if parts[0] != "layers" or len(shape) < 2:
-            continue
-        n = math.prod(shape) * (cfg.moe.top_k / cfg.moe.n_experts if leaf_kind(path) == "expert" else 1)
-        out["attention" if parts[2] == "attn" else parts[2]] += 2.0 * n
-    out["attention_core"] = 1.0 * cfg.n_layers * seq_len * cfg.n_heads * (cfg.qk_head_dim_ + cfg.v_head_dim_)
-    return tuple(out.items())
-
-
-def recompute_flops(run: RunConfig) -> tuple[float, float]:
-    """(GEMM, attention-core) FLOPs per token recomputed in backward: every region under full
-    recompute, the regions whose policy is 'full' otherwise; selective recompute redoes norms and
-    pointwise ops only, which the model counts as free."""
-    f, mem = region_flops(run), run.memory
-    if mem.recompute == "full":
-        return f["attention"] + f["moe"] + f["mlp"], f["attention_core"]
-    gemm = sum(f[r] for r in REGIONS if getattr(mem, r) == "full")
-    return gemm, f["attention_core"] if mem.attention == "full" else 0.0
+from fnmoe.plan.state import GB
 
 
 def step_time(run: RunConfig, fpt: float, comm: dict, host_bytes: int, exposed: dict | None = None) -> dict:

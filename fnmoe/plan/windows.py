@@ -20,6 +20,7 @@ from __future__ import annotations
 from fnmoe.config import RunConfig
 from fnmoe.config.hardware import hardware
 from fnmoe.plan.activations import tokens_per_rank
+from fnmoe.plan.flops import region_flops
 from fnmoe.plan.gemm_time import routed_expert_s, routed_flops_per_token
 from fnmoe.plan.state import GB
 
@@ -54,7 +55,6 @@ def windows_s(run: RunConfig) -> dict[str, float]:
     """Seconds of one chunk's compute a MoE layer on the busiest rank: its attention (GEMMs and core),
     its experts, its output step (the shared expert and router), in forward; its MoE part and its
     attention in backward (twice the forward's FLOPs)."""
-    from fnmoe.plan.step_time import region_flops
     hw, cfg, N = hardware(run.plan), run.model, run.memory.block_chunks
     gemm, attn = hw.matmul_tflops * 1e12, hw.attention_tflops * 1e12
     f, tokens = region_flops(run), tokens_per_rank(run) / N

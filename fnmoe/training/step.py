@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from fnmoe import _torch
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import gather as fgather
+from fnmoe.kernels import fp8_gemm
 from fnmoe import optim
 from fnmoe.models.attention import rms_norm, upcast
 from fnmoe.config import ModelConfig, RunConfig
@@ -174,13 +175,14 @@ def _micro_grad(run: RunConfig, runner: BlockRunner, loss: Callable) -> Callable
     grad_fn = value_and_grad(loss, has_aux=True)
     reduce_dtype = DTYPE[run.mesh.reduce_dtype]
     expert_dtype = None if run.mesh.expert_gather_dtype == "compute" else getattr(torch, run.mesh.expert_gather_dtype)
+    gemm_dtype = None if run.mesh.expert_gemm_dtype == "compute" else getattr(torch, run.mesh.expert_gemm_dtype)
 
     def micro_grad(params: Tree, micro_batch: tuple, n_global: int, source: ParamsSource):
         inputs_BL, labels_BL, *positions = micro_batch
         runner.begin()
         mark("forward")
         # backward too: a recompute there issues gathers again
-        with fgather.reducing(reduce_dtype), fgather.expert_dtype(expert_dtype):
+        with fgather.reducing(reduce_dtype), fgather.expert_dtype(expert_dtype), fp8_gemm.expert_gemm_dtype(gemm_dtype):
             (_, aux), g = grad_fn(params, inputs_BL, labels_BL, run.model, n_global, run.train.ce_chunks, runner,
                                   run.optim.qk_clip, positions[0] if positions else None, source)
         mark("grads", g)

@@ -36,7 +36,7 @@ from fnmoe.config import MoEConfig, RunConfig, load_config
 from fnmoe.models.moe import expert_gemm, expert_mlp, moe_block
 from fnmoe.config.hardware import hardware
 from fnmoe.plan.activations import tokens_per_rank
-from fnmoe.plan.step_time import region_flops
+from fnmoe.plan.flops import region_flops
 from fnmoe.models.transformer import block, rope
 from fnmoe.plan.gemm_time import expert_chunks, moe_layer_expert_s, routed_flops_per_token, rows_per_expert
 from fnmoe.tree import tree_map
