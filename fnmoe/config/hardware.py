@@ -55,6 +55,9 @@ class Hardware:
     the counts, the wait, the launches queued again)"""
     expert_matmul_tflops: PositiveFloat | None = None
     """sustained routed-expert grouped-GEMM rate, TFLOP/s; None: matmul_tflops"""
+    fp8_matmul_tflops: PositiveFloat | None = None
+    """sustained fp8 GEMM rate (--mesh.expert-gemm-dtype float8_e4m3fn), TFLOP/s: the fp8 dense peak at
+    the bf16 rate's achieved fraction; None: twice matmul_tflops (Hopper's and Blackwell's fp8 peak)"""
 
 
 FIGURES = tuple(f.name for f in dataclasses.fields(Hardware) if f.default is dataclasses.MISSING)
@@ -67,20 +70,22 @@ PROFILES: dict[str, Hardware] = {
     "jupiter-gh200": Hardware(gpus_per_node=4, hbm_gb=96.0, host_gb=100.0, matmul_tflops=989.0 * 0.55,
                               hbm_tbps=4.0 * 0.9, attention_tflops=989.0 * 0.4, nvlink_gbps=150.0,
                               nvlink_a2a_gbps=360.0, network_gbps=22.0,
-                              network_nominal_gbps=25.0, d2h_gbps=150.0, h2d_gbps=400.0),
+                              network_nominal_gbps=25.0, d2h_gbps=150.0, h2d_gbps=400.0,
+                              fp8_matmul_tflops=1979.0 * 0.55),
     # DGX H100: 8 H100 SXM (80 GiB HBM3: CUDA sees 81,559 MiB = 85.5 GB) on NVSwitch, 2 TB DDR5 a node,
     # 8x ConnectX-7 NDR400 (one a GPU), PCIe Gen5 x16 to the host
     "dgx-h100": Hardware(gpus_per_node=8, hbm_gb=80.0, host_gb=200.0, matmul_tflops=989.0 * 0.55,
                          hbm_tbps=3.35 * 0.9, attention_tflops=989.0 * 0.4, nvlink_gbps=360.0, nvlink_a2a_gbps=360.0,
                          network_gbps=40.0,
-                         network_nominal_gbps=50.0, d2h_gbps=50.0, h2d_gbps=50.0),
+                         network_nominal_gbps=50.0, d2h_gbps=50.0, h2d_gbps=50.0, fp8_matmul_tflops=1979.0 * 0.55),
     # DGX B200: 8 B200 SXM (sold as 180 GB HBM3e; CUDA sees ~178.4 GiB = 191.5 GB, 8 TB/s) on NVSwitch (NVLink 5,
     # 14.4 TB/s a node = 900 GB/s a direction a GPU), 8x ConnectX-7 NDR400 (one a GPU), PCIe Gen5 x16 to the
     # host, 1.8-2 TB DDR5 a node; 2,250 TFLOP/s dense bf16 a GPU at 1,000 W. The same usable and achieved
     # fractions as dgx-h100; sources in docs/memory_plan.md
     "dgx-b200": Hardware(gpus_per_node=8, hbm_gb=179.0, host_gb=200.0, matmul_tflops=2250.0 * 0.55,
                          hbm_tbps=8.0 * 0.9, attention_tflops=2250.0 * 0.4, nvlink_gbps=720.0, nvlink_a2a_gbps=720.0,
-                         network_gbps=40.0, network_nominal_gbps=50.0, d2h_gbps=50.0, h2d_gbps=50.0),
+                         network_gbps=40.0, network_nominal_gbps=50.0, d2h_gbps=50.0, h2d_gbps=50.0,
+                         fp8_matmul_tflops=4500.0 * 0.55),
 }
 
 

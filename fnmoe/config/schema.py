@@ -342,6 +342,9 @@ class PlanConfig:
     """what one host sync (the count exchange before a dispatch) costs the GPU, us (every profile: 50)"""
     expert_matmul_tflops: PositiveFloat | None = None
     """sustained routed-expert grouped-GEMM rate a GPU, TFLOP/s (profile: matmul_tflops)"""
+    fp8_matmul_tflops: PositiveFloat | None = None
+    """sustained fp8 GEMM rate a GPU, TFLOP/s, for --mesh.expert-gemm-dtype float8_e4m3fn (profile: 55% of the fp8
+    dense peak, 1,979 on H100/H200/GH200, 4,500 on B200)"""
     rates: Literal["stated", "measured"] = "stated"
     """the rates the step time uses: 'stated' the profile's; 'measured' the nearest row of the rate table
     (fnmoe/plan/rates.py: gpu_check measurements, published nccl-tests) for the profile's GPU and the

@@ -67,19 +67,27 @@ def routed_expert_s(run: RunConfig, recomputed: bool) -> dict:
     if not m.n_experts:  # a dense model
         return {"forward": 0.0, "backward": 0.0}
     rate, hbm = (hw.expert_matmul_tflops or hw.matmul_tflops) * 1e12, hw.hbm_tbps * 1e12
-    s = DTYPE_BYTES[run.model.compute_dtype]
+    s = o = DTYPE_BYTES[run.model.compute_dtype]  # an operand's bytes, an output's
+    fp8 = getattr(run.mesh, "expert_gemm_dtype", "compute") == "float8_e4m3fn"
+    if fp8:
+        rate, s = (hw.fp8_matmul_tflops or 2 * hw.matmul_tflops) * 1e12, 1
     r, X, N = rows_per_expert(run), m.n_experts // run.mesh.ep, expert_chunks(run)
 
     def gemm(flops: float, nbytes: float) -> float:
         return max(flops / rate, nbytes / hbm)
-    forward = weight_grad = 0.0
+
+    def quantised(elems: float) -> float:
+        """fp8's quantisation pass of an operand: read in the compute dtype, written 1 byte an element."""
+        return (o + 1) * elems / hbm if fp8 else 0.0
+    forward = input_grad = weight_grad = 0.0
     for I, O in _expert_matrices(run.model):
         flops = 2.0 * r * I * O
-        forward += gemm(flops, s * (I * O + r * (I + O)))
-        weight_grad += gemm(flops, s * (r * (I + O) + I * O * (4 * N - 3) / N))
+        forward += gemm(flops, s * (I * O + r * I) + o * r * O) + quantised(r * I + I * O)
+        input_grad += gemm(flops, s * (I * O + r * O) + o * r * I) + quantised(r * O)
+        weight_grad += gemm(flops, s * r * (I + O) + o * I * O * (4 * N - 3) / N) + quantised(r * (I + O))
     per_step = X * N * run.train.grad_accum
     return {"forward": per_step * forward,
-            "backward": per_step * (forward * (2 if recomputed else 1) + weight_grad)}
+            "backward": per_step * (forward * (1 if recomputed else 0) + input_grad + weight_grad)}
 
 
 def moe_layer_expert_s(run: RunConfig, recomputed: bool) -> dict:
