@@ -94,11 +94,14 @@ def test_final_norm_per_ce_chunk_matches_the_replaced_path(dtype, tied):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kept_bytes_are_the_planners_head(dtype):
+def test_kept_bytes_are_the_planners_head(dtype, monkeypatch):
     """What the forward leaves alive beyond the blocks' saves (hidden_states' graph and aux, less its
     output) is the planner's head: with chunks, the last block's output; whole, the final norm's saves
     and the fp32 log-softmax. In bf16 the matmuls also keep the head weight's and the norm weight's
     compute-dtype casts, which the planner counts as gathered weights, not here."""
+    # the kernels the planner's formulas price (a GPU's, and a CPU's with native bf16): on a CPU without
+    # native bf16, fnmoe's fp32 GEMMs keep their operands' fp32 copies (fnmoe.kernels.bf16)
+    monkeypatch.setenv("FNMOE_BF16_GEMMS", "native")
     cfg = _cfg(dtype, tied=False)
     params = _params(cfg)
     s, T = DTYPE_BYTES[dtype], B * L

@@ -11,7 +11,7 @@ import math
 import re
 from pathlib import Path
 
-from fnmoe.config.hardware import hardware
+from fnmoe.config.hardware import OPTIONAL_RATES, hardware
 from fnmoe.config.model import ModelConfig, MoEConfig
 from fnmoe.config.schema import REGIONS, MemoryConfig, RunConfig
 from fnmoe.config.types import field_errors
@@ -193,9 +193,13 @@ def validate(cfg: RunConfig) -> RunConfig:
 def _hardware_errors(cfg: RunConfig) -> list[str]:
     """The plan section's figures, the profile's with the given ones over them, each in its range."""
     try:
-        return field_errors(hardware(cfg.plan), "plan.")
+        hw = hardware(cfg.plan)
     except ValueError as err:
         return [str(err)]
+    # the rates a profile may leave to another (None: derived), each a positive finite figure when given
+    derived = [f"plan.{name} must be finite, got {v}" if not math.isfinite(v) else f"plan.{name} must be > 0, got {v}"
+               for name in OPTIONAL_RATES if (v := getattr(hw, name)) is not None and not (math.isfinite(v) and v > 0)]
+    return field_errors(hw, "plan.") + derived
 
 
 def _run_relations(cfg: RunConfig) -> list[str]:

@@ -63,6 +63,8 @@ class Hardware:
 FIGURES = tuple(f.name for f in dataclasses.fields(Hardware) if f.default is dataclasses.MISSING)
 """the figures a profile must give (custom: every one)"""
 SHARED = tuple(f.name for f in dataclasses.fields(Hardware) if f.default is not dataclasses.MISSING)
+OPTIONAL_RATES = ("expert_matmul_tflops", "fp8_matmul_tflops")
+"""the figures None leaves to another (the checks of their annotation do not reach inside an Optional)"""
 
 PROFILES: dict[str, Hardware] = {
     # JUPITER Booster: 4 GH200 a node (96 GiB HBM3: CUDA sees ~97.9k MiB = 102.7 GB; 120 GB LPDDR5X
