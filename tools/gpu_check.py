@@ -8,23 +8,9 @@ Steps (in the priority order gpu_check.sh runs them):
                 build refuses it (e.g. offload on CUDA not built yet); the levers: fp8 expert-gather
                 blocks quantised bitwise as on CPU, whole-block token chunks against none, the
                 fused AdamW against its eager ops, the donated update bitwise the pure one (3 Muon steps)
-  k2layer       one MoE layer of the Kimi-K2 preset (configs/kimi_k2_1t.toml) at its per-GPU shapes:
-                its E/ep = 96 experts, dim 7168, expert hidden 2048, top-8, the tokens of one chunk of
-                its micro-batch (memory.block_chunks, else model.moe.token_chunks: 3,584 tokens in 16
-                chunks of 14 x 4096), bf16, grouped GEMMs, forward + recompute + backward, timed with
-                CUDA events after warmup; once through expert_mlp alone (what the planner prices) and
-                once through moe_block (router, permute, combine too), with the experts chosen
-                round-robin (balanced: every expert the same rows) and at plan.imbalance (1.25: the
-                busiest rank's rows, spread evenly over its experts). Each row: achieved TFLOP/s
-                (executed FLOPs: forward, recompute, input and weight gradients, 2·R·I·O a matrix
-                each, as fnmoe/plan/gemm_time.py counts) beside the planner's time for the same
-                layer and chunk (gemm_time.moe_layer_expert_s at the preset's hardware profile).
-                At ~400 TFLOP/s: 10.1 TFLOP an iteration balanced, 12.6 at 1.25, 26 iterations of
-                each: ~1.5 s of GPU; memory ~22 GB (8.5 GB of weights, as much gradient, ~5 GB for
-                a chunk), far under an H200's 139 GB, so the whole chunk runs. Then the whole K2 block
-                (MLA attention, router, shared expert, the GPU's experts, balanced) on one block chunk,
-                eager and compiled, forward without autograd then recompute + backward as
-                memory.block_chunks runs it, beside the planner's compute for it (k2_block_planner_ms)
+  k2layer       one MoE layer of the Kimi-K2 preset at its per-GPU shapes (expert_mlp alone, then
+                moe_block; balanced and at plan.imbalance) and then its whole block, eager and compiled,
+                each beside the planner's time (tools/gpu_checks/k2layer.py says what and how)
   moe           tools/bench_moe.py on the device (against TorchTitan when it imports, else fnmoe alone),
                 then tools/bench_adamw.py (fnmoe's AdamW eager and fused against torch.optim.AdamW
                 foreach and fused, on a DeepSeek-V3-16B model's leaves cut to 2 layers)
