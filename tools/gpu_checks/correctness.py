@@ -221,6 +221,7 @@ def final_params(run: RunConfig, device: str, steps: int, donate: bool) -> dict:
 def check_levers(rec: Recorder, device: str, dry: bool, base: list | None) -> None:
     """The JUPITER levers on the device: fp8 expert-gather blocks bitwise as on CPU and within their
     bound, whole-block token chunks against the unchunked losses, the donated update bitwise the pure one."""
+    from fnmoe.kernels import fp8_blocks
     from fnmoe.parallel import fp8
 
     g = torch.Generator().manual_seed(2)
@@ -229,7 +230,7 @@ def check_levers(rec: Recorder, device: str, dry: bool, base: list | None) -> No
     (q_c, s_c), (q_d, s_d) = fp8.quantise(x), fp8.quantise(x.to(device))
     y = fp8.dequantise(q_d, s_d, torch.bfloat16).cpu()
     same = torch.equal(q_c.view(torch.uint8), q_d.cpu().view(torch.uint8)) and torch.equal(s_c, s_d.cpu())
-    within = bool(((x - y.float()).abs() <= torch.maximum(x.abs() * 2**-4, fp8._spread(s_c, x.shape) * 2**-10)
+    within = bool(((x - y.float()).abs() <= torch.maximum(x.abs() * 2**-4, fp8_blocks._spread(s_c, x.shape) * 2**-10)
                    + x.abs() * 2**-8).all())  # + bf16's rounding of the dequantised value
     rec.row(f"fp8 block quantise {tuple(shape)} on {device} vs cpu", f"bitwise equal {same}; bf16 round trip "
             f"within 2^-4 of each block amax {within}", status(same and within))
