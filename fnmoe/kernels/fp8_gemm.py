@@ -40,7 +40,7 @@ _dtype: torch.dtype | None = None
 
 @contextlib.contextmanager
 def expert_gemm_dtype(dtype: torch.dtype | None):
-    """Routed-expert GEMMs run inside in dtype (fp8.E4M3, or None: the compute dtype). fnmoe.train
+    """Routed-expert GEMMs run inside in dtype (fp8.E4M3, or None: the compute dtype). fnmoe.training.step
     enters it around a micro-batch's forward and backward (backward's recomputes run the same GEMMs)."""
     if dtype not in (None, fp8.E4M3):
         raise ValueError(f"expert GEMMs run in the compute dtype or float8_e4m3fn, not {dtype}")
@@ -161,7 +161,7 @@ def grouped_mm(x_RD: torch.Tensor, w_EDF: torch.Tensor, end_E: torch.Tensor) -> 
 
 
 def expert_mlp(x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, counts_E) -> torch.Tensor:
-    """fnmoe.moe.expert_mlp's SwiGLU with its three GEMMs in fp8 (the SiLU and the product in x's dtype)."""
+    """fnmoe.models.moe.expert_mlp's SwiGLU with its three GEMMs in fp8 (the SiLU and the product in x's dtype)."""
     end_E = torch.cumsum(counts_E, 0)
     h_RF = F.silu(grouped_mm(x_RD, w_gate_EDF, end_E)) * grouped_mm(x_RD, w_up_EDF, end_E)
     return grouped_mm(h_RF, w_down_EFD, end_E)
