@@ -17,7 +17,7 @@ import torch
 
 from fnmoe import optim
 from fnmoe.cli import main
-from fnmoe.kernels import fp8_blocks
+from fnmoe.kernels import fp8_blocks, fp8_gemm
 from fnmoe.config import MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig, load_config, validate
 from fnmoe.memory.policies import train_runner
 from fnmoe.models.params import init_params
@@ -147,15 +147,15 @@ def _pre_rounded(params: dict, f: int, e: int) -> dict:
     return map_with_path(rounded, params)
 
 
-def _loss_and_grads(cfg: ModelConfig, params: dict | None, shape: tuple[int, int], expert_dtype):
+def _loss_and_grads(cfg: ModelConfig, params: dict | None, shape: tuple[int, int], expert_dtype, gemm_dtype=None):
     """(loss, {path: (grad's type, dtype, whole grad)}) of one forward and backward of TOKENS on a
-    simulated mesh, params (full, None: init) sharded onto it."""
+    simulated mesh, params (full, None: init) sharded onto it; gemm_dtype: the expert GEMMs'."""
     f, e = shape
     with fdist.simulate(f * e):
         mesh = sharding.make_mesh(MeshConfig(fsdp=f, ep=e))
         sharded = init_params(cfg, 0, mesh=mesh) if params is None else sharding.shard_params(params, mesh)
         x = _rank_part(TOKENS, f * e)
-        with fgather.expert_dtype(expert_dtype):
+        with fgather.expert_dtype(expert_dtype), fp8_gemm.expert_gemm_dtype(gemm_dtype):
             (loss, _), g = value_and_grad(loss_fn, has_aux=True)(sharded, x[:, :-1], x[:, 1:], cfg, B * L,
                                                                  source=GATHER)
         return whole(sharding.all_sum(loss)), {k: (type(v).__name__, v.dtype, whole(v))
@@ -189,6 +189,24 @@ def test_fp8_gathers_equal_the_mesh_on_pre_rounded_weights_bitwise(shape, n_expe
         assert abs(loss.item() - one_loss.item()) <= 1e-6 * abs(one_loss.item())
         for path, g in flatten_dict(one_grads).items():
             assert rel(grads[path][2], g) <= 1e-5, path
+
+
+def test_fp8_gemms_take_the_gathered_packs_and_quantise_no_weight(monkeypatch):
+    """fp8 expert GEMMs behind fp8 gathers of whole experts (2x2, bf16) take each stack's blocks from
+    the packs it was gathered from: no weight stack is quantised, by the forward's GEMMs or by backward's
+    input gradients, and the loss and every gradient equal, bit for bit, the same step quantising the gathered stacks
+    again (whose values the packs' are: test_an_fp8_gathered_stack_quantises_back_to_itself_exactly)."""
+    cfg = _cfg(dtype="bfloat16")
+    calls, quantise = [], fp8_blocks.quantise
+    monkeypatch.setattr(fp8_blocks, "quantise", lambda t: calls.append(tuple(t.shape)) or quantise(t))
+    loss, grads = _loss_and_grads(cfg, None, (2, 2), fp8.E4M3, fp8.E4M3)
+    assert calls == []
+    monkeypatch.setattr(fp8, "remember", lambda *a: None)  # the gathers keep no packs: the GEMMs quantise
+    again, again_grads = _loss_and_grads(cfg, None, (2, 2), fp8.E4M3, fp8.E4M3)
+    assert len(calls) == 3  # the MoE layer's three stacks, each once for its forward and input grad
+    assert torch.equal(loss, again)
+    for path, (_, _, g) in grads.items():
+        assert torch.equal(g, again_grads[path][2]), path
 
 
 class _GatherBytes(CommMeter):

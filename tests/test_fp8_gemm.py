@@ -17,7 +17,7 @@ import torch
 
 from fnmoe.cli import main
 from fnmoe.config import MeshConfig, load_config, validate
-from fnmoe.kernels import fp8_gemm
+from fnmoe.kernels import fp8_blocks, fp8_gemm
 from fnmoe.kernels import gemm as cpu_gemm
 from fnmoe.parallel import fp8
 
@@ -82,6 +82,28 @@ def test_an_fp8_gathered_stack_quantises_back_to_itself_exactly():
     128x128 quantiser unchanged: no second rounding of gathered weights."""
     w = fp8.round_trip(_operands()[1].float() * torch.logspace(-4, 3, F), torch.bfloat16)
     assert torch.equal(fp8.dequantise(*fp8.quantise(w), torch.bfloat16), w)
+
+
+def test_a_stack_is_quantised_once_for_every_gemm_until_written_in_place(monkeypatch):
+    """Several token chunks' GEMMs (forward and input grad) of one weight stack quantise it once
+    (fp8_blocks.weight_blocks), with outputs bitwise those of quantising it each time; a write in
+    place to the stack quantises it again, and a new stack of the same values is its own."""
+    calls, quantise = [], fp8_blocks.quantise
+    monkeypatch.setattr(fp8_blocks, "quantise", lambda t: calls.append(tuple(t.shape)) or quantise(t))
+    x, w, g = _operands()
+    w = w.clone().requires_grad_()
+    xs = [x, x.flip(0)]  # two chunks' rows
+    ys = [fp8_gemm.grouped_mm(xi, w, END_E) for xi in xs]
+    torch.autograd.backward(ys, [g, g.flip(0)])
+    assert calls == [tuple(w.shape)]
+    fp8_blocks._blocks.clear()  # quantised afresh: what the cache must equal
+    assert torch.equal(fp8_gemm.grouped_mm(xs[1], w, END_E), ys[1])
+    assert len(calls) == 2
+    with torch.no_grad():
+        w.mul_(2)
+    assert torch.equal(fp8_gemm.grouped_mm(xs[1], w, END_E), 2 * ys[1])  # powers of two: exact
+    fp8_gemm.grouped_mm(x, w.detach().clone(), END_E)
+    assert len(calls) == 4
 
 
 def test_the_emulation_equals_an_fp64_gemm_of_the_dequantised_operands():

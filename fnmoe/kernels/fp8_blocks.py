@@ -12,6 +12,12 @@ exact in the compute dtype (bf16 and fp32 hold every e4m3 value times 2^-126..2^
 stack is dequantised in place in the compute dtype, with no fp32 temporary the size of the stack.
 The price is up to one bit of e4m3's range: amax / s lies in (224, 448].
 
+A stack's blocks are made once (`weight_blocks`): an fp8 gather `remember`s the pack it dequantised a
+stack from, and any other stack is quantised at its first GEMM; every later GEMM of that tensor (each
+token chunk of a block, the input gradient) takes them as they are until the stack is written in place
+or freed. Re-quantising a dequantised pack gives back its values exactly (tests/test_fp8_gemm.py), so
+both ways the GEMMs see the same numbers.
+
 Error bound, per element x of a block with largest |x| amax: y = x / s has |y| <= 448, and rounding
 y to e4m3 (3 mantissa bits) errs by at most half an ulp: 2^-4 |y| for normal y (|y| >= 2^-6), 2^-10
 (half the subnormal step 2^-9) below. So |x - dequantise(quantise(x))| <= max(2^-4 |x|, 2^-10 s)
@@ -25,6 +31,9 @@ import itertools
 import math
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fnmoe import _torch
 
 BLOCK = 128
 E4M3 = getattr(torch, "float8_e4m3fn", None)
@@ -34,8 +43,8 @@ MIN_SCALE_EXP = -126  # the smallest normal exponent of fp32 and bf16: every sca
 
 
 def blocks(n: int) -> int:
-    """Blocks along a dim of n elements."""
-    return math.ceil(n / BLOCK)
+    """Blocks along a dim of n elements (integer ops: n may be a simulated mesh's ragged row count)."""
+    return (n + BLOCK - 1) // BLOCK
 
 
 def scale_count(shape: tuple[int, ...]) -> int:
@@ -92,3 +101,24 @@ def dequantise(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Te
 def round_trip(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """x as an fp8 gather delivers it: quantised and dequantised (in dtype, else x's)."""
     return dequantise(*quantise(x), dtype or x.dtype)
+
+
+_blocks: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""a weight stack -> (its version when its blocks were made, q, s), for as long as the stack lives"""
+
+
+def remember(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
+    """(q, s) are w's blocks: w == dequantise(q, s) (an fp8 gather's stack and its pack)."""
+    _blocks[w] = (_torch.tensor_version(w), q, s)
+
+
+@torch.compiler.disable(reason="a lookup by tensor identity: dynamo cannot guard on it")
+def weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantise(w)'s values, made once for a stack: the pack it was gathered from, else its first quantisation."""
+    hit = _blocks.get(w)
+    if hit is not None and hit[0] == _torch.tensor_version(w):
+        return hit[1], hit[2]
+    with torch.no_grad():
+        q, s = quantise(w.detach())
+    remember(w, q, s)
+    return q, s

@@ -1,7 +1,8 @@
 """fp8 routed-expert GEMMs (--mesh.expert-gemm-dtype float8_e4m3fn): DeepSeek-V3's tiling, e4m3
 operands, fp32 accumulation, outputs in the activations' dtype.
 
-Legend: R rows (sorted by expert), D in, F out, E experts, K a GEMM's contracted dim, N its other.
+Legend: R rows (sorted by expert), D in, F out, E experts, K a GEMM's contracted dim, N its other,
+M a quantised matrix's rows, G its 1x128 tiles along K, T a tile's elements (128).
 
 Activations are quantised in 1x128 tiles along the contracted dim (`quantise_rows`): a row's K
 elements in tiles of 128, one float32 power-of-two scale a tile (fnmoe.parallel.fp8's scale rule,
@@ -13,9 +14,9 @@ The forward keeps only fp8 operands for backward (x twice: its 1x128 and its 128
 element, as a bf16 x), not x itself.
 
 The weights: an fp8 expert gather (mesh.expert_gather_dtype) delivers each stack as q * s of its
-packs, exactly, in the compute dtype; quantising that stack again with the same power-of-two rule
-gives back those values exactly (tests/test_fp8_gemm.py checks it), so a gathered stack carries no
-second rounding. Without fp8 gathers the stack is quantised here, once a GEMM call.
+packs, exactly, in the compute dtype, and the GEMMs take those packs themselves (no second
+quantisation: fnmoe.kernels.fp8_blocks.weight_blocks). Without fp8 gathers a stack is quantised at
+its first GEMM, once for all the token chunks and the input gradient that use it.
 
 Where it runs: on CUDA through torch.nn.functional.scaled_grouped_mm (public from torch 2.10; the
 recipes ScalingType.BlockWise1x128 / BlockWise128x128); a build or GPU without a kernel for these
@@ -61,16 +62,20 @@ def quantise_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q in e4m3, the float32 scale of each 1x128 tile [M, ceil(K / 128)]) of x; x ~ q * s."""
     M, K = x_MK.shape
     n = fp8.blocks(K)
-    x = x_MK.float()
-    amax = F.pad(x, (0, n * TILE - K)).view(M, n, TILE).abs().amax(-1)
-    s = fp8.pow2_scale(amax)
-    q = (x / s.repeat_interleave(TILE, -1)[:, :K]).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.E4M3)
+    x_MGT = F.pad(x_MK.float(), (0, n * TILE - K)).view(M, n, TILE)
+    s = fp8.pow2_scale(x_MGT.abs().amax(-1))
+    # unsqueeze and narrow, not [:, :, None] and [:, :K]: a simulated mesh's ragged rows take no indexing
+    q = (x_MGT / s.unsqueeze(-1)).view(M, n * TILE).narrow(1, 0, K).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX)
+    q = q.to(fp8.E4M3)
     return q, s
 
 
-def dequantise_rows(q_MK: torch.Tensor, s_MN: torch.Tensor) -> torch.Tensor:
+def dequantise_rows(q_MK: torch.Tensor, s_MG: torch.Tensor) -> torch.Tensor:
     """q * s of quantise_rows, float32."""
-    return q_MK.float() * s_MN.repeat_interleave(TILE, -1)[:, :q_MK.shape[1]]
+    M, K = q_MK.shape
+    n = s_MG.shape[1]
+    q_MGT = F.pad(q_MK.float(), (0, n * TILE - K)).view(M, n, TILE)
+    return (q_MGT * s_MG.unsqueeze(-1)).view(M, n * TILE).narrow(1, 0, K)
 
 
 def _emulated_mm(x: torch.Tensor, w: torch.Tensor, end_E: torch.Tensor) -> torch.Tensor:
@@ -134,7 +139,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RD, w_EDF, end_E):
         xq, xs = quantise_rows(x_RD)
-        wq, ws = fp8.quantise(w_EDF)
+        wq, ws = fp8.weight_blocks(w_EDF)
         xTq, xTs = quantise_rows(x_RD.T) if ctx.needs_input_grad[1] else (None, None)
         ctx.save_for_backward(xTq, xTs, wq, ws, end_E)
         ctx.dtypes = x_RD.dtype, w_EDF.dtype

@@ -27,8 +27,9 @@ from fnmoe import _torch, caches
 
 from fnmoe.models import seams
 from fnmoe.parallel import dist as fdist
+from fnmoe.kernels import fp8_gemm
 from fnmoe.kernels.fp8_blocks import (BLOCK, E4M3, E4M3_MAX, MIN_SCALE_EXP, blocks, dequantise,  # noqa: F401
-                                      dequantise_into, pow2_scale, quantise, round_trip, scale_count)
+                                      dequantise_into, pow2_scale, quantise, remember, round_trip, scale_count)
 
 
 def pad(x: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
@@ -49,7 +50,9 @@ def pack(local: torch.Tensor, dim: int, rows: int) -> tuple[torch.Tensor, torch.
 
 def unpack(q_bytes: torch.Tensor, s_bytes: torch.Tensor, w: int, dim: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     """The gathered leaf in dtype from the w ranks' packs (each `pack`'s, concatenated along dim 0):
-    its first n rows along dim, contiguous."""
+    its first n rows along dim, contiguous. Split along the experts (dim 0), the leaf keeps the packs
+    as its blocks under fp8 expert GEMMs (fnmoe.kernels.fp8_blocks.remember): they take them, quantising
+    nothing."""
     # [w, natural padded shard]: each rank's q and scales with the split dim back in its place
     q = q_bytes.view(E4M3).unflatten(0, (w, -1)).movedim(1, dim + 1)
     s = s_bytes.view(torch.float32).unflatten(0, (w, -1)).movedim(1, dim + 1)
@@ -58,7 +61,10 @@ def unpack(q_bytes: torch.Tensor, s_bytes: torch.Tensor, w: int, dim: int, n: in
     with _made():
         out = torch.empty(shape, dtype=dtype, device=q.device)
         dequantise_into(out.unflatten(dim, (w, -1)).movedim(dim, 0), q, s)
-        return out if n == shape[dim] else out.narrow(dim, 0, n).contiguous()
+        out = out if n == shape[dim] else out.narrow(dim, 0, n).contiguous()
+    if dim == 0 and fp8_gemm.active():  # split along the experts: the packs are the stack's own blocks (fp8 GEMMs take them)
+        remember(out, q.flatten(0, 1)[:n], s.flatten(0, 1)[:n])
+    return out
 
 
 _making = 0

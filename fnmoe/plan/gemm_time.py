@@ -12,7 +12,9 @@ in backward) and the input gradient each read the expert's weight I·O and the r
 outputs; the weight gradient reads the rows' inputs and output gradients and writes its I·O
 result, which autograd then adds in place into the gathered weight's gradient (fnmoe/models/moe_chunks.py:
 read both, write one) every chunk but the first: 4N - 3 passes over I·O a step of N chunks, where a
-GEMM accumulating into its output would make N. With few rows a chunk the weight's bytes outlast
+GEMM accumulating into its output would make N. fp8 GEMMs (mesh.expert_gemm_dtype) add their
+operands' quantisation passes: the rows' every GEMM, a weight's once a gather (its blocks serve every
+chunk) and never behind fp8 gathers of whole experts, whose packs are the blocks. With few rows a chunk the weight's bytes outlast
 its FLOPs: on the busiest GH200 of the K2 preset (373 rows an expert a chunk) the weight gradient is
 HBM-bound and the forward is not; in 64 chunks (93 rows) both are.
 """
@@ -68,7 +70,7 @@ def routed_expert_s(run: RunConfig, recomputed: bool) -> dict:
         return {"forward": 0.0, "backward": 0.0}
     rate, hbm = (hw.expert_matmul_tflops or hw.matmul_tflops) * 1e12, hw.hbm_tbps * 1e12
     s = o = DTYPE_BYTES[run.model.compute_dtype]  # an operand's bytes, an output's
-    fp8 = getattr(run.mesh, "expert_gemm_dtype", "compute") == "float8_e4m3fn"
+    fp8 = fp8_gemms(run)
     if fp8:
         rate, s = (hw.fp8_matmul_tflops or 2 * hw.matmul_tflops) * 1e12, 1
     r, X, N = rows_per_expert(run), m.n_experts // run.mesh.ep, expert_chunks(run)
@@ -79,15 +81,30 @@ def routed_expert_s(run: RunConfig, recomputed: bool) -> dict:
     def quantised(elems: float) -> float:
         """fp8's quantisation pass of an operand: read in the compute dtype, written 1 byte an element."""
         return (o + 1) * elems / hbm if fp8 else 0.0
+    # a stack's blocks are made once a gather (fnmoe.kernels.fp8_blocks.weight_blocks), not once a chunk
+    weight_passes = 0.0 if gathered_packs(run) else 1.0 / N
     forward = input_grad = weight_grad = 0.0
     for I, O in _expert_matrices(run.model):
         flops = 2.0 * r * I * O
-        forward += gemm(flops, s * (I * O + r * I) + o * r * O) + quantised(r * I + I * O)
+        forward += gemm(flops, s * (I * O + r * I) + o * r * O) + quantised(r * I + I * O * weight_passes)
         input_grad += gemm(flops, s * (I * O + r * O) + o * r * I) + quantised(r * O)
         weight_grad += gemm(flops, s * r * (I + O) + o * I * O * (4 * N - 3) / N) + quantised(r * (I + O))
     per_step = X * N * run.train.grad_accum
     return {"forward": per_step * forward,
             "backward": per_step * (forward * (1 if recomputed else 0) + input_grad + weight_grad)}
+
+
+def fp8_gemms(run: RunConfig) -> bool:
+    """Whether the routed experts' GEMMs run in fp8 (mesh.expert_gemm_dtype)."""
+    return getattr(run.mesh, "expert_gemm_dtype", "compute") == "float8_e4m3fn"
+
+
+def gathered_packs(run: RunConfig) -> bool:
+    """Whether fp8 expert GEMMs take their weights' blocks from the fp8 gathers' packs (no quantisation
+    of a weight): gathers in fp8 of whole experts a rank (fsdp x ep divides E; fnmoe.parallel.fp8.unpack)."""
+    m, mesh = run.model.moe, run.mesh
+    return (fp8_gemms(run) and mesh.expert_gather_dtype == "float8_e4m3fn" and mesh.fsdp > 1
+            and m.n_experts % (mesh.fsdp * mesh.ep) == 0)
 
 
 def moe_layer_expert_s(run: RunConfig, recomputed: bool) -> dict:

@@ -87,18 +87,22 @@ def gathered_bytes(run: RunConfig) -> int:
     the embedding or head alone. One fp32 rank gathers nothing. fp8 expert gathers add the packs
     the step keeps (expert_pack_bytes), and the layer prefetched beside the one computing holds its
     expert stacks as received, 1 byte an element, plus one stack's unpacked copy (rehearsed on K2's
-    shapes: the forward's peak, 16.56 GiB against 16.53 so planned)."""
+    shapes: the forward's peak, 16.56 GiB against 16.53 so planned). fp8 expert GEMMs keep the
+    computing layer's stacks in e4m3 beside it (the gathers' packs, or their one quantisation)."""
     s, blocks = DTYPE_BYTES[run.model.compute_dtype], block_numels(run.model, run.mesh.ep)
     if run.mesh.world == 1:
         return 0 if s == 4 else sum(blocks) * s
     fp8_gathers = run.mesh.expert_gather_dtype == "float8_e4m3fn"
     packs = expert_pack_bytes(run.model, run.mesh.fsdp, run.mesh.ep) if fp8_gathers else 0
+    # fp8 expert GEMMs keep a computing layer's stacks in e4m3 too (fnmoe.kernels.fp8_blocks.weight_blocks)
+    fp8_gemms = getattr(run.mesh, "expert_gemm_dtype", "compute") == "float8_e4m3fn"
+    gemm_blocks = max(expert_numels(run.model, run.mesh.ep)) if fp8_gemms else 0
     if not run.mesh.reshard_after_forward:
-        return (sum(blocks) + max(blocks)) * s + packs
+        return (sum(blocks) + max(blocks)) * s + packs + (sum(expert_numels(run.model, run.mesh.ep)) if fp8_gemms else 0)
     layer = max(blocks[1:-1])
     experts = max(expert_numels(run.model, run.mesh.ep)) if fp8_gathers else 0
     prefetched = (layer - experts) * s + experts + (_largest_expert(run.model, run.mesh.ep) if experts else 0)
-    return max(layer * s + prefetched, blocks[0] * s, blocks[-1] * s) + packs
+    return max(layer * s + prefetched + gemm_blocks, blocks[0] * s, blocks[-1] * s) + packs
 
 
 def expert_numels(cfg: ModelConfig, ep: int) -> list[int]:
