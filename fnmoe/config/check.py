@@ -122,6 +122,14 @@ def _validate_memory(e: list[str], mem: MemoryConfig) -> None:
     # region policies always keep the exchange (fnmoe.memory.policies): the flag would do nothing there
     _check(e, mem.keep_exchange or mem.recompute == "full",
            "memory.keep_exchange=false (--memory.no-keep-exchange) needs memory.recompute='full'")
+    if mem.offload_dtype != "compute":
+        import torch  # here: a config without the field is checked without torch
+        field = f"memory.offload_dtype={mem.offload_dtype!r}"
+        _check(e, getattr(torch, mem.offload_dtype, None) is not None,
+               f"{field} needs torch.{mem.offload_dtype}, which this torch ({torch.__version__}) lacks")
+        _check(e, mem.offload and mem.recompute == "full",
+               f"{field} keeps the offloaded block inputs in fp8: it needs memory.offload=true and "
+               f"memory.recompute='full' (here offload={mem.offload}, recompute={mem.recompute!r})")
 
 
 def _validate_expert_gather(e: list[str], cfg: RunConfig) -> None:

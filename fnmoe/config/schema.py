@@ -134,6 +134,10 @@ class MemoryConfig:
     """MoE regions (router top-k outputs are saved under every policy, so routing never changes)"""
     mlp: RegionPolicy = "none"
     """dense MLP regions"""
+    offload_dtype: Literal["compute", "float8_e4m3fn"] = "compute"
+    """with recompute='full' and offload: the block inputs offload keeps on the host in the compute dtype,
+    or in e4m3 with a float32 scale a 1x128 tile (1.03 bytes an element: a GPU's host bytes about halve,
+    so more sequences fit); the recompute then starts from the dequantised input (the forward used the exact one)"""
     offload_min_bytes: Count = 1024
     """saved tensors smaller than this stay on the device (not worth a copy)"""
     max_inflight_bytes: PositiveInt = 1 << 30

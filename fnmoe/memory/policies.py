@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from typing import Callable
 
 import torch
@@ -41,6 +42,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from fnmoe import _torch, caches
 
 from fnmoe.models import transforms
+from fnmoe.kernels import fp8_gemm
 from fnmoe import compile as fcompile
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import replay, reshard
@@ -210,12 +212,30 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+class _Fp8Handle:
+    """A saved tensor kept in the pool as e4m3 rows with a float32 scale a 1x128 tile (its last dim the rows'
+    elements): unpacked as their dequantised values, in its dtype and shape."""
+
+    def __init__(self, pool: HostPool, t: torch.Tensor, handles: list):
+        q, s = fp8_gemm.quantise_rows(t.reshape(-1, t.shape[-1]))
+        self.q, self.s, self.shape, self.dtype = pool.store(q), pool.store(s), t.shape, t.dtype
+        handles += [self.q, self.s]
+
+    def add_use(self) -> None:
+        self.q.uses += 1
+        self.s.uses += 1
+
+    def load(self, pool: HostPool) -> torch.Tensor:
+        return fp8_gemm.dequantise_rows(pool.load(self.q), pool.load(self.s)).to(self.dtype).view(self.shape)
+
+
 def _offload_hooks(pool: HostPool, keep: set[int], min_bytes: int, stats: dict, handles: list,
-                   on_first_unpack: Callable[[], None]):
+                   on_first_unpack: Callable[[], None], fp8_inputs: frozenset = frozenset()):
     """(pack, unpack) moving saved tensors of >= min_bytes whose storage is not in keep to the pool;
     a tensor saved twice (same storage, view and version) is copied once. handles collects this
     block's handles in the order they were saved; the block's first unpack calls on_first_unpack
-    (the runner's reload of this block and the one before it)."""
+    (the runner's reload of this block and the one before it). A floating tensor whose storage is in
+    fp8_inputs (the block's input, under memory.offload_dtype) goes in e4m3 (_Fp8Handle)."""
     copies: dict[tuple, tuple] = {}
 
     def pack(t: torch.Tensor):
@@ -232,22 +252,37 @@ def _offload_hooks(pool: HostPool, keep: set[int], min_bytes: int, stats: dict, 
                _torch.tensor_version(t)) if sized else None
         seen = copies.get(key)
         if seen is not None and not seen[0].expired():  # the same storage, still alive: the same values
-            seen[1].uses += 1
+            if isinstance(seen[1], _Fp8Handle):
+                seen[1].add_use()
+            else:
+                seen[1].uses += 1
             return seen[1]
-        stats["offloaded"] += n
-        handle = pool.store(t)  # the handle holds no reference to t: its memory is freed
+        if _torch.storage_key(t) in fp8_inputs and t.is_floating_point():
+            handle = _Fp8Handle(pool, t, handles)
+            stats["offloaded"] += pool_bytes_of(handle)
+        else:
+            stats["offloaded"] += n
+            handle = pool.store(t)  # the handle holds no reference to t: its memory is freed
+            handles.append(handle)
         if sized:
             copies[key] = (StorageWeakRef(t.untyped_storage()), handle)
-        handles.append(handle)
         return handle
 
     def unpack(handle):
+        if isinstance(handle, _Fp8Handle):
+            on_first_unpack()
+            return handle.load(pool)
         if not isinstance(handle, Handle):
             return handle
         on_first_unpack()
         return pool.load(handle)
 
     return pack, unpack
+
+
+def pool_bytes_of(handle: _Fp8Handle) -> int:
+    """The bytes an fp8 block input takes in the pool: its e4m3 rows and their scales."""
+    return sum(math.prod(h.like[0]) * h.like[2].itemsize for h in (handle.q, handle.s))
 
 
 def offloads(mem: MemoryConfig) -> bool:
@@ -353,8 +388,10 @@ class Runner:
                 for t in shared if isinstance(t, torch.Tensor)}
         stats = self.stats.setdefault(i, {"kept": 0, "offloaded": 0})
         handles = self.handles.setdefault(i, [])
+        # the block's input: the first of args (memory.offload_dtype keeps it in fp8)
+        fp8_inputs = frozenset({_torch.storage_key(args[0])} if self.mem.offload_dtype != "compute" else ())
         offload = _offload_hooks(self.pool, keep, self.mem.offload_min_bytes, stats, handles,
-                                 functools.partial(self._reload, i))
+                                 functools.partial(self._reload, i), fp8_inputs)
         return reshard.hooks(offload) if self.reshard else torch.autograd.graph.saved_tensors_hooks(*offload)
 
     def _release(self, i: int, grad_BLD=None) -> None:

@@ -179,11 +179,11 @@ def block_activations(run: RunConfig, i: int, T: int) -> dict:
         exchange = exchange_bytes(run, T) if cfg.is_moe_layer(i) else 0
         exchanged = exchange if mem.keep_exchange else 0
         kept = T * cfg.dim * s + exchanged + (routing_bytes(run, T) if cfg.is_moe_layer(i) else 0)
-        host = kept if mem.offload and not last else 0
+        host = kept - T * cfg.dim * s + host_input_bytes(run, T) if mem.offload and not last else 0
         recomputing = _recomputing(run, i, T, regions) + (exchange // _chunks(run, i) if not exchanged else 0)
         # offloaded, what it keeps comes back for its recompute, beside the previous block's (prefetched)
         # and, as backward reaches each weight, that leaf's compute-dtype gradient before its reduce-scatter
-        return {"device": kept - host, "host": host, "host_routed": exchanged if host else 0, "recomputed": full,
+        return {"device": 0 if host else kept, "host": host, "host_routed": exchanged if host else 0, "recomputed": full,
                 "transient": recomputing + exchanged + (2 * kept if host else 0) + weight_grad_bytes(run, i)}
     R = int(T * cfg.moe.top_k * (run.plan.imbalance if run.mesh.ep > 1 else 1.0))
     out = {"device": 0, "host": 0, "host_routed": 0, "recomputed": 0, "transient": 0}
@@ -204,6 +204,15 @@ def block_activations(run: RunConfig, i: int, T: int) -> dict:
         else:
             out["device"] += none_bytes
     return out
+
+
+def host_input_bytes(run: RunConfig, T: int) -> int:
+    """A block input's bytes in the offload pool: the compute dtype, or under memory.offload_dtype
+    e4m3 and a float32 scale a 1x128 tile of each token's row (fnmoe.memory.policies._Fp8Handle)."""
+    D = run.model.dim
+    if run.memory.offload_dtype == "compute":
+        return T * D * DTYPE_BYTES[run.model.compute_dtype]
+    return T * D + T * -(-D // 128) * 4
 
 
 def _chunks(run: RunConfig, i: int) -> int:

@@ -1,6 +1,7 @@
 """Work a real step does beside its model FLOPs and collectives, each a named term of the step time
 (step_time.py adds them to their phase's compute): Muon's Newton-Schulz iterations, the head's logits
-recomputed under CE chunks, the dequantising of fp8 expert gathers, the count exchange's host
+recomputed under CE chunks, the dequantising of fp8 expert gathers, the quantising of fp8 block inputs
+for the host and their dequantising for the recompute, the count exchange's host
 syncs, and the optimizer update's passes over the state. Sources and figures: docs/memory_plan.md,
 "What a real NCCL step costs".
 
@@ -21,11 +22,13 @@ from fnmoe.tree import leaf_kind
 def overheads_s(run: RunConfig) -> dict[str, tuple[str, float]]:
     """{term: (phase, seconds a step on the busiest rank)}, every term present (0.0 where the run
     does not pay it), so a plan names what it charged."""
-    dequant, syncs = fp8_dequant_s(run), count_sync_s(run)
+    dequant, syncs, inputs = fp8_dequant_s(run), count_sync_s(run), fp8_inputs_s(run)
     return {"muon newton-schulz": ("update", muon_ns_s(run)),
             "head logits recomputed": ("backward", head_recompute_s(run)),
             "fp8 gather dequantise": ("forward", dequant[0]),
             "fp8 gather dequantise (backward)": ("backward", dequant[1]),
+            "fp8 block inputs quantise": ("forward", inputs[0]),
+            "fp8 block inputs dequantise": ("backward", inputs[1]),
             "count exchange syncs": ("forward", syncs[0]),
             "count exchange syncs (recompute)": ("backward", syncs[1]),
             "update passes": ("update", update_passes_s(run))}
@@ -59,6 +62,18 @@ def head_recompute_s(run: RunConfig) -> float:
         return 0.0
     tokens = tokens_per_rank(run) * run.train.grad_accum
     return 2.0 * tokens * run.model.dim * run.model.vocab_size / (hardware(run.plan).matmul_tflops * 1e12)
+
+
+def fp8_inputs_s(run: RunConfig) -> tuple[float, float]:
+    """(forward, backward) under memory.offload_dtype: each offloaded block input (every block but
+    the last) quantised in 1x128 tiles (read in the compute dtype, written 1 byte an element), and
+    dequantised for its recompute (read 1, a float32 product written and read, the input written)."""
+    if run.memory.offload_dtype == "compute" or not run.memory.offload:
+        return 0.0, 0.0
+    s = 2 if run.model.compute_dtype == "bfloat16" else 4
+    elems = tokens_per_rank(run) * run.train.grad_accum * run.model.dim * (run.model.n_layers - 1)
+    hbm = hardware(run.plan).hbm_tbps * 1e12
+    return elems * (s + 1) / hbm, elems * (1 + 4 + 4 + s) / hbm
 
 
 def fp8_dequant_s(run: RunConfig) -> tuple[float, float]:

@@ -7,7 +7,7 @@ The candidates:
                  ep group is ep consecutive ranks, so ep <= gpus_per_node keeps the exchange inside
                  a node; the expert stacks are FSDP-sharded over the other fsdp ranks.
   memory         the named policies of POLICIES (whole-block recompute, keeping or replaying the
-                 exchange, and offload; selective recompute per region with the MoE region, the
+                 exchange, and offload, its block inputs in the compute dtype or fp8; selective recompute per region with the MoE region, the
                  largest, recomputed or offloaded).
   tokens a GPU   b sequences a GPU a step: the config's, and every b = k·2^e (k 1, 3, 5 or 7)
                  whose global batch (b x world sequences) stays within max_global_tokens.
@@ -18,6 +18,8 @@ The candidates:
                  (mesh.expert_gather_dtype), where experts are FSDP-sharded (fsdp > 1), fp8 with
                  bf16 reduce-scatters only (a layout that halves the gathers' bytes halves the
                  reductions' first: fp8 beside fp32 reductions never ranks above its bf16 twin).
+  expert GEMMs   the routed experts' GEMMs in the compute dtype or fp8 (mesh.expert_gemm_dtype), fp8
+                 behind fp8 gathers only (the GEMMs take the gathers' packs as the weights' blocks)
   chunks         the fewest cross-entropy chunks (--train.ce-chunks) and then, under full recompute,
                  whole-block chunks (--memory.block-chunks, dividing a micro-batch's sequences), else MoE
                  token chunks (1, 2, 4, ... dividing its tokens) that fit the device; more only shrink
@@ -51,6 +53,8 @@ POLICIES: dict[str, dict] = {
     "full, replay exchange": {"recompute": "full", "keep_exchange": False},
     "full+offload": {"recompute": "full", "offload": True},
     "full+offload, replay exchange": {"recompute": "full", "offload": True, "keep_exchange": False},
+    "full+offload fp8, replay exchange": {"recompute": "full", "offload": True, "keep_exchange": False,
+                                          "offload_dtype": "float8_e4m3fn"},
     "offload": {"recompute": "none", "offload": True},
     "selective": {"attention": "selective", "moe": "selective", "mlp": "selective"},
     "selective, moe full": {"attention": "selective", "moe": "full", "mlp": "selective"},
@@ -78,19 +82,20 @@ def per_gpu_sequences(run: RunConfig, world: int, max_global_tokens: int) -> lis
 
 def with_layout(run: RunConfig, fsdp: int, ep: int, policy: str, micro_batch: int, per_gpu: int | None = None,
                 reduce_dtype: str | None = None, token_chunks: int | None = None, check: bool = True,
-                expert_gather: str | None = None) -> RunConfig:
+                expert_gather: str | None = None, expert_gemm: str | None = None) -> RunConfig:
     """run on that mesh, memory policy and micro-batch (and, when given, sequences a GPU a step, the
     reduce-scatter dtype, MoE token chunks and the expert gathers' dtype; fp8 gathers fall back to
     the compute dtype where nothing is sharded over fsdp); the global batch kept unless per_gpu is
     given; checked as train checks (the search checks the rows it shows: its candidates are valid by
     construction)."""
     fields = {"recompute": "none", "offload": False, "attention": "none", "moe": "none", "mlp": "none",
-              "keep_exchange": True, "block_chunks": 1}
+              "keep_exchange": True, "block_chunks": 1, "offload_dtype": "compute"}
     memory = dataclasses.replace(run.memory, **{**fields, **POLICIES[policy]})
     batch = run.train.batch_size if per_gpu is None else per_gpu * fsdp * ep
     gather = expert_gather or run.mesh.expert_gather_dtype
     mesh = dataclasses.replace(run.mesh, fsdp=fsdp, ep=ep, **({"reduce_dtype": reduce_dtype} if reduce_dtype else {}),
-                               expert_gather_dtype=gather if fsdp > 1 and run.model.moe.n_experts else "compute")
+                               expert_gather_dtype=gather if fsdp > 1 and run.model.moe.n_experts else "compute",
+                               expert_gemm_dtype=expert_gemm or run.mesh.expert_gemm_dtype)
     model = run.model if token_chunks is None else dataclasses.replace(
         run.model, moe=dataclasses.replace(run.model.moe, token_chunks=token_chunks))
     train = dataclasses.replace(run.train, batch_size=batch, grad_accum=batch // (fsdp * ep * micro_batch))
@@ -108,11 +113,15 @@ def candidates(run: RunConfig, world: int, max_global_tokens: int = MAX_GLOBAL_T
         raise ValueError(f"no layout of {world} ranks: a sequence a GPU ({world * run.data.seq_len:,} tokens a step) "
                          f"is over --max-global-tokens {max_global_tokens:,}")
     dtypes = ("float32", "bfloat16") if world > 1 else ("float32",)
-    return [(policy, with_layout(run, fsdp, ep, policy, m, b, dt, 1, check=False, expert_gather=g))
+    fp8 = run.model.compute_dtype == "bfloat16" and run.model.moe.n_experts and run.model.moe.impl != "dense"
+    return [(policy, with_layout(run, fsdp, ep, policy, m, b, dt, 1, check=False, expert_gather=g, expert_gemm=x))
             for fsdp, ep in meshes(run, world) for policy in POLICIES if not (ep == 1 and "replay" in policy)
             for b in sequences for m in divisors(b) if b // m <= MAX_ACCUM for dt in dtypes
             for g in (("compute", "float8_e4m3fn") if fsdp > 1 and run.model.moe.n_experts and dt == "bfloat16"
-                      else ("compute",))]
+                      else ("compute",))
+            # fp8 GEMMs behind fp8 gathers only: they take the gathers' packs, where behind compute-dtype
+            # gathers they quantise the weights and the gathers send twice the bytes
+            for x in (("compute", "float8_e4m3fn") if fp8 and g == "float8_e4m3fn" else (run.mesh.expert_gemm_dtype,))]
 
 
 def fitted(run: RunConfig) -> tuple[RunConfig, dict, tuple[bool, bool]]:
@@ -156,6 +165,7 @@ def row(policy: str, run: RunConfig, p: dict) -> dict:
             "tokens_per_gpu": run.micro_batch * run.train.grad_accum * run.data.seq_len,
             "reduce_dtype": run.mesh.reduce_dtype, "token_chunks": run.model.moe.token_chunks,
             "block_chunks": run.memory.block_chunks, "expert_gather_dtype": run.mesh.expert_gather_dtype,
+            "expert_gemm_dtype": run.mesh.expert_gemm_dtype,
             "ce_chunks": run.train.ce_chunks,
             "device_bytes": r["total_device"], "host_bytes": r["host_pool"],
             "device_left_gb": hw.hbm_gb - r["total_device"] / GB, "host_left_gb": hw.host_gb - r["host_pool"] / GB,
@@ -227,16 +237,17 @@ def format_search(s: dict) -> str:
              f"{s['host_gb']:g} GB host usable a GPU, {s['network_gbps']:g} GB/s across nodes): {s['candidates']} "
              f"layouts planned, {s['fitting']} fit, {s['as_built_planned']} projected as built; global batch up to "
              f"{s['max_global_tokens']:,} tokens of {s['seq_len']}; modelled, not measured",
-             f"{'#':>3} {'fsdp x ep':>10} {'memory':<30}{'seq/GPU':>8} {'mb x acc':>9} {'rs':>4} {'eg':>4} {'chk':>4} "
+             f"{'#':>3} {'fsdp x ep':>10} {'memory':<34}{'seq/GPU':>8} {'mb x acc':>9} {'rs':>4} {'eg':>4} {'gm':>4} {'chk':>4} "
              f"{'ce':>4} "
              f"{'dev GB':>7} {'host GB':>8} {'as built':>9} {'overlap':>8} {'serial':>7} {'other':>7}  {'compute':>8} "
              f"{'fsdp':>7} "
              f"{'ep in':>7} {'ep out':>7} {'host':>6}  bound"]
     for i, r in enumerate(s["ranking"], 1):
         t = r["terms_s"]
-        lines.append(f"{i:>3} {r['fsdp']:>4} x {r['ep']:<3} {r['policy']:<30}{r['sequences_per_gpu']:>8} "
+        lines.append(f"{i:>3} {r['fsdp']:>4} x {r['ep']:<3} {r['policy']:<34}{r['sequences_per_gpu']:>8} "
                      f"{r['micro_batch']:>4} x {r['grad_accum']:<3} {DTYPE_SHORT[r['reduce_dtype']]:>4} "
                      f"{'fp8' if r.get('expert_gather_dtype') == 'float8_e4m3fn' else '-':>4} "
+                     f"{'fp8' if r.get('expert_gemm_dtype') == 'float8_e4m3fn' else '-':>4} "
                      f"{chunks_label(r):>4} {r['ce_chunks']:>4} {r['device_bytes'] / GB:>7.1f} "
                      f"{r['host_bytes'] / GB:>8.1f} "
                      f"{r['tokens_per_s_per_gpu']:>8,.0f}{' ' if r['as_built'] else '*'} "
@@ -246,6 +257,8 @@ def format_search(s: dict) -> str:
                      f"{t['fsdp inside node'] + t['fsdp across nodes']:>6.2f}s {t['ep inside node']:>6.2f}s "
                      f"{t['ep across nodes']:>6.2f}s {t['host link']:>5.2f}s  {r['bound']}")
     lines.append("     rs: the gradients' reduce-scatter dtype; eg: fp8 expert gathers (- the compute dtype); "
+                 "gm: fp8 expert GEMMs (--mesh.expert-gemm-dtype; - the compute dtype); memory 'offload fp8': "
+                 "block inputs on the host in fp8 (--memory.offload-dtype); "
                  "chk: MoE token chunks (b: whole-block chunks of "
                  "sequences); ce: cross-entropy chunks; "
                  "as built: fnmoe's waits charged (the headline; * not recorded, the serial figure); "
