@@ -246,7 +246,7 @@ def test_clear_caches_between_steps_on_a_simulated_mesh():
 
     from fnmoe import optim
     from fnmoe.config import MeshConfig, OptimConfig, RunConfig, TrainConfig
-    from fnmoe.models.params import init_params
+    from fnmoe.parallel.sharding import init_params
     from fnmoe.training.step import init_state, make_train_step
     from fnmoe.memory.policies import train_runner
 
