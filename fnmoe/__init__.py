@@ -29,7 +29,7 @@ _EXPORTS = {
     "seams": "fnmoe.models.seams",
     "clear_caches": "fnmoe.caches",
     "forward": "fnmoe.models.transformer",
-    "init_params": "fnmoe.models.params",
+    "init_params": "fnmoe.parallel.sharding",
     "init_state": "fnmoe.training.step",
     "loss_fn": "fnmoe.training.step",
     "make_train_step": "fnmoe.training.step",

@@ -61,7 +61,7 @@ def step_on_2x2(cfg, mem, tokens_BL):
     from fnmoe.parallel import dist as fdist
     from fnmoe.parallel import sharding
     from fnmoe.parallel.fsdp import GATHER
-    from fnmoe.models.params import init_params
+    from fnmoe.parallel.sharding import init_params
     from fnmoe.training.step import loss_fn
     from fnmoe.tree import flatten_dict, value_and_grad
 

@@ -26,7 +26,7 @@ from fnmoe.models.transformer import head_weight, hidden_states
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.parallel.fsdp import GATHER
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.plan.activations import head_bytes
 from fnmoe.plan.comm import comm_bytes
 from fnmoe.plan.memory_report import NewStorages

@@ -19,7 +19,7 @@ from fnmoe.checkpoint.format import compact, tiling_problem
 from fnmoe.cli import main
 from fnmoe.config import load_config
 from fnmoe.parallel import dist as fdist
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.training.step import init_state
 from fnmoe.training.state import TrainState
 from test_checkpoint import args, rows, train_here

@@ -21,7 +21,7 @@ from fnmoe.parallel import dist as fdist
 from fnmoe.checkpoint import CheckpointError, load_params, verify
 from fnmoe.cli import parse_run
 from fnmoe.data.loader import Loader, load_data
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.training.step import init_state
 from fnmoe.training.state import TrainState
 from fnmoe.tree import tree_flatten_with_paths, tree_map

@@ -12,7 +12,7 @@ from fnmoe import optim
 from fnmoe.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig, TrainConfig
 from fnmoe.memory.policies import train_runner
 from fnmoe.optim.in_place import check_no_aliases, update_in_place
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.training.step import init_state, make_train_step
 from fnmoe.training.state import DonatedError, TrainState
 from fnmoe.tree import flatten_dict, tree_map

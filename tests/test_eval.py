@@ -118,7 +118,7 @@ def test_a_sample_on_a_mesh_is_one_process_sample(caplog):
     takes part in gathering the params, rank 0 logs what one process's greedy sample of the same
     weights is (sharded init draws each rank's slice of the one-process tensors)."""
     from fnmoe.config import MeshConfig, RunConfig, TrainConfig
-    from fnmoe.models.params import init_params
+    from fnmoe.parallel.sharding import init_params
     from fnmoe.parallel import dist as fdist
     from fnmoe.parallel import sharding
     from fnmoe.sampling.text import log_sample, run_codec, sample_text

@@ -21,7 +21,7 @@ from fnmoe.parallel.fsdp import GATHER
 from fnmoe.plan.memory_report import NewStorages
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.plan.meters import CommMeter
 from fnmoe.training.step import loss_fn
 from fnmoe.tree import flatten_dict, tree_map

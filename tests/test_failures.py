@@ -16,7 +16,7 @@ from fnmoe import optim
 from fnmoe.parallel import sharding
 from fnmoe.config import MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
 from fnmoe.run.faults import STOP_AT_STEP_ENV, STOP_RANK_ENV
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.training.step import init_state, make_train_step
 from fnmoe.memory.policies import train_runner
 

@@ -20,7 +20,7 @@ from fnmoe.cli import main
 from fnmoe.kernels import fp8_blocks, fp8_gemm
 from fnmoe.config import MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig, load_config, validate
 from fnmoe.memory.policies import train_runner
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import fp8, sharding
 from fnmoe.parallel import gather as fgather

@@ -16,7 +16,7 @@ from fnmoe.parallel import sharding
 from fnmoe.parallel import dist as fdist
 from fnmoe.config import MeshConfig, ModelConfig, MoEConfig
 from fnmoe.models.transformer import forward
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.training.step import loss_fn
 from fnmoe.tree import flatten_dict, tree_map, unflatten_dict, value_and_grad
 from conftest import rel, tiny_flags

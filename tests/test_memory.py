@@ -21,7 +21,7 @@ from fnmoe.models.transformer import hidden_states
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.parallel.fsdp import GATHER
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.models.seams import Plain
 from fnmoe.training.step import loss_fn
 from fnmoe.tree import flatten_dict, value_and_grad

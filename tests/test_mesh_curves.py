@@ -38,7 +38,7 @@ import torch.distributed as dist
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.config import DistConfig, MeshConfig, OptimConfig, load_config
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.tree import flatten_dict
 
 from conftest import whole

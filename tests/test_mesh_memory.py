@@ -58,7 +58,8 @@ from fnmoe.memory.policies import train_runner
 from fnmoe.plan.activations import pool_bytes
 from fnmoe.plan.memory_report import NewStorages
 from fnmoe.plan.meters import CommMeter, plain_tensors
-from fnmoe.models.params import init_params, leaf_inits
+from fnmoe.models.params import leaf_inits
+from fnmoe.parallel.sharding import init_params
 from fnmoe.plan.activations import block_activations, tokens_per_rank
 from fnmoe.plan.comm import comm_bytes
 from fnmoe.training.step import init_state, loss_fn, make_train_step

@@ -18,7 +18,7 @@ from fnmoe.parallel import dispatch
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.parallel.fsdp import GATHER
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.plan.meters import StorageMeter
 from fnmoe.training.step import loss_fn
 from fnmoe.tree import flatten_dict, tree_map, value_and_grad

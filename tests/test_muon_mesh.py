@@ -27,7 +27,7 @@ from fnmoe.training import loop
 from fnmoe.parallel import sharding
 from fnmoe.training import step as ftrain
 from fnmoe.config import DataConfig, DistConfig, MeshConfig, OptimConfig, RunConfig, TrainConfig
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.training.step import init_state, make_train_step
 from fnmoe.memory.policies import train_runner
 from fnmoe.tree import flatten_dict, map_with_path, tree_flatten, unflatten_dict

@@ -26,7 +26,7 @@ from fnmoe.memory.host_pool import HostPool
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.parallel.fsdp import GATHER
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.plan.meters import CommMeter
 from fnmoe.training.step import loss_fn
 from fnmoe.tree import tree_map

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from fnmoe import hf
 from fnmoe.cli import main, parse_run
 from fnmoe.config import MeshConfig, RunConfig, TrainConfig
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.run import guards

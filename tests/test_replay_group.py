@@ -10,7 +10,7 @@ from fnmoe.memory import policies
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import replay, sharding
 from fnmoe.parallel.fsdp import GATHER
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.plan.meters import OrderMeter
 from fnmoe.training.step import loss_fn
 from fnmoe.tree import flatten_dict, value_and_grad

@@ -33,7 +33,7 @@ from fnmoe.config import (DistConfig, MemoryConfig, MeshConfig, ModelConfig, MoE
                           TrainConfig, validate)
 from fnmoe.dtypes import DTYPE
 from fnmoe.models.transformer import forward
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.plan.meters import CommMeter
 from fnmoe.training.step import IGNORE, init_state, loss_fn, make_train_step
 from fnmoe.memory.policies import train_runner

@@ -13,9 +13,9 @@
            in sequence chunks            block_chunks.py  run (memory.block_chunks)
       -> final norm -> head              transformer.py   hidden_states' final norm; forward -> logits_BLV, aux
 
-params.py holds the parameter schema and its init (leaf_inits, init_params); seams.py what the model
-runs through, chosen by its caller (BlockRunner, ParamsSource, mark); transforms.py the model's paths
-under torch.func's transforms. The model imports nothing from fnmoe.memory or fnmoe.training; its
-imports of fnmoe.parallel (the expert-parallel exchange in moe.py and moe_chunks.py, a mesh's shards
-in params.py) are tools/import_graph.py's KNOWN list, each with the work that removes it.
+params.py holds the parameter schema and its init in one process (leaf_inits, init_params; a mesh's
+shards: fnmoe.parallel.sharding.init_params); seams.py what the model runs through, chosen by its
+caller (BlockRunner, ParamsSource, mark; the expert-parallel Exchange a MoE layer's params carry as
+"ep"); transforms.py the model's paths under torch.func's transforms. The model imports nothing from
+fnmoe.parallel, fnmoe.memory or fnmoe.training (tests/test_house.py).
 """

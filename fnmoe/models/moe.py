@@ -28,8 +28,6 @@ from fnmoe.kernels import gemm as cpu_gemm
 from fnmoe import compile as fcompile
 from fnmoe.compile import size_hint
 from fnmoe.config import ModelConfig
-from fnmoe.parallel import dispatch
-from fnmoe.parallel.dispatch import ep_expert_mlp
 from fnmoe.models.routing import Router, route
 
 _grouped_mm = _torch.grouped_mm  # None on a torch without it
@@ -289,8 +287,9 @@ GEMMS = ("grouped", "padded", "loop", "dense")
 def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed: Callable | None = None,
               router: Router | None = None):
     """(out_BLD, stats): routed experts (+ shared experts) for every token. p holds w_router_DE,
-    the expert stacks, optionally shared.* and router_bias_E, and with expert parallelism ep_group
-    (the stacks then hold that ep rank's experts; fnmoe.parallel.sharding.gather adds it). stats: counts_E,
+    the expert stacks, optionally shared.* and router_bias_E, and with expert parallelism ep
+    (a fnmoe.models.seams.Exchange: the stacks then hold that ep rank's experts; FSDP's params source
+    adds it, fnmoe.parallel.fsdp). stats: counts_E,
     balance_loss, probs_sum_E (the Switch loss's parts, for data parallelism), dropped (rows over
     capacity), router_logits_TE (fp32, with its graph), and seq_balance_loss / z_loss when their coefficients
     are non-zero. router (fnmoe.models.routing.Router) routes; None: the built-in of model.moe.score_func.
@@ -315,22 +314,22 @@ def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed:
 
 def moe_steps(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, router: Router | None = None,
               compile: bool = False):
-    """moe_block on its sparse path under expert parallelism (p["ep_group"]), as steps: a generator
-    that yields while its dispatch travels and again while its combine does (dispatch.in_flight), and
+    """moe_block on its sparse path under expert parallelism (p["ep"]), as steps: a generator
+    that yields while its dispatch travels and again while its combine does (Exchange.in_flight), and
     returns moe_block's (out_BLD, stats), computed by the same ops in the same order.
     fnmoe.models.block_chunks runs two block chunks' steps at a time; compile: their pieces compiled."""
     B, L, D = x_BLD.shape
-    x_TD, group = x_BLD.reshape(B * L, D), p["ep_group"]
+    x_TD, ep = x_BLD.reshape(B * L, D), p["ep"]
     fn = fcompile.compiled if compile else (lambda f: f)
     w_TK, idx_TK, probs_TE, logits_TE, rows = fn(_routed_rows)(p, x_TD, cfg, router)
-    sent = dispatch.dispatched(rows.x_RD, rows.kept_E, p["w_gate_EDF"].shape[0], group)
+    sent = ep.dispatched(rows.x_RD, rows.kept_E, p["w_gate_EDF"].shape[0])
     rows = rows._replace(x_RD=None)  # sent: its buffer can go
-    yield from dispatch.in_flight(sent.rows, group)
-    y_recv = fn(dispatch.local_experts)(expert_mlp, dispatch.received(sent), sent.recv_SX, p["w_gate_EDF"],
-                                        p["w_up_EDF"], p["w_down_EFD"], gemm)
-    back = dispatch.send_back(y_recv, sent)
-    yield from dispatch.in_flight(back, group)
-    out_TD = fn(_output)(p, x_TD, rows, dispatch.returned(back, sent), w_TK)
+    yield from ep.in_flight(sent.rows)
+    y_recv = fn(ep.local_experts)(expert_mlp, ep.received(sent), sent.recv_SX, p["w_gate_EDF"], p["w_up_EDF"],
+                                  p["w_down_EFD"], gemm)
+    back = ep.send_back(y_recv, sent)
+    yield from ep.in_flight(back)
+    out_TD = fn(_output)(p, x_TD, rows, ep.returned(back, sent), w_TK)
     return out_TD.view(B, L, D), _stats(cfg, probs_TE, logits_TE, idx_TK, rows.counts_E, rows.kept_E, B)
 
 
@@ -395,9 +394,9 @@ def combined(rows: Rows, y_RD: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor
 def _sparse_routed(p: dict, x_TD, w_TK, idx_TK, cfg: ModelConfig, gemm: str):
     """(routed experts' output_TD, counts_E, kept_E): each row through its expert only."""
     rows = sorted_rows(x_TD, idx_TK, cfg)
-    if "ep_group" in p:  # expert parallel: the stacks hold this ep rank's experts only
-        y_RD = ep_expert_mlp(expert_mlp, rows.x_RD, rows.kept_E, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"],
-                             p["ep_group"], gemm)
+    if "ep" in p:  # expert parallel: the stacks hold this ep rank's experts only
+        y_RD = p["ep"].experts(expert_mlp, rows.x_RD, rows.kept_E, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"],
+                               gemm)
     else:
         y_RD = expert_mlp(rows.x_RD, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"], rows.kept_E, gemm)
     return combined(rows, y_RD, w_TK), rows.counts_E, rows.kept_E
@@ -406,7 +405,7 @@ def _sparse_routed(p: dict, x_TD, w_TK, idx_TK, cfg: ModelConfig, gemm: str):
 def _dense_routed(p: dict, x_TD, w_TK, idx_TK, cfg: ModelConfig):
     """_sparse_routed through dense_expert_mlp: the same output and counts, no shape or host read
     that depends on the routing."""
-    if "ep_group" in p:
+    if "ep" in p:
         raise ValueError("model.moe.impl='dense' runs every expert on every token: it takes no expert "
                          "parallelism (mesh.ep > 1)")
     E = cfg.moe.n_experts

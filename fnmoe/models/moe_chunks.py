@@ -13,7 +13,8 @@ capacity each expert keeps its first rows in token order counted over all chunks
 
 Expert parallel: one count exchange for all chunks (the layer's one host sync), then chunk c+1's
 dispatch is issued before chunk c's experts run and waited for after them, before chunk c's combine:
-so at most one all-to-all is in flight on the ep group (gloo's rule, fnmoe.parallel.gather).
+so at most one all-to-all is in flight on the ep group (gloo's rule, fnmoe.parallel.gather). The
+exchange is the one the layer's params carry (p["ep"], a fnmoe.models.seams.Exchange).
 
 Recompute (`recompute` from the block runner, when the block or its MoE region is recomputed in
 backward): `_Chunks` runs the chunks without autograd and saves their inputs (and with "keep" the
@@ -31,7 +32,6 @@ import torch
 from fnmoe import _torch
 from fnmoe.models import moe as fmoe
 from fnmoe.config import ModelConfig
-from fnmoe.parallel import dispatch
 
 
 def chunked(p: dict, x_TD: torch.Tensor, w_TK: torch.Tensor, idx_TK: torch.Tensor, cfg: ModelConfig, gemm: str,
@@ -84,11 +84,11 @@ class _Run:
             end_NE = counts_NE.cumsum(0)
             self.before_NE = end_NE - counts_NE
             self.kept_NE = end_NE.clamp(max=capacity) - self.before_NE.clamp(max=capacity)
-        self.group = p.get("ep_group")
-        if self.group is not None:
-            self.recv_NSX = dispatch.exchange_chunk_counts(self.kept_NE, self.group)
+        self.ep = p.get("ep")
+        if self.ep is not None:
+            self.recv_NSX = self.ep.chunk_counts(self.kept_NE)
             # fnmoe.plan.rehearse pins the splits by the rows a chunk sends (fake tensors hold no counts)
-            self.splits = dispatch.chunk_splits(self.kept_NE, self.recv_NSX, [idx_NR.shape[1]] * N)
+            self.splits = self.ep.chunk_splits(self.kept_NE, self.recv_NSX, [idx_NR.shape[1]] * N)
 
     def rows(self, c: int, x_TD, idx_TK) -> fmoe.Rows:
         """Chunk c's rows (x_TD, idx_TK its tokens') sorted by expert."""
@@ -102,24 +102,24 @@ class _Run:
         """(each chunk's output_TD, with self.keep each chunk's (dispatched, combined) rows under
         expert parallelism). Without experts (the recompute around _Chunks) only the exchange runs:
         replayed there, it needs no real input to send back."""
-        p, s = _unflat(weights), self.slices
-        if self.group is None:
+        p, s, ep = _unflat(weights), self.slices, self.ep
+        if ep is None:
             return [self.chunk(c, x_TD[s[c]], w_TK[s[c]], idx_TK[s[c]], p) for c in range(self.N)], []
         outs, kept = [], []
         rows = self.rows(0, x_TD[s[0]], idx_TK[s[0]])
-        sent = dispatch.send(rows.x_RD, self.recv_NSX[0], self.splits[0], self.group)
-        got, rows = dispatch.received(sent), rows._replace(x_RD=None)  # sent: its buffer can go
+        sent = ep.send(rows.x_RD, self.recv_NSX[0], self.splits[0])
+        got, rows = ep.received(sent), rows._replace(x_RD=None)  # sent: its buffer can go
         for c in range(self.N):
             nxt = None
             if c + 1 < self.N:  # chunk c+1's rows travel while chunk c's experts run
                 rows_next = self.rows(c + 1, x_TD[s[c + 1]], idx_TK[s[c + 1]])
-                nxt = dispatch.send(rows_next.x_RD, self.recv_NSX[c + 1], self.splits[c + 1], self.group)
-            y_recv = dispatch.local_experts(fmoe.expert_mlp, got, sent.recv_SX, p["w_gate_EDF"], p["w_up_EDF"],
-                                            p["w_down_EFD"], self.gemm) if experts else got
+                nxt = ep.send(rows_next.x_RD, self.recv_NSX[c + 1], self.splits[c + 1])
+            y_recv = ep.local_experts(fmoe.expert_mlp, got, sent.recv_SX, p["w_gate_EDF"], p["w_up_EDF"],
+                                      p["w_down_EFD"], self.gemm) if experts else got
             got_next = None
             if nxt is not None:  # waited for before the combine: one all-to-all in flight on the group
-                got_next, rows_next = dispatch.received(nxt), rows_next._replace(x_RD=None)
-            y_RD = dispatch.combine(y_recv, sent)
+                got_next, rows_next = ep.received(nxt), rows_next._replace(x_RD=None)
+            y_RD = ep.combine(y_recv, sent)
             if self.keep:  # what _Chunks saves
                 kept.append((got, y_RD))
             if experts:
@@ -132,22 +132,21 @@ class _Run:
         """Chunk c's output_TD on its own (x_TD, w_TK, idx_TK its tokens'): without expert
         parallelism, or as _Chunks' backward recomputes it (kept: its exchange's outputs, else it
         sends its rows again)."""
-        rows = self.rows(c, x_TD, idx_TK)
+        rows, ep = self.rows(c, x_TD, idx_TK), self.ep
         stacks = (p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"])
-        if self.group is None:
+        if ep is None:
             return self.out(rows, fmoe.expert_mlp(rows.x_RD, *stacks, self.kept_NE[c], self.gemm), w_TK, x_TD, p)
+        send_S, recv_S = self.splits[c]
         if kept is None:
-            sent = dispatch.send(rows.x_RD, self.recv_NSX[c], self.splits[c], self.group)
-            got = dispatch.received(sent)
+            sent = ep.send(rows.x_RD, self.recv_NSX[c], self.splits[c])
+            got = ep.received(sent)
         else:  # what the forward sent and got back, on this graph with the exchange's backward
-            sent = dispatch.Sent(None, self.recv_NSX[c], *self.splits[c], self.group, rows.x_RD.shape[0])
-            got = dispatch.arrived(rows.x_RD, kept[0], sent.send, sent.recv, self.group,
-                                   "MoE dispatch all-to-all over ep")
-        y_recv = dispatch.local_experts(fmoe.expert_mlp, got, sent.recv_SX, *stacks, self.gemm)
+            got = ep.arrived(rows.x_RD, kept[0], send_S, recv_S, "MoE dispatch all-to-all over ep")
+        y_recv = ep.local_experts(fmoe.expert_mlp, got, self.recv_NSX[c], *stacks, self.gemm)
         if kept is None:
-            y_RD = dispatch.combine(y_recv, sent)
+            y_RD = ep.combine(y_recv, sent)
         else:
-            y_RD = dispatch.arrived(y_recv, kept[1], sent.recv, sent.send, self.group, "MoE combine all-to-all over ep")
+            y_RD = ep.arrived(y_recv, kept[1], recv_S, send_S, "MoE combine all-to-all over ep")
         return self.out(rows, y_RD, w_TK, x_TD, p)
 
 
@@ -178,7 +177,7 @@ class _Chunks(torch.autograd.Function):
         x_TD, w_TK, idx_TK, *rest = ctx.saved_tensors
         weights = {k: w.detach().requires_grad_(need) for k, w, need in zip(ctx.names, rest[:n], needs[4:])}
         kept = [None] * run.N
-        if run.keep and run.group is not None:
+        if run.keep and run.ep is not None:
             kept = [(rest[n + 2 * c], rest[n + 2 * c + 1]) for c in range(run.N)]
         del rest
         g_x, g_w = [], []

@@ -29,7 +29,6 @@ from typing import Callable
 import torch
 
 from fnmoe.config import ModelConfig, validate_model
-from fnmoe.parallel.sharding import distribute
 from fnmoe.tree import Tree, flatten_dict, map_with_path, tree_map
 
 CHUNK_ROWS = 256
@@ -221,14 +220,11 @@ def draw_leaf(init: LeafInit, seed: int, path: str, index: tuple[slice, ...] = (
     return out.mul_(init.std)
 
 
-def init_params(cfg: ModelConfig, seed: int = 0, *, device: str | torch.device = "cpu",
-                mesh=None) -> Tree:
-    """fp32 master params for cfg, the same values for a seed on any mesh; device="meta" is abstract."""
+def init_params(cfg: ModelConfig, seed: int = 0, *, device: str | torch.device = "cpu") -> Tree:
+    """fp32 master params for cfg, whole, in one process; device="meta" is abstract. A mesh's shards
+    of the same values: fnmoe.parallel.sharding.init_params (fnmoe.init_params, mesh=...)."""
     check_config(cfg)
     inits = leaf_inits(cfg)
-    if mesh is not None:  # this rank's shards (DTensor leaves), each rank drawing only the chunks it stores
-        by_path = flatten_dict(inits)
-        return distribute(inits, mesh, lambda path, index: draw_leaf(by_path[path], seed, path, index))
     if str(device) == "meta":
         return tree_map(lambda i: torch.empty(i.shape, device="meta"), inits)
     return map_with_path(lambda path, i: draw_leaf(i, seed, path).to(device), inits)

@@ -1,5 +1,5 @@
-"""The two seams the model runs through, each chosen once by its caller and passed in, so the model
-knows neither the memory policies nor FSDP:
+"""The seams the model runs through, each chosen by its caller and passed in, so the model knows
+neither the memory policies nor FSDP nor the expert-parallel exchange:
 
   BlockRunner   how each block, and each of its regions, runs: what it keeps for backward
                 (fnmoe.memory.policies.Runner: recompute, offload, resharding). PLAIN runs
@@ -7,6 +7,9 @@ knows neither the memory policies nor FSDP:
   ParamsSource  how params reach compute. CAST (one process): every leaf cast to the compute dtype.
                 For sharded (DTensor) params, FSDP's gathers with one block of lookahead
                 (fnmoe.parallel.fsdp.GATHER; fnmoe.parallel.fsdp.params_source picks by the leaves).
+  Exchange      how a MoE layer's rows reach the ep ranks owning their experts and come back: the
+                params source puts one in a MoE layer's params as "ep" when its expert stacks hold
+                one ep rank's experts (fnmoe.parallel.fsdp; fnmoe.parallel.dispatch.Exchange).
 
 and one the step reports through: `mark(phase, tree)`, the step's phase for whatever listens
 (fnmoe.plan.meters' meters, while they run; nothing otherwise).
@@ -17,11 +20,12 @@ as the feed gave them, x_BLD its input); inside, the block takes its compute par
 (`feed.inside(p, i)`: again when backward recomputes it) and runs each of its regions (attention,
 MoE, dense MLP) through `runner.region(i, name, fn, compile, *args)`.
 
-Legend: B batch, L sequence, D model.
+Legend: B batch, L sequence, D model; in Exchange R routed rows sorted by global expert, E experts, N
+token chunks, S ep ranks, X local experts (E/S), XDF / XFD a rank's expert stacks.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -145,6 +149,62 @@ class Cast:
 
 
 CAST: ParamsSource = Cast()
+
+
+class Sent(Protocol):
+    """One chunk's rows on their way to the ep ranks owning their experts (Exchange.send)."""
+    rows: torch.Tensor
+    """what arrives here, the all-to-all in flight until Exchange.received"""
+    recv_SX: torch.Tensor
+    """rows for each local expert from each source rank"""
+
+
+class Exchange(Protocol):
+    """The expert-parallel token exchange over one group of ep ranks. A chunk's rows are sent
+    (`send`, issued), received (waited for), run by the local experts and sent back (`send_back`,
+    issued; `returned`, waited for), so that a caller computes while an exchange travels."""
+
+    def experts(self, expert_mlp: Callable, x_RD, counts_E, w_gate_XDF, w_up_XDF, w_down_XFD, gemm: str):
+        """expert_mlp for rows sorted by global expert (counts_E rows each), run by the ep ranks owning
+        the experts: the rows' results in x_RD's order, on this rank (the whole exchange, waited for)."""
+
+    def dispatched(self, x_RD, counts_E, n_local: int) -> Sent:
+        """The dispatch of rows sorted by global expert (counts_E each; n_local experts a rank),
+        issued after the count exchange that sets its splits."""
+
+    def chunk_counts(self, counts_NE) -> torch.Tensor:
+        """[N, S, X]: the rows this rank receives from each rank for each local expert, for each of N
+        chunks whose rows for each expert are counts_NE: every chunk's in one count exchange."""
+
+    def chunk_splits(self, counts_NE, recv_NSX, rows_N: list[int]) -> list[tuple[list, list]]:
+        """Each chunk's (send, recv): its rows to and from each ep rank (one host read for all)."""
+
+    def send(self, x_RD, recv_SX, splits: tuple[list, list]) -> Sent:
+        """Issue the dispatch of x_RD (rows sorted by global expert) by splits = (send, recv)."""
+
+    def received(self, sent: Sent) -> torch.Tensor:
+        """The dispatched rows that arrived here, waited for, by (source rank, local expert)."""
+
+    def local_experts(self, expert_mlp: Callable, x_recv, recv_SX, w_gate_XDF, w_up_XDF, w_down_XFD,
+                      gemm: str) -> torch.Tensor:
+        """expert_mlp of the received rows, in their arrival order."""
+
+    def send_back(self, y_recv, sent: Sent) -> torch.Tensor:
+        """Issue the return of the experts' rows to where sent's rows came from."""
+
+    def returned(self, back, sent: Sent) -> torch.Tensor:
+        """What send_back returned, waited for: in the order sent's rows had, on this rank."""
+
+    def combine(self, y_recv, sent: Sent) -> torch.Tensor:
+        """send_back, then returned."""
+
+    def arrived(self, x, out, send_S: list, recv_S: list, what: str) -> torch.Tensor:
+        """out, kept from the forward's exchange of x by (send_S, recv_S), as if x were sent again: a
+        recompute sends nothing forward, and its backward sends the gradient back (`what` names it)."""
+
+    def in_flight(self, t: torch.Tensor) -> Iterator[None]:
+        """Yields once where a caller may compute while t's exchange travels (waited for first on a
+        group that takes one collective at a time)."""
 
 
 _listeners: list = []

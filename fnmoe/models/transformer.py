@@ -193,7 +193,7 @@ def _fed_block(p: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg: ModelC
         return fn(w, x_BLD, _rows_of(cos_LP, rows), _rows_of(sin_LP, rows), cfg, _rows_of(mask, rows), runner, i,
                   router, **kw)
     # a MoE block's exchange travels while the other chunk in flight computes
-    exchanges = "moe" in w and "ep_group" in w["moe"] and expert_gemm(cfg, x_BLD.dtype, x_BLD.device) != "dense"
+    exchanges = "moe" in w and "ep" in w["moe"] and expert_gemm(cfg, x_BLD.dtype, x_BLD.device) != "dense"
     steps = functools.partial(compute, fn=block_steps) if exchanges else None
     return block_chunks.run(compute, w, x_BLD, chunking, cfg.moe.top_k, steps)
 

@@ -16,17 +16,22 @@ expert, so the rows for ep rank s are one contiguous run. The exchange:
 `arrived` puts an exchange's output kept from the forward back on a recompute's graph: its backward
 is the exchange's, and nothing is sent forward again.
 
+The model runs these through `Exchange` (fnmoe.models.seams.Exchange), bound to the ep group: FSDP's
+params source puts `exchange(group)` in a MoE layer's gathered params as "ep" (fnmoe.parallel.fsdp),
+so the model imports nothing from here.
+
 The functional collectives (a private torch API) come from fnmoe._torch.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
-from fnmoe import _torch
+from fnmoe import _torch, caches
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import gather
 from fnmoe._torch import funcol
@@ -44,13 +49,9 @@ def all_to_all(t: torch.Tensor, output_split_sizes: list, input_split_sizes: lis
     return funcol.wait_tensor(funcol.all_to_all_single(t, output_split_sizes, input_split_sizes, group))
 
 
-def exchange_counts(counts_E: torch.Tensor, group) -> torch.Tensor:
-    """[S, X] rows this rank will receive: entry (s, x) is what rank s sends to local expert x."""
-    return exchange_chunk_counts(counts_E.view(1, -1), group)[0]
-
-
 def exchange_chunk_counts(counts_NE: torch.Tensor, group) -> torch.Tensor:
-    """[N, S, X]: exchange_counts of each of N token chunks, in one all-to-all."""
+    """[N, S, X] rows this rank will receive from each of N token chunks: entry (n, s, x) is what
+    rank s sends to local expert x, for every chunk in one all-to-all."""
     N, S = counts_NE.shape[0], group.size()
     by_rank_SNX = counts_NE.view(N, S, -1).transpose(0, 1).contiguous()  # all-to-all pieces go by destination
     fdist.entering("MoE count all-to-all over ep")
@@ -191,3 +192,55 @@ def dispatched(x_RD: torch.Tensor, counts_E: torch.Tensor, n_local: int, group) 
         raise ValueError(f"expert parallelism: {counts_E.numel()} experts != {S} ep ranks x {n_local} local experts")
     recv_NSX = exchange_chunk_counts(counts_E.view(1, -1), group)
     return send(x_RD, recv_NSX[0], chunk_splits(counts_E.view(1, -1), recv_NSX, [x_RD.shape[0]])[0], group)
+
+
+class Exchange:
+    """fnmoe.models.seams.Exchange on one ep group: each method is this module's function of its name
+    (`experts`: ep_expert_mlp; `chunk_counts`: exchange_chunk_counts) on the group, looked up when
+    called, so that a test may replace one."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def experts(self, expert_mlp, x_RD, counts_E, w_gate_XDF, w_up_XDF, w_down_XFD, gemm: str) -> torch.Tensor:
+        return ep_expert_mlp(expert_mlp, x_RD, counts_E, w_gate_XDF, w_up_XDF, w_down_XFD, self.group, gemm)
+
+    def dispatched(self, x_RD, counts_E, n_local: int) -> Sent:
+        return dispatched(x_RD, counts_E, n_local, self.group)
+
+    def chunk_counts(self, counts_NE) -> torch.Tensor:
+        return exchange_chunk_counts(counts_NE, self.group)
+
+    def chunk_splits(self, counts_NE, recv_NSX, rows_N: list[int]) -> list[tuple[list, list]]:
+        return chunk_splits(counts_NE, recv_NSX, rows_N)
+
+    def send(self, x_RD, recv_SX, splits: tuple[list, list]) -> Sent:
+        return send(x_RD, recv_SX, splits, self.group)
+
+    def received(self, sent: Sent) -> torch.Tensor:
+        return received(sent)
+
+    def local_experts(self, expert_mlp, x_recv, recv_SX, w_gate_XDF, w_up_XDF, w_down_XFD, gemm: str) -> torch.Tensor:
+        return local_experts(expert_mlp, x_recv, recv_SX, w_gate_XDF, w_up_XDF, w_down_XFD, gemm)
+
+    def send_back(self, y_recv, sent: Sent) -> torch.Tensor:
+        return send_back(y_recv, sent)
+
+    def returned(self, back, sent: Sent) -> torch.Tensor:
+        return returned(back, sent)
+
+    def combine(self, y_recv, sent: Sent) -> torch.Tensor:
+        return combine(y_recv, sent)
+
+    def arrived(self, x, out, send_S: list, recv_S: list, what: str) -> torch.Tensor:
+        return arrived(x, out, send_S, recv_S, self.group, what)
+
+    def in_flight(self, t: torch.Tensor) -> Iterator[None]:
+        return in_flight(t, self.group)
+
+
+@caches.register
+@functools.lru_cache(maxsize=None)  # one a group: a compiled region sees the same object every step
+def exchange(group) -> Exchange:
+    """The Exchange on group (an ep group; kept alive here)."""
+    return Exchange(group)

@@ -8,6 +8,8 @@ backward recomputes next. Resharding (fnmoe.parallel.reshard) notes the gathered
 again what backward needs instead of keeping it.
 
 `params_source(params)` is the one rule: GATHER for sharded (DTensor) leaves, else fnmoe.models.seams.CAST.
+Gathered MoE params whose expert stacks are split over ep ranks carry the expert-parallel exchange
+over that axis as "ep" (fnmoe.models.seams.Exchange; fnmoe.parallel.dispatch.exchange).
 
 Legend: no shape-suffixed tensors here; weights are handled leaf by leaf.
 """
@@ -19,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fnmoe import _torch
+from fnmoe.parallel import dispatch
 from fnmoe.parallel import gather as fgather
 from fnmoe.parallel import reshard
 from fnmoe.models.seams import CAST, LayerFeed, ParamsSource
@@ -45,7 +48,7 @@ class Prefetching:
         issued = self.issued.pop(i)
         if _torch.in_backward():
             self.issue(i - 1)
-        p = fgather.finish(issued, stored)
+        p = _with_exchange(stored, fgather.finish(issued, stored))
         dtype = self.dtype
         reshard.track(p, stored, lambda: functools.partial(fgather.finish, fgather.issue(stored, dtype), stored), i)
         return p
@@ -55,13 +58,25 @@ class Gather:
     """The params source of sharded params: fnmoe.parallel.gather's all-gathers in the compute dtype."""
 
     def __call__(self, tree: Tree, dtype: torch.dtype) -> Tree:
-        return fgather.gather(tree, dtype)
+        return _with_exchange(tree, fgather.gather(tree, dtype))
 
     def layers(self, layers: list[dict], dtype: torch.dtype, cast_inside: bool) -> LayerFeed:
         return Prefetching(layers, dtype)  # the gathers cast: nothing is left to cast inside
 
 
 GATHER: ParamsSource = Gather()
+
+
+def _with_exchange(stored: Tree, gathered: Tree) -> Tree:
+    """gathered, with the exchange over the ep axis (fnmoe.models.seams.Exchange) as "ep" beside
+    expert stacks sharded over more than one ep rank: the model sends their rows through it."""
+    if not isinstance(stored, dict):
+        return gathered
+    out = {k: _with_exchange(stored[k], v) for k, v in gathered.items()}
+    w = stored.get("w_gate_EDF")
+    if isinstance(w, DTensor) and w.device_mesh.ndim == 2 and w.device_mesh.size(1) > 1:
+        out["ep"] = dispatch.exchange(w.device_mesh.get_group("ep"))
+    return out
 
 
 def params_source(params: Tree) -> ParamsSource:

@@ -302,21 +302,10 @@ def issue(tree: Tree, dtype: torch.dtype) -> Tree:
 
 
 def finish(issued: Tree, tree: Tree) -> Tree:
-    """The gathered leaves of `issue(tree, ...)`, waited for; the group of the expert-parallel axis
-    is added as `ep_group` beside sharded expert stacks."""
-    return _with_ep_group(tree, map_with_path(lambda path, x: _finish_leaf(x), issued))
+    """The gathered leaves of `issue(tree, ...)`, waited for."""
+    return map_with_path(lambda path, x: _finish_leaf(x), issued)
 
 
 def gather(tree: Tree, dtype: torch.dtype) -> Tree:
     """A subtree's leaves as plain compute-dtype tensors (expert stacks: this ep rank's experts)."""
     return finish(issue(tree, dtype), tree)
-
-
-def _with_ep_group(tree: Tree, out: Tree) -> Tree:
-    if not isinstance(tree, dict):
-        return out
-    out = {k: _with_ep_group(tree[k], v) for k, v in out.items()}
-    w = tree.get("w_gate_EDF")
-    if isinstance(w, DTensor) and w.device_mesh.ndim == 2 and w.device_mesh.size(1) > 1:
-        out["ep_group"] = w.device_mesh.get_group("ep")
-    return out

@@ -34,9 +34,10 @@ from fnmoe import _torch, caches
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import replay
 from fnmoe._torch import StridedShard
-from fnmoe.config import DistConfig, MeshConfig
+from fnmoe.config import DistConfig, MeshConfig, ModelConfig
+from fnmoe.models import params as fparams
 from fnmoe.parallel.dispatch import all_reduce_sum
-from fnmoe.tree import Tree, leaf_kind, map_with_path, tree_flatten
+from fnmoe.tree import Tree, flatten_dict, leaf_kind, map_with_path, tree_flatten
 
 MESH_AXES = ("fsdp", "ep")
 DP = "dp"
@@ -262,6 +263,20 @@ def distribute(tree: Tree, mesh: DeviceMesh, read: Callable[[str, tuple[slice, .
     """Leaves placed by the rules whose local value on each rank is read(path, that rank's slice);
     `tree` gives the paths and global shapes (tensors, meta tensors or LeafInits)."""
     return map_with_path(lambda path, x: _distribute(path, tuple(x.shape), mesh, lambda idx: read(path, idx)), tree)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, *, device: str | torch.device = "cpu",
+                mesh: DeviceMesh | None = None) -> Tree:
+    """fp32 master params for cfg, the same values for a seed on any mesh (fnmoe.init_params): with
+    a mesh this rank's shards (DTensor leaves, placed where the mesh computes), each rank drawing only
+    the chunks it stores; without one fnmoe.models.params.init_params' whole tree on device
+    (device="meta" is abstract)."""
+    if mesh is None:
+        return fparams.init_params(cfg, seed, device=device)
+    fparams.check_config(cfg)
+    inits = fparams.leaf_inits(cfg)
+    by_path = flatten_dict(inits)
+    return distribute(inits, mesh, lambda path, index: fparams.draw_leaf(by_path[path], seed, path, index))
 
 
 def distribute_like(t: DTensor, read: Callable[[tuple[slice, ...]], torch.Tensor]) -> DTensor:

@@ -114,7 +114,6 @@ def _record(key: tuple, n_layers: int, chunks: int = 2) -> dict[tuple[str, str],
     from fnmoe.caches import clear_caches
     from fnmoe.parallel import dist as fdist
     from fnmoe.parallel import sharding
-    from fnmoe.models.params import init_params
     from fnmoe.plan.meters import OrderMeter
     from fnmoe.memory.policies import train_runner
     from fnmoe.training.step import init_state, make_train_step
@@ -131,7 +130,7 @@ def _record(key: tuple, n_layers: int, chunks: int = 2) -> dict[tuple[str, str],
     with fdist.simulate(n):
         mesh = sharding.make_mesh(run.mesh, run.dist)
         tx = optim.from_config(run.optim, 1)
-        state = init_state(init_params(run.model, 0, mesh=mesh), tx)
+        state = init_state(sharding.init_params(run.model, 0, mesh=mesh), tx)
         part = fdist.rank_map(lambda r: tokens_BL[r * (B // n):(r + 1) * (B // n)].clone())
         step = make_train_step(run, tx, train_runner(run))  # nothing offloaded: no pool
         with OrderMeter() as order:

@@ -41,7 +41,6 @@ from fnmoe.config import RunConfig, to_toml, validate
 from fnmoe.memory.policies import train_runner
 from fnmoe.plan.activations import pool_bytes
 from fnmoe.plan.meters import CATEGORIES, CommMeter, PhaseMeter, StorageMeter, plain_tensors
-from fnmoe.models.params import init_params
 from fnmoe.training.step import make_device_step
 from fnmoe.training.state import TrainState
 from fnmoe.tree import flatten_dict
@@ -178,7 +177,7 @@ def _step(run: RunConfig, mesh, rank: int, clock: Clock | None = None) -> dict:
         clock.begin(f"init: rank {rank} of {run.mesh.world} (fsdp {run.mesh.fsdp} x ep {run.mesh.ep}), its "
                     "param shards and optimizer state (fake tensors)")
     with FakeTensorMode(allow_non_fake_inputs=True):
-        params = init_params(cfg, run.train.seed, mesh=mesh)
+        params = sharding.init_params(cfg, run.train.seed, mesh=mesh)
         tokens = torch.zeros(run.micro_batch, run.data.seq_len, dtype=torch.int64)
         batches, n_global = [(tokens, tokens)] * run.train.grad_accum, T * run.train.grad_accum * run.mesh.world
         with dispatch.pinned_splits(_routing(run.plan.imbalance, run.mesh.ep)):

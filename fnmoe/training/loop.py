@@ -32,7 +32,7 @@ from fnmoe.run.progress import profile_window
 from fnmoe.run.metrics import JsonlWriter, MetricsWriter, TensorBoardWriter, drop_rows_after
 from fnmoe.data.mixture import training_data
 from fnmoe.memory.policies import train_runner
-from fnmoe.models.params import init_params, shape_mismatches
+from fnmoe.models.params import shape_mismatches
 from fnmoe.training.loop_steps import Session, run_dir_of, run_steps, to_device
 from fnmoe.training.step import init_state, make_train_step
 from fnmoe.training.state import TrainState
@@ -215,7 +215,7 @@ def _memory_report(run: RunConfig, params, batch: tuple, rank: int) -> None:
 def _initial_params(run: RunConfig, device: torch.device, mesh):
     """The random init, or the weights of --train.init-from-hf (checked against the config's shapes)."""
     if not run.train.init_from_hf:
-        return init_params(run.model, run.train.seed, device=device, mesh=mesh)
+        return sharding.init_params(run.model, run.train.seed, device=device, mesh=mesh)
     from fnmoe import hf
 
     cfg, params = hf.load(run.train.init_from_hf, mesh=mesh)
