@@ -287,13 +287,14 @@ GEMMS = ("grouped", "padded", "loop", "dense")
 
 
 def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed: Callable | None = None,
-              router: Router | None = None):
+              router: Router | None = None, layer: int | None = None):
     """(out_BLD, stats): routed experts (+ shared experts) for every token. p holds w_router_DE,
     the expert stacks, optionally shared.* and router_bias_E, and with expert parallelism ep_group
     (the stacks then hold that ep rank's experts; fnmoe.parallel.sharding.gather adds it). stats: counts_E,
     balance_loss, probs_sum_E (the Switch loss's parts, for data parallelism), dropped (rows over
     capacity), router_logits_TE (fp32, with its graph), and seq_balance_loss / z_loss when their coefficients
-    are non-zero. router (fnmoe.models.routing.Router) routes; None: the built-in of model.moe.score_func.
+    are non-zero. router (fnmoe.models.routing.Router) routes, given layer and p["router"] if it names them;
+    None: the built-in of model.moe.score_func.
     routed(p, x_TD, w_TK, idx_TK, cfg, gemm) -> (out_TD, counts_E, kept_E), the shared experts included,
     runs the experts in place of the unchunked sparse path: fnmoe.models.transformer passes
     fnmoe.models.moe_chunks.chunked for model.moe.token_chunks > 1."""
@@ -301,7 +302,7 @@ def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed:
         raise ValueError(f"unknown expert GEMM path gemm={gemm!r}: one of {', '.join(map(repr, GEMMS))}")
     B, L, D = x_BLD.shape
     x_TD = x_BLD.reshape(B * L, D)
-    w_TK, idx_TK, probs_TE, logits_TE = route(x_TD, p["w_router_DE"], cfg, p.get("router_bias_E"), router)
+    w_TK, idx_TK, probs_TE, logits_TE = _route(p, x_TD, cfg, router, layer)
     if gemm == "dense":
         out_TD, counts_E, kept_E = _dense_routed(p, x_TD, w_TK, idx_TK, cfg)
     elif routed is not None:
@@ -314,7 +315,7 @@ def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed:
 
 
 def moe_steps(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, router: Router | None = None,
-              compile: bool = False):
+              compile: bool = False, layer: int | None = None):
     """moe_block on its sparse path under expert parallelism (p["ep_group"]), as steps: a generator
     that yields while its dispatch travels and again while its combine does (dispatch.in_flight), and
     returns moe_block's (out_BLD, stats), computed by the same ops in the same order.
@@ -322,7 +323,7 @@ def moe_steps(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, router:
     B, L, D = x_BLD.shape
     x_TD, group = x_BLD.reshape(B * L, D), p["ep_group"]
     fn = fcompile.compiled if compile else (lambda f: f)
-    w_TK, idx_TK, probs_TE, logits_TE, rows = fn(_routed_rows)(p, x_TD, cfg, router)
+    w_TK, idx_TK, probs_TE, logits_TE, rows = fn(_routed_rows)(p, x_TD, cfg, router, layer)
     sent = dispatch.dispatched(rows.x_RD, rows.kept_E, p["w_gate_EDF"].shape[0], group)
     rows = rows._replace(x_RD=None)  # sent: its buffer can go
     yield from dispatch.in_flight(sent.rows, group)
@@ -334,10 +335,15 @@ def moe_steps(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, router:
     return out_TD.view(B, L, D), _stats(cfg, probs_TE, logits_TE, idx_TK, rows.counts_E, rows.kept_E, B)
 
 
-def _routed_rows(p: dict, x_TD, cfg: ModelConfig, router: Router | None):
+def _routed_rows(p: dict, x_TD, cfg: ModelConfig, router: Router | None, layer: int | None = None):
     """(w_TK, idx_TK, probs_TE, logits_TE, the sorted rows): moe_block's first piece on its sparse path."""
-    w_TK, idx_TK, probs_TE, logits_TE = route(x_TD, p["w_router_DE"], cfg, p.get("router_bias_E"), router)
+    w_TK, idx_TK, probs_TE, logits_TE = _route(p, x_TD, cfg, router, layer)
     return w_TK, idx_TK, probs_TE, logits_TE, sorted_rows(x_TD, idx_TK, cfg)
+
+
+def _route(p: dict, x_TD, cfg: ModelConfig, router: Router | None, layer: int | None):
+    """route's four, the router given layer and the layer's own leaves (p["router"]) if it names them."""
+    return route(x_TD, p["w_router_DE"], cfg, p.get("router_bias_E"), router, layer=layer, params=p.get("router"))
 
 
 def _output(p: dict, x_TD, rows: "Rows", y_RD, w_TK) -> torch.Tensor:
