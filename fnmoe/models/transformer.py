@@ -302,13 +302,13 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     transforms.check_transformable(params["embed"]["w_VD"])
     dtype = DTYPE[cfg.compute_dtype]
     cos_LP, sin_LP, mask = _rope_and_mask(tokens_BL, cfg, positions_BL)
+    leaves = _router_leaves(params, cfg, router, source)  # checked before any other gather is in flight
     # F.embedding's CPU backward is deterministic; indexing's (a threaded index_put) is not
     x_BLD = F.embedding(token_ids(tokens_BL), source(params["embed"], dtype)["w_VD"])
     runner = runner or PLAIN
     layers = [params["layers"][str(i)] for i in range(cfg.n_layers)]
     feed = source.layers(layers, dtype, cast_inside=cfg.compile and not runner.offloads)
     stats, max_logits, router_logits = [], [], []
-    leaves = _router_leaves(params, cfg, router, source)
     for i in range(cfg.n_layers):
         p, state = feed.outside(i), _router_state(params, i, leaves)
         if record_max_logits:  # outside the runner, so recompute in backward does not repeat it
