@@ -33,10 +33,19 @@ per router): `layer`, the index of the MoE layer it routes (None where route is 
 model; under model.compile the region traces it as a symbolic int from the second layer on, so use
 it in arithmetic: a Python `if` on it compiles once per layer), and `params`, that layer's own
 trained leaves, the params tree's extra.router.<layer> subtree in fp32 (gradients reach them; the
-optimizer trains them as any extra.* leaf; on a mesh each must have a dim, for FSDP to shard it)."""
+optimizer trains them as any extra.* leaf; on a mesh each must have a dim, for FSDP to shard it).
+
+A slot idx_TK[t, k] == EMPTY (-1) is left empty (its weight is ignored): no expert computes it, no
+count or balance loss counts it, and it adds nothing to token t's output, so a router may give a
+token fewer than K experts (expert choice: experts pick tokens). The built-ins never leave one
+empty; a user's router's rows go the way rows over capacity go (moe.sorted_rows): gathered past the
+empty ones, one more copy of the rows (and on a GPU one host sync) than the built-ins take."""
 
 INPUTS = ("layer", "params")
 """the optional inputs a router receives when its signature names them"""
+
+EMPTY = -1
+"""idx_TK's value for an empty slot"""
 
 
 def route(x_TD: torch.Tensor, w_router_DE: torch.Tensor, cfg: ModelConfig,
@@ -45,8 +54,8 @@ def route(x_TD: torch.Tensor, w_router_DE: torch.Tensor, cfg: ModelConfig,
     """(weights_TK, idx_TK, probs_TE, logits_TE): the router logits in fp32, then router's decision
     (default: ROUTERS[model.moe.score_func]), given layer and params when it names them (Router). What
     a router returns is checked here, the error naming it: the count, the shapes and, for a user's
-    router outside a compiled region, that its expert indices are in [0, E) (one host sync a layer; an
-    index out of range failed deep in the MoE block)."""
+    router outside a compiled region, that its expert indices are in [0, E) or EMPTY (one host sync a
+    layer; an index out of range failed deep in the MoE block)."""
     logits_TE = upcast(x_TD) @ upcast(w_router_DE)
     fn = router or ROUTERS[cfg.moe.score_func]
     wants = router_inputs(fn)
@@ -65,13 +74,27 @@ def route(x_TD: torch.Tensor, w_router_DE: torch.Tensor, cfg: ModelConfig,
     if shapes != ((T, K), (T, K), torch.int64, logits_TE.shape):
         raise ValueError(f"router {router_name(fn)}: a router returns (weights_TK, idx_TK int64, probs_TE) of "
                          f"shapes [{T}, {K}], [{T}, {K}], {list(logits_TE.shape)}; got {_shapes(out)}")
-    if router is not None and router not in ROUTERS.values() and not torch.compiler.is_compiling() and idx_TK.numel():
+    if may_leave_empty(router) and not torch.compiler.is_compiling() and idx_TK.numel():
         lo, hi = int(idx_TK.min()), int(idx_TK.max())
         E = logits_TE.shape[1]
-        if lo < 0 or hi >= E:
-            raise ValueError(f"router {router_name(fn)} returned expert index {lo if lo < 0 else hi} in idx_TK; "
-                             f"the model has {E} experts, so indices must be in [0, {E - 1}]")
+        if lo < EMPTY or hi >= E:
+            raise ValueError(f"router {router_name(fn)} returned expert index {lo if lo < EMPTY else hi} in "
+                             f"idx_TK; the model has {E} experts, so indices must be in [0, {E - 1}], or {EMPTY} for "
+                             f"an empty slot")
     return w_TK, idx_TK, probs_TE, logits_TE
+
+
+def may_leave_empty(router: Router | None) -> bool:
+    """Whether router's idx_TK may hold EMPTY slots: a user's router may, the built-ins never do."""
+    return router is not None and router not in ROUTERS.values()
+
+
+def spare_slots(w_TK: torch.Tensor, idx_TK: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_TK, idx_TK) with the EMPTY slots at index E, past the last expert, and weight 0 (whatever the
+    router gave): the MoE block sorts them after every expert's rows and leaves them out there
+    (moe.over_capacity), counts them in a spare bin it drops, and the dense path matches no expert."""
+    empty_TK = idx_TK < 0
+    return w_TK.masked_fill(empty_TK, 0), idx_TK.masked_fill(empty_TK, n_experts)
 
 
 @caches.register
