@@ -235,30 +235,34 @@ def test_a_token_with_every_slot_empty_gets_the_shared_experts_alone():
     assert stats["counts_E"].tolist() == [0] * 4 and stats["balance_loss"] == 0
 
 
-def up_to_k(logits_TE, m, bias_E=None):
-    """Dynamic k, token by token: the top-k softmax experts whose score is at least 0.3, the rest empty."""
+def up_to_k(logits_TE, m, bias_E=None, *, layer):
+    """Dynamic k, token by token: the top-k softmax experts whose score is at least 0.2 + 0.05 x the
+    layer's index, the rest empty."""
     w_TK, idx_TK, probs_TE = routing.softmax_router(logits_TE * 8, m, bias_E)
-    return w_TK, idx_TK.masked_fill(w_TK < 0.3, routing.EMPTY), probs_TE
+    return w_TK, idx_TK.masked_fill(w_TK < 0.2 + 0.05 * layer, routing.EMPTY), probs_TE
 
 
 def test_empty_slots_train_and_match_one_process_on_meshes_with_expert_parallelism():
     """A token-local router that leaves slots empty routes every token as one process does on any
     mesh: the loss (with the Switch balance loss, whose token count a rank no longer derives from
-    the expert counts) and every gradient match one process, under expert parallelism too; the
-    step trains."""
+    the expert counts) and every gradient match one process, under expert parallelism too, and with
+    block chunks, whose chunks run the exchange as steps (moe_steps: the layer reaches the router
+    there too); the step trains."""
     x_BL = torch.randint(0, CFG.vocab_size, (4, 9), generator=torch.Generator().manual_seed(0))
     grad_fn = value_and_grad(loss_fn, has_aux=True)
     params = fnmoe.init_params(CFG, 0)
     (ref_loss, aux), ref = grad_fn(params, x_BL[:, :-1], x_BL[:, 1:], CFG, 32, router=up_to_k)
     assert 0 < aux["expert_counts_NE"].sum() < 2 * 32 * 2  # some slots empty, some filled
     ref = flatten_dict(ref)
-    for f, e in ((2, 1), (1, 2), (2, 2)):
+    chunks = MemoryConfig(recompute="full", block_chunks=2)
+    for f, e, mem in ((2, 1, None), (1, 2, None), (2, 2, None), (1, 2, chunks)):
         with fdist.simulate(f * e):
             mesh = sharding.make_mesh(MeshConfig(fsdp=f, ep=e))
             b = x_BL.shape[0] // (f * e)
             x = fdist.rank_map(lambda r: x_BL[r * b:(r + 1) * b].clone())
+            runner = Runner(mem, CFG.n_layers) if mem else None
             (loss, _), grads = grad_fn(fnmoe.init_params(CFG, 0, mesh=mesh), x[:, :-1], x[:, 1:], CFG, 32,
-                                       source=GATHER, router=up_to_k)
+                                       runner=runner, source=GATHER, router=up_to_k)
             assert abs(whole(sharding.all_sum(loss)).item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item()), (f, e)
             for path, g in flatten_dict(grads).items():
                 assert rel(whole(g), ref[path]) <= 1e-5, ((f, e), path)

@@ -75,12 +75,12 @@ def route(x_TD: torch.Tensor, w_router_DE: torch.Tensor, cfg: ModelConfig,
         raise ValueError(f"router {router_name(fn)}: a router returns (weights_TK, idx_TK int64, probs_TE) of "
                          f"shapes [{T}, {K}], [{T}, {K}], {list(logits_TE.shape)}; got {_shapes(out)}")
     if may_leave_empty(router) and not torch.compiler.is_compiling() and idx_TK.numel():
-        lo, hi = int(idx_TK.min()), int(idx_TK.max())
         E = logits_TE.shape[1]
-        if lo < EMPTY or hi >= E:
-            raise ValueError(f"router {router_name(fn)} returned expert index {lo if lo < EMPTY else hi} in "
-                             f"idx_TK; the model has {E} experts, so indices must be in [0, {E - 1}], or {EMPTY} for "
-                             f"an empty slot")
+        bad_TK = (idx_TK < EMPTY) | (idx_TK >= E)
+        if bad_TK.any():  # one read of one flag (the same on every rank of a simulated mesh), the index only then
+            raise ValueError(f"router {router_name(fn)} returned expert index {int(idx_TK[bad_TK][0])} in idx_TK; "
+                             f"the model has {E} experts, so indices must be in [0, {E - 1}], or {EMPTY} for an "
+                             f"empty slot")
     return w_TK, idx_TK, probs_TE, logits_TE
 
 
