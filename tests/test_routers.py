@@ -20,7 +20,7 @@ from fnmoe.models.seams import PLAIN
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import sharding
 from fnmoe.parallel.fsdp import GATHER
-from fnmoe.training.step import init_state, loss_fn, make_train_step
+from fnmoe.training.step import eval_loss, init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict, value_and_grad
 from conftest import rel, whole
 
@@ -104,6 +104,8 @@ def test_a_routers_own_leaves_per_layer_get_their_gradients_and_train():
                for i in ("1", "2"))
 
     run = RunConfig(model=CFG, data=DataConfig(seq_len=8))
+    assert eval_loss(tree, [(x_BL, y_BL)], run, router=tempered) == pytest.approx(
+        loss_fn(tree, x_BL, y_BL, CFG, router=tempered)[1]["ce_loss"].item(), rel=1e-6)  # evaluated with its leaves
     tx = optim.muon(lr=1e-2)  # a [1] leaf goes to AdamW
     state, _ = make_train_step(run, tx, PLAIN, loss=functools.partial(loss_fn, router=tempered))(
         init_state(tree, tx), [(x_BL, y_BL)])
