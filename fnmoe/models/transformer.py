@@ -171,7 +171,7 @@ def _router_state(params: Tree, i: int, leaves: dict | None = None) -> dict:
     return {k: v for k, v in state.items() if v is not None}
 
 
-def _with_bias(p: dict, state: dict) -> dict:
+def _with_router_state(p: dict, state: dict) -> dict:
     if not state:  # the router bias and the router's leaves stay fp32: they act on fp32 router scores
         return p
     return dict(p, moe=dict(p["moe"], **state))
@@ -197,7 +197,7 @@ def _router_leaves(params: Tree, cfg: ModelConfig, router: Router | None, source
 
 def layer_params(params: Tree, i: int, dtype: torch.dtype, source: ParamsSource = CAST) -> dict:
     """Layer i's params in the compute dtype, with its router bias (kept fp32) merged in."""
-    return _with_bias(source(params["layers"][str(i)], dtype), _router_state(params, i))
+    return _with_router_state(source(params["layers"][str(i)], dtype), _router_state(params, i))
 
 
 def fed_block(p: dict, x_BLD: torch.Tensor, state: dict, cos_LP, sin_LP, cfg: ModelConfig, mask,
@@ -213,7 +213,7 @@ def fed_block(p: dict, x_BLD: torch.Tensor, state: dict, cos_LP, sin_LP, cfg: Mo
 
 def _fed_block(p: dict, x_BLD: torch.Tensor, state: dict, cos_LP, sin_LP, cfg: ModelConfig, mask,
                runner: BlockRunner, i: int, feed: LayerFeed, router: Router | None):
-    w = _with_bias(feed.inside(p, i), state)
+    w = _with_router_state(feed.inside(p, i), state)
     chunking = runner.block_chunks(i)
     if chunking is None:
         return block(w, x_BLD, cos_LP, sin_LP, cfg, mask, runner, i, router)
