@@ -88,10 +88,10 @@ def pin_routing(monkeypatch) -> None:
 
     route = moe.route
 
-    def pinned(x_TD, w_router_DE, cfg, bias_E=None, router=None):
+    def pinned(x_TD, w_router_DE, cfg, bias_E=None, router=None, **given):
         T, E = x_TD.shape[0], w_router_DE.shape[1]
         pin_TE = (torch.arange(T, device=x_TD.device)[:, None] * 5 + torch.arange(E, device=x_TD.device) * 3) % E
-        return route(x_TD, w_router_DE, cfg, pin_TE.float() * 10, router)
+        return route(x_TD, w_router_DE, cfg, pin_TE.float() * 10, router, **given)
     monkeypatch.setattr(moe, "route", pinned)
 
 

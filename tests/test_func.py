@@ -55,10 +55,10 @@ def _pin_routing(monkeypatch):
     score-correction bias goes), so a finite-difference step cannot flip an expert choice."""
     route = moe.route
 
-    def pinned(x_TD, w_router_DE, cfg, bias_E=None, router=None):
+    def pinned(x_TD, w_router_DE, cfg, bias_E=None, router=None, **given):
         T, E = x_TD.shape[0], w_router_DE.shape[1]
         pin_TE = (torch.arange(T, device=x_TD.device)[:, None] * 5 + torch.arange(E, device=x_TD.device) * 3) % E
-        return route(x_TD, w_router_DE, cfg, pin_TE.to(x_TD.dtype) * 10, router)
+        return route(x_TD, w_router_DE, cfg, pin_TE.to(x_TD.dtype) * 10, router, **given)
     monkeypatch.setattr(moe, "route", pinned)
 
 

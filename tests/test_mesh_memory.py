@@ -200,11 +200,11 @@ COMM_CONFIGS = {  # name: (reshard_after_forward, memory)
         False, MemoryConfig(recompute="full", offload=True, keep_exchange=False))}
 
 
-def _pinned_route(x_TD, w_router_DE, cfg, bias_E=None, router=None):
+def _pinned_route(x_TD, w_router_DE, cfg, bias_E=None, router=None, **given):
     """Token t of a rank picks experts t+2 and t+5 mod 8 (bias 10 on them): exactly balanced."""
     T, E = x_TD.shape[0], w_router_DE.shape[1]
     pin_TE = (torch.arange(T)[:, None] * 5 + torch.arange(E) * 3) % E
-    return _ROUTE(x_TD, w_router_DE, cfg, pin_TE.float() * 10, router)
+    return _ROUTE(x_TD, w_router_DE, cfg, pin_TE.float() * 10, router, **given)
 
 
 _ROUTE = moe.route

@@ -112,8 +112,9 @@ def two_outputs(logits_TE, m, bias_E=None):
 
 @pytest.mark.parametrize("router,said", [
     (past_the_last_expert, "returned expert index 4 in idx_TK; the model has 4 experts, so indices must be in [0, 3]"),
-    (lambda logits_TE, m, bias_E=None: (logits_TE[:, :2], torch.full((16, 2), -1), logits_TE),
-     "returned expert index -1 in idx_TK"),
+    (lambda logits_TE, m, bias_E=None: (logits_TE[:, :2], torch.full((16, 2), -2), logits_TE),
+     "returned expert index -2 in idx_TK; the model has 4 experts, so indices must be in [0, 3], or -1 for an "
+     "empty slot"),
     (two_outputs, "returned 2 values; a router returns 3: (weights_TK, idx_TK, probs_TE)"),
     (lambda logits_TE, m, bias_E=None: None, "returned a NoneType; a router returns 3"),
 ], ids=["past-E", "negative", "two-outputs", "none"])

@@ -380,10 +380,11 @@ class Runner:
         return i != self.n_layers - 1 and torch.is_grad_enabled()
 
     def _hooks(self, i: int, p: dict, args: tuple):
-        # params, and inputs every block shares (RoPE tables, masks, buffers), outlive this block:
-        # a copy of them would free nothing
+        # params, and inputs every block shares (RoPE tables, masks, buffers, the router's state: a
+        # dict), outlive this block: a copy of them would free nothing
         shared = list(flatten_dict(p).values()) + [a for a in args
                                                    if isinstance(a, torch.Tensor) and not a.requires_grad]
+        shared += [t for a in args if isinstance(a, dict) for t in flatten_dict(a).values()]
         keep = {_torch.storage_key(t.to_local() if isinstance(t, DTensor) else t)
                 for t in shared if isinstance(t, torch.Tensor)}
         stats = self.stats.setdefault(i, {"kept": 0, "offloaded": 0})

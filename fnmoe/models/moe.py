@@ -2,10 +2,10 @@
 
 Legend: B batch, L sequence, T tokens (B·L), D model, F expert hidden, E experts, K top-k,
 R routed rows (T·K; per sequence L·K), N MoE layers,
-C rows per expert slab (padded path), P slab slots (E·C).
+C rows per expert slab (padded path), P slab slots (E·C), Z the experts and the empty slots' bin (E + 1).
 Expert weights are stacked [E, in, out]. Dropless by default: every token reaches its K experts, so R is
 fixed and no shape depends on routing (a compiled region never recompiles as counts change); with
-model.moe.capacity_factor rows over an expert's capacity are dropped (`over_capacity`).
+model.moe.capacity_factor rows over an expert's capacity are dropped (`over_capacity`), as are empty slots.
 
 Expert GEMM paths (`expert_gemm` picks one): grouped runs all experts as one ragged grouped GEMM:
 torch's grouped_mm (`_torch.grouped_mm`) on CUDA (bf16, dims aligned to 16 bytes), fnmoe.kernels.gemm's op on CPU (any
@@ -28,7 +28,7 @@ from fnmoe.kernels import gemm as cpu_gemm
 from fnmoe import compile as fcompile
 from fnmoe.compile import size_hint
 from fnmoe.config import ModelConfig
-from fnmoe.models.routing import Router, route
+from fnmoe.models.routing import Router, may_leave_empty, route, spare_slots
 
 _grouped_mm = _torch.grouped_mm  # None on a torch without it
 
@@ -109,25 +109,27 @@ def permute(x_TD: torch.Tensor, idx_TK: torch.Tensor, n_experts: int):
 
 
 def expert_counts(idx_TK: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """Rows routed to each expert, int64 [E]."""
+    """Rows routed to each expert, int64 [E]; empty slots (index E: routing.spare_slots) count for none."""
     flat_R = idx_TK.reshape(-1)
-    counts_E = torch.zeros(n_experts, dtype=torch.int64, device=idx_TK.device)
-    return counts_E.scatter_add(0, flat_R, torch.ones_like(flat_R))
+    counts_E = torch.zeros(n_experts + 1, dtype=torch.int64, device=idx_TK.device)
+    return counts_E.scatter_add(0, flat_R, torch.ones_like(flat_R))[:n_experts]
 
 
 def over_capacity(counts_E: torch.Tensor, capacity: int, n_rows: int,
                   before_E: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows each expert keeps, indices of the kept rows) when each expert takes at most capacity of
-    the n_rows rows; rows are sorted by expert, and within an expert in token order, so the first ones stay.
-    before_E: rows each expert took before these (earlier token chunks), counted against its capacity."""
+    the n_rows rows; rows are sorted by expert, and within an expert in token order, so the first ones stay
+    (rows past counts_E's sum are empty slots, routing.spare_slots': none stays). before_E: rows each
+    expert took before these (earlier token chunks), counted against its capacity."""
     E = counts_E.shape[0]
-    start_E = torch.cumsum(counts_E, 0) - counts_E
-    expert_R = torch.repeat_interleave(torch.arange(E, device=counts_E.device), counts_E, output_size=n_rows)
-    rank_R = torch.arange(expert_R.shape[0], device=counts_E.device) - start_E[expert_R]
+    counts_Z = torch.cat([counts_E, (n_rows - counts_E.sum()).view(1)])  # the experts, then the empty slots
+    start_Z = torch.cumsum(counts_Z, 0) - counts_Z
+    expert_R = torch.repeat_interleave(torch.arange(E + 1, device=counts_E.device), counts_Z, output_size=n_rows)
+    rank_R = torch.arange(expert_R.shape[0], device=counts_E.device) - start_Z[expert_R]
     if before_E is not None:
-        rank_R = rank_R + before_E[expert_R]
-    kept_R = (rank_R < capacity).nonzero().squeeze(1)
-    size_hint(kept_R.shape[0], capacity * E)  # every expert full
+        rank_R = rank_R + F.pad(before_E, (0, 1))[expert_R]
+    kept_R = ((rank_R < capacity) & (expert_R < E)).nonzero().squeeze(1)
+    size_hint(kept_R.shape[0], torch.sym_min(capacity * E, n_rows))  # every expert full
     if before_E is None:
         return counts_E.clamp(max=capacity), kept_R
     return (before_E + counts_E).clamp(max=capacity) - before_E.clamp(max=capacity), kept_R
@@ -269,9 +271,9 @@ def seq_balance_loss(probs_BLE: torch.Tensor, idx_BLK: torch.Tensor) -> torch.Te
     sequences (probs are normalised over experts; 1.0 when every sequence is balanced)."""
     B, L, E = probs_BLE.shape
     K = idx_BLK.shape[-1]
-    counts_BE = torch.zeros(B, E, dtype=probs_BLE.dtype, device=probs_BLE.device)
+    counts_BE = torch.zeros(B, E + 1, dtype=probs_BLE.dtype, device=probs_BLE.device)  # + empty slots' bin
     ones_BR = torch.ones(B, L * K, dtype=probs_BLE.dtype, device=probs_BLE.device)
-    counts_BE = counts_BE.scatter_add(1, idx_BLK.reshape(B, L * K), ones_BR)
+    counts_BE = counts_BE.scatter_add(1, idx_BLK.reshape(B, L * K), ones_BR)[:, :E]
     return (E * counts_BE / (L * K) * probs_BLE.mean(1)).sum(-1).mean()
 
 
@@ -285,35 +287,35 @@ GEMMS = ("grouped", "padded", "loop", "dense")
 
 
 def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed: Callable | None = None,
-              router: Router | None = None):
+              router: Router | None = None, layer: int | None = None):
     """(out_BLD, stats): routed experts (+ shared experts) for every token. p holds w_router_DE,
     the expert stacks, optionally shared.* and router_bias_E, and with expert parallelism ep
     (a fnmoe.models.seams.Exchange: the stacks then hold that ep rank's experts; FSDP's params source
     adds it, fnmoe.parallel.fsdp). stats: counts_E,
     balance_loss, probs_sum_E (the Switch loss's parts, for data parallelism), dropped (rows over
     capacity), router_logits_TE (fp32, with its graph), and seq_balance_loss / z_loss when their coefficients
-    are non-zero. router (fnmoe.models.routing.Router) routes; None: the built-in of model.moe.score_func.
-    routed(p, x_TD, w_TK, idx_TK, cfg, gemm) -> (out_TD, counts_E, kept_E), the shared experts included,
-    runs the experts in place of the unchunked sparse path: fnmoe.models.transformer passes
-    fnmoe.models.moe_chunks.chunked for model.moe.token_chunks > 1."""
+    are non-zero. router (fnmoe.models.routing.Router) routes, given layer and p["router"] if it names them;
+    None: the built-in of model.moe.score_func. routed(p, x_TD, w_TK, idx_TK, cfg, gemm, empty) -> (out_TD,
+    counts_E, kept_E), the shared experts included, runs the experts in place of the unchunked sparse path
+    (empty: idx_TK may hold empty slots): transformer passes moe_chunks.chunked for model.moe.token_chunks > 1."""
     if gemm not in GEMMS:
         raise ValueError(f"unknown expert GEMM path gemm={gemm!r}: one of {', '.join(map(repr, GEMMS))}")
     B, L, D = x_BLD.shape
     x_TD = x_BLD.reshape(B * L, D)
-    w_TK, idx_TK, probs_TE, logits_TE = route(x_TD, p["w_router_DE"], cfg, p.get("router_bias_E"), router)
+    w_TK, idx_TK, probs_TE, logits_TE, empty = _route(p, x_TD, cfg, router, layer)
     if gemm == "dense":
         out_TD, counts_E, kept_E = _dense_routed(p, x_TD, w_TK, idx_TK, cfg)
     elif routed is not None:
-        out_TD, counts_E, kept_E = routed(p, x_TD, w_TK, idx_TK, cfg, gemm)
+        out_TD, counts_E, kept_E = routed(p, x_TD, w_TK, idx_TK, cfg, gemm, empty)
     else:
-        out_TD, counts_E, kept_E = _sparse_routed(p, x_TD, w_TK, idx_TK, cfg, gemm)
+        out_TD, counts_E, kept_E = _sparse_routed(p, x_TD, w_TK, idx_TK, cfg, gemm, empty)
     if "shared" in p and (gemm == "dense" or routed is None):
         out_TD = out_TD + swiglu(p["shared"], x_TD)
     return out_TD.view(B, L, D), _stats(cfg, probs_TE, logits_TE, idx_TK, counts_E, kept_E, B)
 
 
 def moe_steps(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, router: Router | None = None,
-              compile: bool = False):
+              compile: bool = False, layer: int | None = None):
     """moe_block on its sparse path under expert parallelism (p["ep"]), as steps: a generator
     that yields while its dispatch travels and again while its combine does (Exchange.in_flight), and
     returns moe_block's (out_BLD, stats), computed by the same ops in the same order.
@@ -321,7 +323,7 @@ def moe_steps(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, router:
     B, L, D = x_BLD.shape
     x_TD, ep = x_BLD.reshape(B * L, D), p["ep"]
     fn = fcompile.compiled if compile else (lambda f: f)
-    w_TK, idx_TK, probs_TE, logits_TE, rows = fn(_routed_rows)(p, x_TD, cfg, router)
+    w_TK, idx_TK, probs_TE, logits_TE, rows = fn(_routed_rows)(p, x_TD, cfg, router, layer)
     sent = ep.dispatched(rows.x_RD, rows.kept_E, p["w_gate_EDF"].shape[0])
     rows = rows._replace(x_RD=None)  # sent: its buffer can go
     yield from ep.in_flight(sent.rows)
@@ -333,10 +335,19 @@ def moe_steps(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, router:
     return out_TD.view(B, L, D), _stats(cfg, probs_TE, logits_TE, idx_TK, rows.counts_E, rows.kept_E, B)
 
 
-def _routed_rows(p: dict, x_TD, cfg: ModelConfig, router: Router | None):
+def _routed_rows(p: dict, x_TD, cfg: ModelConfig, router: Router | None, layer: int | None = None):
     """(w_TK, idx_TK, probs_TE, logits_TE, the sorted rows): moe_block's first piece on its sparse path."""
-    w_TK, idx_TK, probs_TE, logits_TE = route(x_TD, p["w_router_DE"], cfg, p.get("router_bias_E"), router)
-    return w_TK, idx_TK, probs_TE, logits_TE, sorted_rows(x_TD, idx_TK, cfg)
+    w_TK, idx_TK, probs_TE, logits_TE, empty = _route(p, x_TD, cfg, router, layer)
+    return w_TK, idx_TK, probs_TE, logits_TE, sorted_rows(x_TD, idx_TK, cfg, empty=empty)
+
+
+def _route(p: dict, x_TD, cfg: ModelConfig, router: Router | None, layer: int | None):
+    """route's four, a user's router's empty slots moved past the last expert (spare_slots), and empty."""
+    w_TK, idx_TK, probs_TE, logits_TE = route(x_TD, p["w_router_DE"], cfg, p.get("router_bias_E"), router,
+                                              layer=layer, params=p.get("router"))
+    if may_leave_empty(router):
+        return *spare_slots(w_TK, idx_TK, cfg.moe.n_experts), probs_TE, logits_TE, True
+    return w_TK, idx_TK, probs_TE, logits_TE, False
 
 
 def _output(p: dict, x_TD, rows: "Rows", y_RD, w_TK) -> torch.Tensor:
@@ -372,13 +383,14 @@ class Rows(NamedTuple):
     keep_R: torch.Tensor | None   # which of them reach their experts (None: all)
 
 
-def sorted_rows(x_TD, idx_TK, cfg: ModelConfig, n_rows: int | None = None, before_E=None) -> Rows:
+def sorted_rows(x_TD, idx_TK, cfg: ModelConfig, n_rows: int | None = None, before_E=None, empty=False) -> Rows:
     """x_TD's routed rows sorted by expert; under a capacity of n_rows (default: these tokens' rows)
-    each expert takes its first rows in token order, after the before_E it took already."""
+    each expert takes its first rows in token order, after the before_E it took already. empty:
+    idx_TK may hold empty slots, left out as rows over capacity are."""
     x_RD, counts_E, order_R, inverse_R = permute(x_TD, idx_TK, cfg.moe.n_experts)
     kept_E, keep_R = counts_E, None
-    if cfg.moe.capacity_factor:
-        capacity = expert_capacity(cfg, n_rows or x_RD.shape[0])
+    if cfg.moe.capacity_factor or empty:
+        capacity = expert_capacity(cfg, n_rows or x_RD.shape[0]) if cfg.moe.capacity_factor else x_RD.shape[0]
         kept_E, keep_R = over_capacity(counts_E, capacity, x_RD.shape[0], before_E)
         x_RD = x_RD[keep_R]
     return Rows(x_RD, counts_E, kept_E, order_R, inverse_R, keep_R)
@@ -391,9 +403,9 @@ def combined(rows: Rows, y_RD: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor
     return unpermute(y_RD, rows.order_R, rows.inverse_R, w_TK)
 
 
-def _sparse_routed(p: dict, x_TD, w_TK, idx_TK, cfg: ModelConfig, gemm: str):
+def _sparse_routed(p: dict, x_TD, w_TK, idx_TK, cfg: ModelConfig, gemm: str, empty: bool = False):
     """(routed experts' output_TD, counts_E, kept_E): each row through its expert only."""
-    rows = sorted_rows(x_TD, idx_TK, cfg)
+    rows = sorted_rows(x_TD, idx_TK, cfg, empty=empty)
     if "ep" in p:  # expert parallel: the stacks hold this ep rank's experts only
         y_RD = p["ep"].experts(expert_mlp, rows.x_RD, rows.kept_E, p["w_gate_EDF"], p["w_up_EDF"], p["w_down_EFD"],
                                gemm)
@@ -413,7 +425,7 @@ def _dense_routed(p: dict, x_TD, w_TK, idx_TK, cfg: ModelConfig):
     if cfg.moe.capacity_factor:
         keep_TK = kept_TK(idx_TK, E, expert_capacity(cfg, idx_TK.numel()))
         w_TK = w_TK * keep_TK
-        kept_E = expert_counts(idx_TK.masked_fill(~keep_TK, E), E + 1)[:E]  # dropped rows go to a spare bin
+        kept_E = expert_counts(idx_TK.masked_fill(~keep_TK, E), E)  # dropped rows go to the spare bin
     else:
         kept_E = counts_E
     gate_TE = (w_TK[:, :, None] * (idx_TK[:, :, None] == torch.arange(E, device=idx_TK.device))).sum(1)

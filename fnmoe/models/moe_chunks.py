@@ -1,7 +1,7 @@
 """Token chunks of a MoE layer (model.moe.token_chunks = N): its T tokens run in N chunks of T/N.
 
 Legend: T tokens (a chunk's T/N where said), D model, E experts, K top-k, R routed rows (T·K), N chunks,
-S ep ranks, X local experts (E/S).
+S ep ranks, X local experts (E/S), Z the experts and the empty slots' bin (E + 1).
 
 fnmoe.models.transformer hands `chunked` to fnmoe.models.moe.moe_block, which routes all T tokens at once (one router
 matmul, so the choices are the unchunked ones: a chunk's own matmul could round differently and flip
@@ -35,15 +35,15 @@ from fnmoe.config import ModelConfig
 
 
 def chunked(p: dict, x_TD: torch.Tensor, w_TK: torch.Tensor, idx_TK: torch.Tensor, cfg: ModelConfig, gemm: str,
-            recompute: str | None = None):
+            empty: bool = False, recompute: str | None = None):
     """(routed + shared experts' output_TD, counts_E, kept_E) over cfg.moe.token_chunks chunks of the
-    tokens. recompute: None (autograd keeps every chunk's saved tensors), "keep" or "replay" (see
-    the module docstring)."""
+    tokens. empty: idx_TK may hold empty slots (fnmoe.models.routing.spare_slots'); recompute: None
+    (autograd keeps every chunk's saved tensors), "keep" or "replay" (see the module docstring)."""
     N, T = cfg.moe.token_chunks, x_TD.shape[0]
     if T % N:
         raise ValueError(f"model.moe.token_chunks={N} must divide the tokens of a MoE layer on a rank, "
                          f"{T} here (micro-batch x sequence length)")
-    run, weights = _Run(p, idx_TK, cfg, gemm, recompute == "keep"), _weights(p)
+    run, weights = _Run(p, idx_TK, cfg, gemm, recompute == "keep", empty), _weights(p)
     if recompute is None or not torch.is_grad_enabled():
         out_TD = torch.cat(run.forward(x_TD, w_TK, idx_TK, weights)[0])
     else:
@@ -69,14 +69,15 @@ class _Run:
     """What every chunk of one MoE layer shares: the chunks, their counts and, under expert
     parallelism, their splits (from one count exchange)."""
 
-    def __init__(self, p: dict, idx_TK: torch.Tensor, cfg: ModelConfig, gemm: str, keep: bool):
+    def __init__(self, p: dict, idx_TK: torch.Tensor, cfg: ModelConfig, gemm: str, keep: bool, empty: bool = False):
         m = cfg.moe
         N, T = m.token_chunks, idx_TK.shape[0]
-        self.cfg, self.gemm, self.keep, self.N, self.n_rows = cfg, gemm, keep, N, idx_TK.numel()
+        self.cfg, self.gemm, self.keep, self.empty, self.N, self.n_rows = cfg, gemm, keep, empty, N, idx_TK.numel()
         self.names = list(_weights(p))
         self.slices = [slice(c * T // N, (c + 1) * T // N) for c in range(N)]
         idx_NR = idx_TK.reshape(N, -1)
-        counts_NE = idx_NR.new_zeros(N, m.n_experts).scatter_add(1, idx_NR, torch.ones_like(idx_NR))
+        counts_NZ = idx_NR.new_zeros(N, m.n_experts + 1).scatter_add(1, idx_NR, torch.ones_like(idx_NR))
+        counts_NE = counts_NZ[:, :-1].contiguous()
         self.counts_E = counts_NE.sum(0)
         self.kept_NE, self.before_NE = counts_NE, [None] * N
         if m.capacity_factor:  # each expert's first rows over all chunks stay
@@ -92,7 +93,7 @@ class _Run:
 
     def rows(self, c: int, x_TD, idx_TK) -> fmoe.Rows:
         """Chunk c's rows (x_TD, idx_TK its tokens') sorted by expert."""
-        return fmoe.sorted_rows(x_TD, idx_TK, self.cfg, self.n_rows, self.before_NE[c])
+        return fmoe.sorted_rows(x_TD, idx_TK, self.cfg, self.n_rows, self.before_NE[c], self.empty)
 
     def out(self, rows: fmoe.Rows, y_RD, w_TK, x_TD, p: dict) -> torch.Tensor:
         out_TD = fmoe.combined(rows, y_RD, w_TK)

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from fnmoe import _torch
 
@@ -26,9 +27,10 @@ from fnmoe.config import ModelConfig
 from fnmoe.dtypes import DTYPE
 from fnmoe.models.moe import EXPERT_STACKS, expert_gemm, moe_block, moe_steps, swiglu
 from fnmoe.models.params import check_config, check_params
+from fnmoe.models import routing
 from fnmoe.models.routing import Router
 from fnmoe.models.seams import CAST, PLAIN, BlockRunner, LayerFeed, ParamsSource
-from fnmoe.tree import Tree
+from fnmoe.tree import Tree, flatten_dict
 
 
 def in_compute_dtype(p: dict, dtype: torch.dtype, keep: tuple[str, ...] = ("router_bias_E",)) -> dict:
@@ -56,20 +58,21 @@ def mlp_region(p, x_BLD, cfg):
         return swiglu(p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps))
 
 
-def moe_region(p, x_BLD, cfg, gemm, recompute=None, router=None):
-    """recompute: how backward recomputes the token chunks (BlockRunner.chunk_recompute); router:
-    moe_block's."""
+def moe_region(p, x_BLD, cfg, gemm, recompute=None, router=None, layer=None):
+    """recompute: how backward recomputes the token chunks (BlockRunner.chunk_recompute); router and
+    layer (the block's index, for a router that takes it): moe_block's."""
     chunked = None  # the dense path (every expert on every token) takes no chunks
     if cfg.moe.token_chunks > 1 and gemm != "dense":
         chunked = functools.partial(moe_chunks.chunked, recompute=recompute)
     with fp32_gemms(x_BLD):
-        return moe_block(*_moe_inputs(p, x_BLD, cfg, gemm), cfg, gemm, chunked, router)
+        return moe_block(*_moe_inputs(p, x_BLD, cfg, gemm), cfg, gemm, chunked, router, layer)
 
 
 def _moe_inputs(p, x_BLD, cfg, gemm):
-    """(the MoE region's params as its GEMM path takes them, its normed input)."""
+    """(the MoE region's params as its GEMM path takes them, its normed input). The router's own
+    leaves stay fp32, as the router bias: they act on fp32 router logits."""
     cpu_grouped = gemm == "grouped" and x_BLD.device.type == "cpu"
-    p = in_compute_dtype(p, x_BLD.dtype, ("router_bias_E", *(EXPERT_STACKS if cpu_grouped else ())))
+    p = in_compute_dtype(p, x_BLD.dtype, ("router_bias_E", "router", *(EXPERT_STACKS if cpu_grouped else ())))
     return p, rms_norm(x_BLD, p["norm_D"], cfg.norm_eps)
 
 
@@ -91,7 +94,7 @@ def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=N
                               "backward recomputes its chunks one by one, which dynamo cannot trace); attention and "
                               "MLP are compiled")
         y_BLD, stats = run("moe", moe_region, cfg.compile and gemm != "loop" and not recompute,
-                           dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm, recompute, router)
+                           dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm, recompute, router, i)
         return x_BLD + y_BLD, stats
     return x_BLD + run("mlp", mlp_region, cfg.compile, dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg), None
 
@@ -109,7 +112,7 @@ def block_steps(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, 
         x_BLD = x_BLD.detach().requires_grad_(x_BLD.requires_grad)
     gemm = expert_gemm(cfg, x_BLD.dtype, x_BLD.device)
     q, h_BLD = _moe_inputs(dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm)
-    y_BLD, stats = yield from moe_steps(q, h_BLD, cfg, gemm, router, cfg.compile and gemm != "loop")
+    y_BLD, stats = yield from moe_steps(q, h_BLD, cfg, gemm, router, cfg.compile and gemm != "loop", i)
     return (x_BLD + y_BLD, stats, (attended, x_BLD)) if cut else (x_BLD + y_BLD, stats)
 
 
@@ -161,30 +164,56 @@ def _router_bias(params: Tree, i: int) -> torch.Tensor | None:
     return buffers[str(i)]["moe"]["router_bias_E"] if str(i) in buffers else None
 
 
-def _with_bias(p: dict, bias_E: torch.Tensor | None) -> dict:
-    if bias_E is None:  # the router bias stays fp32: it only ranks fp32 router scores
+def _router_state(params: Tree, i: int, leaves: dict | None = None) -> dict:
+    """What layer i's router takes beside the layer's params: its bias buffer, and its own leaves
+    (leaves[str(i)], from _router_leaves) for a router that takes params=."""
+    state = {"router_bias_E": _router_bias(params, i), "router": leaves and leaves.get(str(i))}
+    return {k: v for k, v in state.items() if v is not None}
+
+
+def _with_router_state(p: dict, state: dict) -> dict:
+    if not state:  # the router bias and the router's leaves stay fp32: they act on fp32 router scores
         return p
-    return dict(p, moe=dict(p["moe"], router_bias_E=bias_E))
+    return dict(p, moe=dict(p["moe"], **state))
+
+
+def _router_leaves(params: Tree, cfg: ModelConfig, router: Router | None, source: ParamsSource) -> dict | None:
+    """{str(i): MoE layer i's extra.router.<i> subtree in fp32} for a router that takes params= (else
+    None), taken from the source once a forward (under FSDP one gather; its backward reduce-scatters)."""
+    if "params" not in routing.router_inputs(router or routing.ROUTERS[cfg.moe.score_func]):
+        return None
+    tree = params.get("extra", {}).get("router", {})
+    missing = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i) and str(i) not in tree]
+    if missing:
+        raise ValueError(f"router {routing.router_name(router)} takes params=, its MoE layer's own leaves, from "
+                         f"the params tree's extra.router.<layer>: extra.router.{missing[0]} is missing")
+    if isinstance(params["embed"]["w_VD"], DTensor):  # on a mesh
+        plain = [k for k, t in flatten_dict(tree).items() if not isinstance(t, DTensor)]
+        if plain:  # a 0-D leaf stays whole on each rank, so nothing would sum its gradient over ranks
+            raise ValueError(f"extra.router.{plain[0]}: on a mesh a router's leaf must be a sharded DTensor (at least "
+                             f"one dim: shape [1] for a scalar), so that FSDP sums its gradient over ranks")
+    return source(tree, torch.float32)
 
 
 def layer_params(params: Tree, i: int, dtype: torch.dtype, source: ParamsSource = CAST) -> dict:
     """Layer i's params in the compute dtype, with its router bias (kept fp32) merged in."""
-    return _with_bias(source(params["layers"][str(i)], dtype), _router_bias(params, i))
+    return _with_router_state(source(params["layers"][str(i)], dtype), _router_state(params, i))
 
 
-def fed_block(p: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg: ModelConfig, mask, runner: BlockRunner,
-              i: int, feed: LayerFeed, router: Router | None = None):
-    """block on layer i's params as its runner holds them (feed.outside's): the feed gives the compute
-    params here, inside the runner, so a runner that recomputes in backward takes them again there
-    (under FSDP: gathers them again; fnmoe.parallel.fsdp). A runner that chunks the block
-    (BlockRunner.block_chunks) runs it over chunks of its sequences on params taken once."""
+def fed_block(p: dict, x_BLD: torch.Tensor, state: dict, cos_LP, sin_LP, cfg: ModelConfig, mask,
+              runner: BlockRunner, i: int, feed: LayerFeed, router: Router | None = None):
+    """block on layer i's params as its runner holds them (feed.outside's), its router's state (the
+    bias, its own leaves: _router_state) merged in: the feed gives the compute params here, inside the
+    runner, so a runner that recomputes in backward takes them again there (under FSDP: gathers them
+    again; fnmoe.parallel.fsdp). A runner that chunks the block (BlockRunner.block_chunks) runs it
+    over chunks of its sequences on params taken once."""
     with fp32_gemms(x_BLD, not cfg.compile):  # here, inside the runner: a recompute in backward takes it again
-        return _fed_block(p, x_BLD, bias_E, cos_LP, sin_LP, cfg, mask, runner, i, feed, router)
+        return _fed_block(p, x_BLD, state, cos_LP, sin_LP, cfg, mask, runner, i, feed, router)
 
 
-def _fed_block(p: dict, x_BLD: torch.Tensor, bias_E, cos_LP, sin_LP, cfg: ModelConfig, mask, runner: BlockRunner,
-               i: int, feed: LayerFeed, router: Router | None):
-    w = _with_bias(feed.inside(p, i), bias_E)
+def _fed_block(p: dict, x_BLD: torch.Tensor, state: dict, cos_LP, sin_LP, cfg: ModelConfig, mask,
+               runner: BlockRunner, i: int, feed: LayerFeed, router: Router | None):
+    w = _with_router_state(feed.inside(p, i), state)
     chunking = runner.block_chunks(i)
     if chunking is None:
         return block(w, x_BLD, cos_LP, sin_LP, cfg, mask, runner, i, router)
@@ -273,6 +302,7 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     transforms.check_transformable(params["embed"]["w_VD"])
     dtype = DTYPE[cfg.compute_dtype]
     cos_LP, sin_LP, mask = _rope_and_mask(tokens_BL, cfg, positions_BL)
+    leaves = _router_leaves(params, cfg, router, source)  # checked before any other gather is in flight
     # F.embedding's CPU backward is deterministic; indexing's (a threaded index_put) is not
     x_BLD = F.embedding(token_ids(tokens_BL), source(params["embed"], dtype)["w_VD"])
     runner = runner or PLAIN
@@ -280,10 +310,10 @@ def hidden_states(params: Tree, tokens_BL: torch.Tensor, cfg: ModelConfig,
     feed = source.layers(layers, dtype, cast_inside=cfg.compile and not runner.offloads)
     stats, max_logits, router_logits = [], [], []
     for i in range(cfg.n_layers):
-        p, bias_E = feed.outside(i), _router_bias(params, i)
+        p, state = feed.outside(i), _router_state(params, i, leaves)
         if record_max_logits:  # outside the runner, so recompute in backward does not repeat it
             max_logits.append(_block_max_logits_H(layers[i], x_BLD, cos_LP, sin_LP, cfg, positions_BL, source))
-        x_BLD, layer_stats = runner(i, fed_block, p, x_BLD, bias_E, cos_LP, sin_LP, cfg, mask, runner, i, feed,
+        x_BLD, layer_stats = runner(i, fed_block, p, x_BLD, state, cos_LP, sin_LP, cfg, mask, runner, i, feed,
                                     router)
         if layer_stats is not None:
             logits_TE = layer_stats.pop("router_logits_TE")  # let go at once unless recorded

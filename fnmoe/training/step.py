@@ -128,10 +128,13 @@ def loss_fn(params: Tree, inputs_BL: torch.Tensor, labels_BL: torch.Tensor, cfg:
     for coeff, value in terms:
         share = n_local / n_global
         if value is aux["balance_loss"] and dist.is_initialized():
-            # with data parallelism each rank adds its part of the whole micro-batch's Switch loss
+            # with data parallelism each rank adds its part of the whole micro-batch's Switch loss; its
+            # tokens are counted (the expert counts leave out the slots a router left empty)
             counts_NE = all_sum(aux["expert_counts_NE"], "expert counts for the balance loss")
-            value = balance_loss_part(aux["probs_sum_NE"], counts_NE, counts_NE[0].sum() // m.top_k, m.top_k)
-            share = all_sum(n_local, "the micro-batch's label count") / n_global
+            n_labels, n_tokens = all_sum(torch.stack([n_local, n_local.new_tensor(labels_BL.numel())]),
+                                         "the micro-batch's label and token counts")
+            value = balance_loss_part(aux["probs_sum_NE"], counts_NE, n_tokens, m.top_k)
+            share = n_labels / n_global
         loss = loss + coeff * share * value
     return loss, aux
 
