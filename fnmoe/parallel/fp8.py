@@ -62,7 +62,7 @@ def unpack(q_bytes: torch.Tensor, s_bytes: torch.Tensor, w: int, dim: int, n: in
         out = torch.empty(shape, dtype=dtype, device=q.device)
         dequantise_into(out.unflatten(dim, (w, -1)).movedim(dim, 0), q, s)
         out = out if n == shape[dim] else out.narrow(dim, 0, n).contiguous()
-    if dim == 0 and fp8_gemm.active():  # split along the experts: the packs are the stack's own blocks (fp8 GEMMs take them)
+    if dim == 0 and fp8_gemm.active():  # split along the experts: the packs are the stack's own blocks
         remember(out, q.flatten(0, 1)[:n], s.flatten(0, 1)[:n])
     return out
 

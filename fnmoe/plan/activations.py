@@ -183,7 +183,8 @@ def block_activations(run: RunConfig, i: int, T: int) -> dict:
         recomputing = _recomputing(run, i, T, regions) + (exchange // _chunks(run, i) if not exchanged else 0)
         # offloaded, what it keeps comes back for its recompute, beside the previous block's (prefetched)
         # and, as backward reaches each weight, that leaf's compute-dtype gradient before its reduce-scatter
-        return {"device": 0 if host else kept, "host": host, "host_routed": exchanged if host else 0, "recomputed": full,
+        return {"device": 0 if host else kept, "host": host, "host_routed": exchanged if host else 0,
+                "recomputed": full,
                 "transient": recomputing + exchanged + (2 * kept if host else 0) + weight_grad_bytes(run, i)}
     R = int(T * cfg.moe.top_k * (run.plan.imbalance if run.mesh.ep > 1 else 1.0))
     out = {"device": 0, "host": 0, "host_routed": 0, "recomputed": 0, "transient": 0}

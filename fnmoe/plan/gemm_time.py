@@ -14,9 +14,9 @@ result, which autograd then adds in place into the gathered weight's gradient (f
 read both, write one) every chunk but the first: 4N - 3 passes over I·O a step of N chunks, where a
 GEMM accumulating into its output would make N. fp8 GEMMs (mesh.expert_gemm_dtype) add their
 operands' quantisation passes: the rows' every GEMM, a weight's once a gather (its blocks serve every
-chunk) and never behind fp8 gathers of whole experts, whose packs are the blocks. With few rows a chunk the weight's bytes outlast
-its FLOPs: on the busiest GH200 of the K2 preset (373 rows an expert a chunk) the weight gradient is
-HBM-bound and the forward is not; in 64 chunks (93 rows) both are.
+chunk) and never behind fp8 gathers of whole experts, whose packs are the blocks. With few rows a
+chunk the weight's bytes outlast its FLOPs: on the busiest GH200 of the K2 preset (373 rows an
+expert a chunk) the weight gradient is HBM-bound and the forward is not; in 64 chunks (93 rows) both are.
 """
 from __future__ import annotations
 

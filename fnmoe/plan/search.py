@@ -7,7 +7,8 @@ The candidates:
                  ep group is ep consecutive ranks, so ep <= gpus_per_node keeps the exchange inside
                  a node; the expert stacks are FSDP-sharded over the other fsdp ranks.
   memory         the named policies of POLICIES (whole-block recompute, keeping or replaying the
-                 exchange, and offload, its block inputs in the compute dtype or fp8; selective recompute per region with the MoE region, the
+                 exchange, and offload, its block inputs also in fp8 with --memory.offload-dtype
+                 float8_e4m3fn; selective recompute per region with the MoE region, the
                  largest, recomputed or offloaded).
   tokens a GPU   b sequences a GPU a step: the config's, and every b = k·2^e (k 1, 3, 5 or 7)
                  whose global batch (b x world sequences) stays within max_global_tokens.
@@ -18,8 +19,9 @@ The candidates:
                  (mesh.expert_gather_dtype), where experts are FSDP-sharded (fsdp > 1), fp8 with
                  bf16 reduce-scatters only (a layout that halves the gathers' bytes halves the
                  reductions' first: fp8 beside fp32 reductions never ranks above its bf16 twin).
-  expert GEMMs   the routed experts' GEMMs in the compute dtype or fp8 (mesh.expert_gemm_dtype), fp8
-                 behind fp8 gathers only (the GEMMs take the gathers' packs as the weights' blocks)
+  expert GEMMs   with --mesh.expert-gemm-dtype float8_e4m3fn, the routed experts' GEMMs in the compute
+                 dtype or fp8, fp8 behind fp8 gathers only (the GEMMs take the gathers' packs as the
+                 weights' blocks); else the compute dtype (a GPU's torch must have the fp8 kernels)
   chunks         the fewest cross-entropy chunks (--train.ce-chunks) and then, under full recompute,
                  whole-block chunks (--memory.block-chunks, dividing a micro-batch's sequences), else MoE
                  token chunks (1, 2, 4, ... dividing its tokens) that fit the device; more only shrink
@@ -113,15 +115,17 @@ def candidates(run: RunConfig, world: int, max_global_tokens: int = MAX_GLOBAL_T
         raise ValueError(f"no layout of {world} ranks: a sequence a GPU ({world * run.data.seq_len:,} tokens a step) "
                          f"is over --max-global-tokens {max_global_tokens:,}")
     dtypes = ("float32", "bfloat16") if world > 1 else ("float32",)
-    fp8 = run.model.compute_dtype == "bfloat16" and run.model.moe.n_experts and run.model.moe.impl != "dense"
+    # the opt-in fp8 levers are tried where the config asks for them (a GPU's kernels must have them)
+    fp8 = run.mesh.expert_gemm_dtype == "float8_e4m3fn"
+    policies = [p for p in POLICIES if run.memory.offload_dtype != "compute" or "fp8" not in p]
     return [(policy, with_layout(run, fsdp, ep, policy, m, b, dt, 1, check=False, expert_gather=g, expert_gemm=x))
-            for fsdp, ep in meshes(run, world) for policy in POLICIES if not (ep == 1 and "replay" in policy)
+            for fsdp, ep in meshes(run, world) for policy in policies if not (ep == 1 and "replay" in policy)
             for b in sequences for m in divisors(b) if b // m <= MAX_ACCUM for dt in dtypes
             for g in (("compute", "float8_e4m3fn") if fsdp > 1 and run.model.moe.n_experts and dt == "bfloat16"
                       else ("compute",))
             # fp8 GEMMs behind fp8 gathers only: they take the gathers' packs, where behind compute-dtype
             # gathers they quantise the weights and the gathers send twice the bytes
-            for x in (("compute", "float8_e4m3fn") if fp8 and g == "float8_e4m3fn" else (run.mesh.expert_gemm_dtype,))]
+            for x in (("compute", "float8_e4m3fn") if fp8 and g == "float8_e4m3fn" else ("compute",))]
 
 
 def fitted(run: RunConfig) -> tuple[RunConfig, dict, tuple[bool, bool]]:
@@ -237,7 +241,8 @@ def format_search(s: dict) -> str:
              f"{s['host_gb']:g} GB host usable a GPU, {s['network_gbps']:g} GB/s across nodes): {s['candidates']} "
              f"layouts planned, {s['fitting']} fit, {s['as_built_planned']} projected as built; global batch up to "
              f"{s['max_global_tokens']:,} tokens of {s['seq_len']}; modelled, not measured",
-             f"{'#':>3} {'fsdp x ep':>10} {'memory':<34}{'seq/GPU':>8} {'mb x acc':>9} {'rs':>4} {'eg':>4} {'gm':>4} {'chk':>4} "
+             f"{'#':>3} {'fsdp x ep':>10} {'memory':<34}{'seq/GPU':>8} {'mb x acc':>9} {'rs':>4} {'eg':>4} {'gm':>4} "
+             f"{'chk':>4} "
              f"{'ce':>4} "
              f"{'dev GB':>7} {'host GB':>8} {'as built':>9} {'overlap':>8} {'serial':>7} {'other':>7}  {'compute':>8} "
              f"{'fsdp':>7} "

@@ -98,7 +98,8 @@ def gathered_bytes(run: RunConfig) -> int:
     fp8_gemms = getattr(run.mesh, "expert_gemm_dtype", "compute") == "float8_e4m3fn"
     gemm_blocks = max(expert_numels(run.model, run.mesh.ep)) if fp8_gemms else 0
     if not run.mesh.reshard_after_forward:
-        return (sum(blocks) + max(blocks)) * s + packs + (sum(expert_numels(run.model, run.mesh.ep)) if fp8_gemms else 0)
+        every = sum(expert_numels(run.model, run.mesh.ep)) if fp8_gemms else 0
+        return (sum(blocks) + max(blocks)) * s + packs + every
     layer = max(blocks[1:-1])
     experts = max(expert_numels(run.model, run.mesh.ep)) if fp8_gathers else 0
     prefetched = (layer - experts) * s + experts + (_largest_expert(run.model, run.mesh.ep) if experts else 0)
