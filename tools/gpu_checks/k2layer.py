@@ -15,7 +15,8 @@ each: ~1.5 s of GPU; memory ~22 GB (8.5 GB of weights, as much gradient, ~5 GB f
 a chunk), far under an H200's 139 GB, so the whole chunk runs. Then the whole K2 block
 (MLA attention, router, shared expert, the GPU's experts, balanced) on one block chunk,
 eager and compiled, forward without autograd then recompute + backward as
-memory.block_chunks runs it, beside the planner's compute for it (k2_block_planner_ms).
+memory.block_chunks runs it, beside the planner's compute for it (k2_block_planner_ms). Between
+them, the fp8 expert GEMMs against bf16 at the same shapes (gpu_checks/fp8.py).
 
 Legend: T tokens, D model dim, F expert hidden, E experts, K top-k, R routed rows,
 X experts a GPU holds (E/ep).
@@ -28,6 +29,7 @@ import time
 
 # first: it stubs safetensors where missing, before fnmoe loads
 from gpu_checks.common import NOTES, ROOT, Recorder, device_params, leaves, status, time_left
+from gpu_checks import fp8
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -204,6 +206,9 @@ def step_k2layer(rec: Recorder, device: str, dry: bool) -> None:
                 continue
             rec.guarded(check, _k2_measure, rec, lay, check, entry, tokens[label], counts_E, flops[label], plan_ms,
                         warmup, iters)
+    if time_left() > 20:
+        counts_E = torch.bincount(round_robin_TK(tokens["balanced"], lay.K, lay.X, "cpu").flatten(), minlength=lay.X)
+        rec.guarded("K2 fp8 expert GEMMs", fp8.check_fp8_gemm, rec, lay, tokens["balanced"], counts_E, warmup, iters)
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
     lay.p = {}  # the whole block draws its own
     # eager, then compiled as the preset runs it (a cold compile: ~50 s on 2 CPU cores, so not in the dry run)
