@@ -227,14 +227,16 @@ def test_a_block_whose_amax_is_448_times_2_to_the_k_gets_scale_2_to_the_k(k):
     give 2^k there, and q past 448). Three 128x128 blocks side by side (below, at, above), through
     quantise's blocks and quantise_rows' 1x128 tiles (the row holding each block's amax)."""
     at = torch.tensor(math.ldexp(448.0, k), dtype=torch.float32)
-    amaxes = [torch.nextafter(at, torch.tensor(0.0)).item(), at.item(), torch.nextafter(at, torch.tensor(math.inf)).item()]
+    amaxes = [torch.nextafter(at, torch.tensor(0.0)).item(), at.item(),
+              torch.nextafter(at, torch.tensor(math.inf)).item()]
     x = torch.cat([_block_with_amax(a, 128, 128, seed=k + 200 + i) for i, a in enumerate(amaxes)], dim=1)
     want = [math.ldexp(1.0, k), math.ldexp(1.0, k), math.ldexp(1.0, k + 1)]
     q, s = fp8_blocks.quantise(x)
     qr, sr = fp8_gemm.quantise_rows(x)
     row = 64  # the row holding each block's -amax
     assert s[0].tolist() == want and sr[row].tolist() == want, (k, s, sr[row])
-    for lowest in (q.float().view(128, 3, 128).amin(dim=(0, 2)).tolist(), qr[row].float().view(3, 128).amin(1).tolist()):
+    for lowest in (q.float().view(128, 3, 128).amin(dim=(0, 2)).tolist(),
+                   qr[row].float().view(3, 128).amin(1).tolist()):
         assert lowest[1] == -448.0 and lowest[0] >= -448.0 and -224.0 >= lowest[2] >= -232.0, (k, lowest)
 
 
