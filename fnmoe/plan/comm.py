@@ -31,7 +31,7 @@ def comm_bytes(run: RunConfig) -> dict:
             gathered again in backward when resharding or under full recompute; the embedding,
             final norm and head are gathered outside the blocks, once (twice for a tied embedding,
             which the head gathers again); QK-clip gathers each block's attention and its norm once
-            more, without gradient.
+            more in the forward, without gradient (its max-logit pass, before the block).
       ep    the dispatch and combine all-to-alls of rows of D (the (ep-1)/ep that leave the rank),
             forward and backward: 4 passes a MoE layer, on the busiest rank T·K rows in the
             dispatch and its backward's reverse, imbalance times that in the combine and the
@@ -70,14 +70,14 @@ def _fsdp_parts(run: RunConfig) -> dict:
     out: dict = {}
 
     def add(key, elems_by_kind: dict, nbytes: float | dict, times: float = 1.0) -> None:
-        """elems_by_kind's elements at nbytes each (or nbytes[kind]) sent `times`, split by link."""
+        """elems_by_kind's elements at nbytes each (or nbytes[kind]) sent `times`, split by link,
+        added to key's."""
         if times:
-            link = {"intra": 0.0, "inter": 0.0}
+            link = out.setdefault(key, {"intra": 0.0, "inter": 0.0})
             for kind, e in elems_by_kind.items():
                 b = nbytes[kind] if isinstance(nbytes, dict) else nbytes
                 link["inter"] += accum * e * b * times * across[kind]
                 link["intra"] += accum * e * b * times * (1 - across[kind])
-            out[key] = link
 
     # what a gather of the blocks' or outer leaves sends: fp8 expert stacks counted in bytes
     fp8 = mesh.expert_gather_dtype == "float8_e4m3fn"
@@ -91,7 +91,8 @@ def _fsdp_parts(run: RunConfig) -> dict:
         add(("forward", "all_gather", where), gathered[where], per_elem)
         add(("backward", "reduce_scatter", where), elems, grad)
     add(("backward", "all_gather", "blocks"), gathered["blocks"], per_elem, 1 if regathered else 0)
-    add(("update", "all_gather", "blocks"), {"dense": _max_logit_sent(cfg, mesh.fsdp, mesh.ep)}, s,
+    # QK-clip's max-logit pass runs in the forward, a block's before the block (hidden_states)
+    add(("forward", "all_gather", "blocks"), {"dense": _max_logit_sent(cfg, mesh.fsdp, mesh.ep)}, s,
         1 if run.optim.qk_clip else 0)
     return out
 
