@@ -30,7 +30,7 @@ from fnmoe.config import (DataConfig, MemoryConfig, MeshConfig, ModelConfig, MoE
 from fnmoe.memory import policies
 from fnmoe.memory.policies import train_runner
 from fnmoe.models import block_chunks
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.parallel import dispatch
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import gather as fgather

@@ -22,7 +22,7 @@ from fnmoe import _torch, optim
 from fnmoe.config import (DataConfig, MemoryConfig, MeshConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig,
                           TrainConfig)
 from fnmoe.memory.policies import train_runner
-from fnmoe.models.params import init_params
+from fnmoe.parallel.sharding import init_params
 from fnmoe.parallel import dist as fdist
 from fnmoe.parallel import gather as fgather
 from fnmoe.parallel import sharding
