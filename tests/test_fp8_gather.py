@@ -352,3 +352,19 @@ def test_bad_fields_are_refused_naming_the_field(monkeypatch):
     with pytest.raises(ValueError, match=r"mesh.expert_gather_dtype must be one of \('compute', 'float8_e4m3fn'\), "
                                          r"got 'float8_e5m2'"):
         validate(dataclasses.replace(run, mesh=MeshConfig(fsdp=2, expert_gather_dtype="float8_e5m2")))
+
+
+def test_a_gathered_stack_keeps_its_packs_only_for_fp8_gemms():
+    """An fp8 gather of whole experts keeps the packs as the stack's blocks (1 byte an element more,
+    alive with the stack) only where fp8 expert GEMMs will take them; with compute-dtype GEMMs they
+    go as soon as the stack is dequantised. Kept, they are the stack's values exactly."""
+    cfg = _cfg()
+    with fdist.simulate(2):
+        layer = init_params(cfg, 0, mesh=sharding.make_mesh(MeshConfig(fsdp=2)))["layers"]["1"]
+        with fgather.expert_dtype(fp8.E4M3):
+            w = fgather.gather(layer, torch.float32)["moe"]["w_up_EDF"]
+            assert w not in fp8_blocks._blocks
+            with fp8_gemm.expert_gemm_dtype(fp8.E4M3):
+                w = fgather.gather(layer, torch.float32)["moe"]["w_up_EDF"]
+        _, q, s = fp8_blocks._blocks[w]
+        assert torch.equal(whole(fp8_blocks.dequantise(q, s, torch.float32)), whole(w))

@@ -84,3 +84,38 @@ def test_fp8_block_inputs_without_offloaded_recompute_are_refused_in_one_line(me
         validate(dataclasses.replace(RUN, memory=mem))
     line = [m for m in str(e.value).splitlines() if "offload_dtype" in m]
     assert len(line) == 1 and why in line[0] and "memory.offload=true" in line[0], str(e.value)
+
+
+def test_a_block_input_saved_twice_is_stored_once_and_unpacked_twice():
+    """The hooks store a tensor saved twice (the same storage, view and version) once: an fp8 block
+    input too, whose two unpacks give the same dequantised values, each from a device copy the pool
+    holds until the last of them (then let go)."""
+    pool, stats, handles = host_pool.HostPool(1 << 20), {"kept": 0, "offloaded": 0}, []
+    x_TD = torch.randn(64, 200, generator=torch.Generator().manual_seed(0))
+    pack, unpack = memory._offload_hooks(pool, set(), 0, stats, handles, lambda: None,
+                                         frozenset({memory._torch.storage_key(x_TD)}))
+    first, second = pack(x_TD), pack(x_TD)
+    assert first is second and len(handles) == 2  # its e4m3 rows and their scales, once
+    assert stats["offloaded"] == 64 * 200 + 64 * 2 * 4
+    want = fp8_gemm.dequantise_rows(*fp8_gemm.quantise_rows(x_TD))
+    assert torch.equal(unpack(first), want)
+    assert all(h.back is not None for h in handles)  # one unpack still to come
+    assert torch.equal(unpack(second), want)
+    assert all(h.back is None for h in handles)
+
+
+def test_the_planner_charges_the_fp8_inputs_quantise_and_dequantise_passes():
+    """Every offloaded block input (all blocks but the last) quantised in the forward (read 2 bytes in
+    bf16, write 1) and dequantised for its recompute (read 1, an fp32 product written and read, the
+    bf16 input written: 11 bytes), at the profile's HBM rate; nothing without fp8 inputs."""
+    from fnmoe.config.hardware import hardware
+    from fnmoe.plan.activations import tokens_per_rank
+    from fnmoe.plan.overheads import overheads_s
+    k2 = load_config(ROOT / "configs" / "kimi_k2_1t.toml")
+    run = dataclasses.replace(k2, memory=dataclasses.replace(k2.memory, offload_dtype="float8_e4m3fn"))
+    elems = tokens_per_rank(run) * run.model.dim * (run.model.n_layers - 1)
+    hbm = hardware(run.plan).hbm_tbps * 1e12
+    terms = overheads_s(run)
+    assert terms["fp8 block inputs quantise"] == ("forward", pytest.approx(elems * 3 / hbm, rel=1e-12))
+    assert terms["fp8 block inputs dequantise"] == ("backward", pytest.approx(elems * 11 / hbm, rel=1e-12))
+    assert overheads_s(k2)["fp8 block inputs quantise"][1] == 0.0

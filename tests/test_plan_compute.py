@@ -160,3 +160,20 @@ def test_fp8_expert_gemms_at_the_fp8_rate_with_one_byte_operands_and_their_quant
     bf16 = routed_expert_s(PRESET, recomputed=True)
     # the GEMMs at twice the rate, the rows' quantisation (read 2, write 1) taking some of it back
     assert 0.55 < got["forward"] / bf16["forward"] < 0.7
+
+
+def test_fp8_gemms_keep_the_computing_layers_stacks_in_e4m3_and_take_packs_of_whole_experts_only():
+    """Under fp8 expert GEMMs the gathered row holds the computing layer's expert stacks once more at
+    1 byte an element (their blocks: fnmoe.kernels.fp8_blocks.weight_blocks): K2's 96 experts a GPU of
+    three 7168 x 2048 matrices, 4.23 GB. The packs stand for the blocks only where fsdp x ep divides
+    the experts, each rank's shard whole experts: not on 768 ranks (fsdp 192 x ep 4 > 384 experts,
+    so fsdp splits each expert's rows), nor behind compute-dtype gathers."""
+    from fnmoe.plan.gemm_time import gathered_packs
+    from fnmoe.plan.state import gathered_bytes
+    fp8 = dataclasses.replace(PRESET, mesh=dataclasses.replace(PRESET.mesh, expert_gemm_dtype="float8_e4m3fn"))
+    assert gathered_bytes(fp8) - gathered_bytes(PRESET) == 96 * 3 * 7168 * 2048
+    assert gathered_packs(fp8)
+    rows = dataclasses.replace(fp8, mesh=dataclasses.replace(fp8.mesh, fsdp=192))  # 768 ranks: rows split
+    assert not gathered_packs(rows)
+    bf16_gathers = dataclasses.replace(fp8, mesh=dataclasses.replace(fp8.mesh, expert_gather_dtype="compute"))
+    assert not gathered_packs(bf16_gathers)
