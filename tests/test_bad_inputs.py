@@ -182,7 +182,7 @@ def test_a_dangling_checkpoints_link_is_named_with_its_target(tmp_path, capsys):
 def test_an_oom_says_a_checkpoint_is_kept_only_when_one_exists(tmp_path, capsys, monkeypatch):
     def no_memory(*args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
-    monkeypatch.setattr(loop, "init_params", no_memory)
+    monkeypatch.setattr(loop.sharding, "init_params", no_memory)
     run_dir = tmp_path / "run"
     assert main(["train", "--train.run-dir", str(run_dir), "--train.steps", "1", *tiny_flags()]) == 1
     err = capsys.readouterr().err

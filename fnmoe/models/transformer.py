@@ -94,7 +94,8 @@ def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=N
                               "backward recomputes its chunks one by one, which dynamo cannot trace); attention and "
                               "MLP are compiled")
         y_BLD, stats = run("moe", moe_region, cfg.compile and gemm != "loop" and not recompute,
-                           dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm, recompute, router, i)
+                           dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm, recompute, router,
+                           _layer(router, i))
         return x_BLD + y_BLD, stats
     return x_BLD + run("mlp", mlp_region, cfg.compile, dict(p["mlp"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg), None
 
@@ -112,8 +113,14 @@ def block_steps(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, 
         x_BLD = x_BLD.detach().requires_grad_(x_BLD.requires_grad)
     gemm = expert_gemm(cfg, x_BLD.dtype, x_BLD.device)
     q, h_BLD = _moe_inputs(dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm)
-    y_BLD, stats = yield from moe_steps(q, h_BLD, cfg, gemm, router, cfg.compile and gemm != "loop", i)
+    y_BLD, stats = yield from moe_steps(q, h_BLD, cfg, gemm, router, cfg.compile and gemm != "loop", _layer(router, i))
     return (x_BLD + y_BLD, stats, (attended, x_BLD)) if cut else (x_BLD + y_BLD, stats)
+
+
+def _layer(router: Router | None, i: int) -> int | None:
+    """i for a router that takes layer=, else None: a compiled MoE region given an index it does not
+    read would compile again at the second layer (the index turning symbolic)."""
+    return i if router is not None and "layer" in routing.router_inputs(router) else None
 
 
 def _attended(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask, runner: BlockRunner, i: int):
