@@ -106,13 +106,15 @@ def gathered_bytes(run: RunConfig) -> int:
     return max(layer * s + prefetched + gemm_blocks, blocks[0] * s, blocks[-1] * s) + packs
 
 
-def expert_numels(cfg: ModelConfig, ep: int) -> list[int]:
-    """Elements of expert stacks a rank holds of each layer (E/ep experts), 0 for a dense layer."""
+@lru_cache(maxsize=256)
+def expert_numels(cfg: ModelConfig, ep: int) -> tuple[int, ...]:
+    """Elements of expert stacks a rank holds of each layer (E/ep experts), 0 for a dense layer
+    (cached: `plan --search` asks for thousands of layouts of one model)."""
     out = [0] * cfg.n_layers
     for path, shape in leaf_shapes(cfg):
         if path.startswith("layers.") and leaf_kind(path) == "expert":
             out[int(path.split(".")[1])] += math.prod(shape) // ep
-    return out
+    return tuple(out)
 
 
 @lru_cache(maxsize=256)
