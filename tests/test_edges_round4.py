@@ -21,6 +21,8 @@ import math
 import pytest
 import torch
 
+from test_optim import run_torch_adamw
+
 from fnmoe import optim
 from fnmoe.checkpoint import CheckpointError
 from fnmoe.checkpoint.format import FORMAT, VERSION, read_index
@@ -117,18 +119,8 @@ def _schedule():
 
 def _torch_adamw(params0, grads, decayed, lr_at):
     """torch.optim.AdamW (foreach off) with the lr set to lr_at(step) before each step; decay WD on
-    the decayed params, none on the others."""
-    tps = [torch.nn.Parameter(p.clone()) for p in params0]
-    groups = [{"params": [t for t, d in zip(tps, decayed) if d], "weight_decay": WD},
-              {"params": [t for t, d in zip(tps, decayed) if not d], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=PEAK, betas=(0.9, 0.95), eps=1e-8, foreach=False)
-    for step, gs in enumerate(grads):
-        for gr in opt.param_groups:
-            gr["lr"] = lr_at(step)
-        for t, g in zip(tps, gs):
-            t.grad = g.clone()
-        opt.step()
-    return [t.detach() for t in tps], [opt.state[t] for t in tps]
+    the decayed params, none on the others (test_optim's reference runner)."""
+    return run_torch_adamw(params0, grads, PEAK, WD, decayed, betas=(0.9, 0.95), eps=1e-8, lr_at=lr_at)
 
 
 def test_adamw_under_a_changing_lr_with_decay_matches_torch_pure_and_in_place():
