@@ -281,6 +281,14 @@ def graph_task() -> int:
     return _graph_task()
 
 
+_will_execute = _attr(torch._C, "_will_engine_execute_node", "torch._C._will_engine_execute_node")
+
+
+def backward_reaches(leaf: torch.Tensor) -> bool:
+    """Whether the backward pass running now delivers a gradient to leaf (its inputs= may leave it out)."""
+    return _will_execute(torch.autograd.graph.get_gradient_edge(leaf).node)
+
+
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward pass on this thread."""
     return _graph_task() != -1

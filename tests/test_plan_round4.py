@@ -157,8 +157,9 @@ def test_the_block_chunk_recompute_transient_by_hand():
     """Full recompute in 2 whole-block chunks on 2x2, the exchange kept: a block keeps its input, and a
     MoE block its exchange's two outputs, its top-k and the count exchange's E int64 counts of each
     chunk. Its recompute holds one chunk's regions (T/2 tokens), the input gradients of the chunk done
-    before it, and for a MoE block under expert parallelism the next chunk's attention and routing,
-    the kept exchange again, and every weight gradient of the block summed over the chunks beside one
+    before it, and for a MoE block under expert parallelism the next chunk's attention and routing
+    (recomputed up to its dispatch while the split backward differentiates the experts), the kept
+    exchange again, and every weight gradient of the block summed over the chunks beside one
     chunk's new one (the largest layer leaf). The step's transient: block i's beside block i+1's fp32
     gradients on their way out, and the embedding's backward (the largest leaf, bf16 and fp32) beside
     block 0's."""

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from fnmoe.kernels import gemm as cpu_gemm
 from fnmoe.kernels import fp8_blocks as fp8
+from fnmoe.kernels import wgrad
 
 TILE = fp8.BLOCK
 
@@ -142,7 +143,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         wq, ws = fp8.weight_blocks(w_EDF)
         xTq, xTs = quantise_rows(x_RD.T) if ctx.needs_input_grad[1] else (None, None)
         ctx.save_for_backward(xTq, xTs, wq, ws, end_E)
-        ctx.dtypes = x_RD.dtype, w_EDF.dtype
+        ctx.dtypes, ctx.leaf = (x_RD.dtype, w_EDF.dtype), wgrad.leaf(w_EDF)
         return grouped_mm_fp8(xq, xs, wq, ws, end_E, x_RD.dtype)
 
     @staticmethod
@@ -154,8 +155,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
             gq, gs = quantise_rows(g_RF)
             g_x = grouped_mm_fp8(gq, gs, wq.transpose(1, 2), ws.transpose(1, 2), end_E, x_dtype)
         if ctx.needs_input_grad[1]:
-            gTq, gTs = quantise_rows(g_RF.T)
-            g_w = grouped_wgrad_fp8(xTq, xTs, gTq, gTs, end_E, w_dtype)
+            g_w = wgrad.weight_grad(ctx.leaf,
+                                    lambda: grouped_wgrad_fp8(xTq, xTs, *quantise_rows(g_RF.T), end_E, w_dtype))
         return g_x, g_w, None
 
 

@@ -40,7 +40,7 @@ import torch
 from fnmoe import _torch
 from fnmoe.kernels import bf16
 from fnmoe.compile import default_cache_dir, say_once
-from fnmoe.kernels import lock_wait
+from fnmoe.kernels import lock_wait, wgrad
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("grouped_gemm.cpp", "attention.cpp")]
 NAME = "fnmoe_cpu_gemm"
@@ -197,14 +197,15 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:3])
-        ctx.fp32 = inputs[3]
+        ctx.fp32, ctx.leaf = inputs[3], wgrad.leaf(inputs[1])
 
     @staticmethod
     def backward(ctx, g_RF):
         x_RD, w_EDF, end_E = ctx.saved_tensors
-        ops = torch.ops.fnmoe_cpu
-        g_x = ops.grouped_mm(g_RF, w_EDF.transpose(1, 2), end_E, ctx.fp32) if ctx.needs_input_grad[0] else None
-        g_w = ops.grouped_mm_wgrad(x_RD, g_RF, end_E, w_EDF.dtype, ctx.fp32) if ctx.needs_input_grad[1] else None
+        ops, fp32 = torch.ops.fnmoe_cpu, ctx.fp32
+        g_x = ops.grouped_mm(g_RF, w_EDF.transpose(1, 2), end_E, fp32) if ctx.needs_input_grad[0] else None
+        g_w = wgrad.weight_grad(ctx.leaf, lambda: ops.grouped_mm_wgrad(x_RD, g_RF, end_E, w_EDF.dtype, fp32)) \
+            if ctx.needs_input_grad[1] else None
         return g_x, g_w, None, None
 
 

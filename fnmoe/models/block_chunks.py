@@ -25,6 +25,13 @@ chunk c+2's attention; only the last combine of a block waits with less to hide 
 output and shared expert). Each chunk runs the ops of its unchunked block in their order, under its
 own mode, so what it keeps and its values are the sequential forward's.
 
+In backward, chunk c-1 is recomputed beside chunk c's backward, whose MoE part is split at its
+exchanges (fnmoe.models.moe_steps.Split): chunk c's combine gradient travels while chunk c-1's
+recomputed experts compute, and its dispatch gradient while chunk c's own expert weight gradients
+(put off for it: fnmoe.kernels.wgrad) compute; chunk c-1's replayed exchanges travel behind chunk
+c's backward. Of a MoE layer's 4N backward exchanges only 3 are waited for at issue: the last
+chunk's recompute's two and the first chunk's combine gradient.
+
 The block's MoE statistics are the unchunked ones: counts, probability sums and dropped rows summed
 over the chunks, the router logits joined in token order, the sequence-wise balance and z losses
 averaged (the chunks are equal), and the Switch balance loss built from the summed parts
@@ -166,11 +173,12 @@ class _Chunks(torch.autograd.Function):
             back = _Stepped(_differentiate(run, c, done, g_BLD, grads, ws))
             done = None
             if ahead is not None and run.steps is not None:
-                # chunk c-1's recompute beside chunk c's backward: its dispatch travels while chunk c's
-                # MoE part is differentiated, its combine while chunk c's attention is
-                ahead.step()
-                back.step()
-                ahead.step()
+                # chunk c-1's recompute beside chunk c's split backward (fnmoe.models.moe_steps.Split)
+                back.step()   # c to its combine's gradient in flight,
+                ahead.step()  # which c-1's attention and routing hide; c-1's dispatch in flight,
+                back.step()   # which c's expert input and weight gradients hide, its dispatch's gradient
+                #               travelling behind the latter;
+                ahead.step()  # c-1's experts; its combine in flight, behind the rest of c's backward
             g_x[c] = back.result()
             done = ahead.result() if ahead is not None else None
         return (None, torch.cat(g_x) if needs[1] else None, *(t.grad for t in ws))
@@ -214,8 +222,8 @@ def _recompute(run: _Run, w: dict, x_BLD: torch.Tensor, c: int, need_x: bool) ->
 
 def _differentiate(run: _Run, c: int, recomputed: tuple, g_BLD: torch.Tensor, grads: dict, ws: list):
     """Chunk c's backward from its recompute, into the leaves' .grad (each weight's gradient summed
-    in place over the chunks): where it was cut, its MoE part, a yield, then its attention part.
-    Returns x_c's gradient."""
+    in place over the chunks): where it was cut, its MoE part as steps (moe_steps.Split.backward),
+    then its attention part. Returns x_c's gradient."""
     x_c, y_BLD, stats, cut = recomputed
     run.modes[c] = None  # what it kept for the recompute is taken: let it go
     outs, gs = [y_BLD], [g_BLD[run.slices[c]]]
@@ -225,11 +233,11 @@ def _differentiate(run: _Run, c: int, recomputed: tuple, g_BLD: torch.Tensor, gr
             gs.append(g / len(run.slices) if k in MEANS else g)
     del y_BLD, stats
     if cut is not None:
-        attended, leaf = cut
-        _backward(outs, gs, (leaf, *ws))
-        yield
+        attended, leaf, split = cut
+        del cut
+        yield from split.backward(outs, gs, (leaf, *ws))
         outs, gs = [attended], [leaf.grad]
-        del cut, leaf
+        del leaf, split
     if gs[0] is not None:
         _backward(outs, gs, (x_c, *ws))
     return x_c.grad

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from fnmoe import _torch
 from fnmoe.kernels import fp8_gemm
 from fnmoe.kernels import gemm as cpu_gemm
-from fnmoe import compile as fcompile
 from fnmoe.compile import size_hint
 from fnmoe.config import ModelConfig
 from fnmoe.models.routing import Router, may_leave_empty, route, spare_slots
@@ -302,7 +301,7 @@ def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed:
         raise ValueError(f"unknown expert GEMM path gemm={gemm!r}: one of {', '.join(map(repr, GEMMS))}")
     B, L, D = x_BLD.shape
     x_TD = x_BLD.reshape(B * L, D)
-    w_TK, idx_TK, probs_TE, logits_TE, empty = _route(p, x_TD, cfg, router, layer)
+    w_TK, idx_TK, probs_TE, logits_TE, empty = route_slots(p, x_TD, cfg, router, layer)
     if gemm == "dense":
         out_TD, counts_E, kept_E = _dense_routed(p, x_TD, w_TK, idx_TK, cfg)
     elif routed is not None:
@@ -311,37 +310,10 @@ def moe_block(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, routed:
         out_TD, counts_E, kept_E = _sparse_routed(p, x_TD, w_TK, idx_TK, cfg, gemm, empty)
     if "shared" in p and (gemm == "dense" or routed is None):
         out_TD = out_TD + swiglu(p["shared"], x_TD)
-    return out_TD.view(B, L, D), _stats(cfg, probs_TE, logits_TE, idx_TK, counts_E, kept_E, B)
+    return out_TD.view(B, L, D), moe_stats(cfg, probs_TE, logits_TE, idx_TK, counts_E, kept_E, B)
 
 
-def moe_steps(p: dict, x_BLD: torch.Tensor, cfg: ModelConfig, gemm: str, router: Router | None = None,
-              compile: bool = False, layer: int | None = None):
-    """moe_block on its sparse path under expert parallelism (p["ep"]), as steps: a generator
-    that yields while its dispatch travels and again while its combine does (Exchange.in_flight), and
-    returns moe_block's (out_BLD, stats), computed by the same ops in the same order.
-    fnmoe.models.block_chunks runs two block chunks' steps at a time; compile: their pieces compiled."""
-    B, L, D = x_BLD.shape
-    x_TD, ep = x_BLD.reshape(B * L, D), p["ep"]
-    fn = fcompile.compiled if compile else (lambda f: f)
-    w_TK, idx_TK, probs_TE, logits_TE, rows = fn(_routed_rows)(p, x_TD, cfg, router, layer)
-    sent = ep.dispatched(rows.x_RD, rows.kept_E, p["w_gate_EDF"].shape[0])
-    rows = rows._replace(x_RD=None)  # sent: its buffer can go
-    yield from ep.in_flight(sent.rows)
-    y_recv = fn(ep.local_experts)(expert_mlp, ep.received(sent), sent.recv_SX, p["w_gate_EDF"], p["w_up_EDF"],
-                                  p["w_down_EFD"], gemm)
-    back = ep.send_back(y_recv, sent)
-    yield from ep.in_flight(back)
-    out_TD = fn(_output)(p, x_TD, rows, ep.returned(back, sent), w_TK)
-    return out_TD.view(B, L, D), _stats(cfg, probs_TE, logits_TE, idx_TK, rows.counts_E, rows.kept_E, B)
-
-
-def _routed_rows(p: dict, x_TD, cfg: ModelConfig, router: Router | None, layer: int | None = None):
-    """(w_TK, idx_TK, probs_TE, logits_TE, the sorted rows): moe_block's first piece on its sparse path."""
-    w_TK, idx_TK, probs_TE, logits_TE, empty = _route(p, x_TD, cfg, router, layer)
-    return w_TK, idx_TK, probs_TE, logits_TE, sorted_rows(x_TD, idx_TK, cfg, empty=empty)
-
-
-def _route(p: dict, x_TD, cfg: ModelConfig, router: Router | None, layer: int | None):
+def route_slots(p: dict, x_TD, cfg: ModelConfig, router: Router | None, layer: int | None):
     """route's four, a user's router's empty slots moved past the last expert (spare_slots), and empty."""
     w_TK, idx_TK, probs_TE, logits_TE = route(x_TD, p["w_router_DE"], cfg, p.get("router_bias_E"), router,
                                               layer=layer, params=p.get("router"))
@@ -350,13 +322,7 @@ def _route(p: dict, x_TD, cfg: ModelConfig, router: Router | None, layer: int | 
     return w_TK, idx_TK, probs_TE, logits_TE, False
 
 
-def _output(p: dict, x_TD, rows: "Rows", y_RD, w_TK) -> torch.Tensor:
-    """The routed rows combined, plus the shared experts: moe_block's last piece on its sparse path."""
-    out_TD = combined(rows, y_RD, w_TK)
-    return out_TD + swiglu(p["shared"], x_TD) if "shared" in p else out_TD
-
-
-def _stats(cfg: ModelConfig, probs_TE, logits_TE, idx_TK, counts_E, kept_E, B: int) -> dict:
+def moe_stats(cfg: ModelConfig, probs_TE, logits_TE, idx_TK, counts_E, kept_E, B: int) -> dict:
     """moe_block's stats (B sequences of its T tokens)."""
     m = cfg.moe
     stats = {"counts_E": counts_E, "balance_loss": balance_loss(probs_TE, counts_E, m.top_k),

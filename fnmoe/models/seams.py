@@ -202,6 +202,16 @@ class Exchange(Protocol):
         """out, kept from the forward's exchange of x by (send_S, recv_S), as if x were sent again: a
         recompute sends nothing forward, and its backward sends the gradient back (`what` names it)."""
 
+    def grad_to_experts(self, g_RD, sent: Sent) -> torch.Tensor:
+        """Issue the combine's backward by hand: the gradient of the rows returned, to the experts'
+        ranks (fnmoe.models.moe_steps.Split); `waited` waits."""
+
+    def grad_to_tokens(self, g_recv, sent: Sent) -> torch.Tensor:
+        """Issue the dispatch's backward by hand: the gradient of the rows received, to their senders."""
+
+    def waited(self, t: torch.Tensor) -> torch.Tensor:
+        """A gradient grad_to_experts or grad_to_tokens issued, waited for."""
+
     def in_flight(self, t: torch.Tensor) -> Iterator[None]:
         """Yields once where a caller may compute while t's exchange travels (waited for first on a
         group that takes one collective at a time)."""

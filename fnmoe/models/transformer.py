@@ -25,7 +25,8 @@ from fnmoe.kernels.bf16 import fp32_gemms
 from fnmoe.models.attention import attention, doc_mask, max_logits_H, rms_norm, rope, upcast
 from fnmoe.config import ModelConfig
 from fnmoe.dtypes import DTYPE
-from fnmoe.models.moe import EXPERT_STACKS, expert_gemm, moe_block, moe_steps, swiglu
+from fnmoe.models.moe import EXPERT_STACKS, expert_gemm, moe_block, swiglu
+from fnmoe.models.moe_steps import moe_steps
 from fnmoe.models.params import check_config, check_params
 from fnmoe.models import routing
 from fnmoe.models.routing import Router
@@ -102,19 +103,21 @@ def block(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=N
 
 def block_steps(p: dict, x_BLD: torch.Tensor, cos_LP, sin_LP, cfg: ModelConfig, mask=None,
                 runner: BlockRunner = PLAIN, i: int = 0, router: Router | None = None, cut: bool = False):
-    """block i, a MoE block under expert parallelism, as steps (fnmoe.models.moe.moe_steps: a generator
+    """block i, a MoE block under expert parallelism, as steps (fnmoe.models.moe_steps.moe_steps: a generator
     that yields while its exchanges travel, returning block's (x_BLD, stats)). For fnmoe.models.block_chunks'
     forward and recompute, where the MoE region's memory policy has nothing to keep of its own. cut:
-    the MoE region's graph starts at a leaf of its own, so that backward can take the block in two
-    parts; returns (x_BLD, stats, (the attention's output, that leaf))."""
+    the MoE region's graph starts at a leaf of its own and is cut at its exchanges, so that backward
+    takes the block in pieces; returns (x_BLD, stats, (the attention's output, that leaf, the
+    moe_steps.Split))."""
     x_BLD = _attended(p, x_BLD, cos_LP, sin_LP, cfg, mask, runner, i)
     attended = x_BLD
     if cut:
         x_BLD = x_BLD.detach().requires_grad_(x_BLD.requires_grad)
     gemm = expert_gemm(cfg, x_BLD.dtype, x_BLD.device)
     q, h_BLD = _moe_inputs(dict(p["moe"], norm_D=p["mlp_norm"]["w_D"]), x_BLD, cfg, gemm)
-    y_BLD, stats = yield from moe_steps(q, h_BLD, cfg, gemm, router, cfg.compile and gemm != "loop", _layer(router, i))
-    return (x_BLD + y_BLD, stats, (attended, x_BLD)) if cut else (x_BLD + y_BLD, stats)
+    y_BLD, stats, *split = yield from moe_steps(q, h_BLD, cfg, gemm, router, cfg.compile and gemm != "loop",
+                                                _layer(router, i), split=cut)
+    return (x_BLD + y_BLD, stats, (attended, x_BLD, *split)) if cut else (x_BLD + y_BLD, stats)
 
 
 def _layer(router: Router | None, i: int) -> int | None:

@@ -144,6 +144,25 @@ def returned(back: torch.Tensor, sent: Sent) -> torch.Tensor:
     return fdist.entering_in_backward(y_RD, "MoE combine all-to-all over ep (backward)")
 
 
+def grad_to_experts(g_RD: torch.Tensor, sent: Sent) -> torch.Tensor:
+    """The combine's backward issued by hand (fnmoe.models.moe_steps.Split), no wait (`waited`): the
+    gradient of the rows it returned, sent back to the ep ranks whose experts computed them."""
+    fdist.entering("MoE combine all-to-all over ep (backward)")
+    return funcol.all_to_all_single(g_RD.contiguous(), sent.recv, sent.send, sent.group)
+
+
+def grad_to_tokens(g_recv: torch.Tensor, sent: Sent) -> torch.Tensor:
+    """The dispatch's backward issued by hand, no wait: the gradient of the rows the experts received,
+    sent back to the ranks that sent them."""
+    fdist.entering("MoE dispatch all-to-all over ep (backward)")
+    return funcol.all_to_all_single(g_recv.contiguous(), sent.send, sent.recv, sent.group)
+
+
+def waited(t: torch.Tensor) -> torch.Tensor:
+    """An all-to-all issued by grad_to_experts or grad_to_tokens, waited for."""
+    return funcol.wait_tensor(t)
+
+
 def in_flight(t: torch.Tensor, group) -> Iterator[None]:
     """Where a chunk's steps (fnmoe.models.block_chunks) let another chunk compute while t's exchange
     travels: yields once. On a group that takes one collective in flight at a time (gloo,
@@ -234,6 +253,15 @@ class Exchange:
 
     def arrived(self, x, out, send_S: list, recv_S: list, what: str) -> torch.Tensor:
         return arrived(x, out, send_S, recv_S, self.group, what)
+
+    def grad_to_experts(self, g_RD, sent: Sent) -> torch.Tensor:
+        return grad_to_experts(g_RD, sent)
+
+    def grad_to_tokens(self, g_recv, sent: Sent) -> torch.Tensor:
+        return grad_to_tokens(g_recv, sent)
+
+    def waited(self, t: torch.Tensor) -> torch.Tensor:
+        return waited(t)
 
     def in_flight(self, t: torch.Tensor) -> Iterator[None]:
         return in_flight(t, self.group)

@@ -233,12 +233,13 @@ def _recomputing(run: RunConfig, i: int, T: int, regions: dict) -> int:
     cfg, s = run.model, DTYPE_BYTES[run.model.compute_dtype]
     n = run.memory.block_chunks
     if n > 1:
-        chunk = sum(region_bytes(cfg, i, T // n, s, run.plan.imbalance, run.mesh.ep).values())
-        # a MoE block under expert parallelism recomputes chunk c-1 beside chunk c's backward, up to
-        # its dispatch while chunk c's MoE part is differentiated (rehearsed on K2's shapes)
-        ahead = (attention_bytes(cfg, T // n, s) + moe_unchunked_bytes(cfg, T // n, s)
+        c = T // n
+        chunk = sum(region_bytes(cfg, i, c, s, run.plan.imbalance, run.mesh.ep).values())
+        # a MoE block under expert parallelism recomputes chunk c-1 beside chunk c's split backward
+        # (fnmoe.models.moe_steps.Split), up to its dispatch while chunk c's experts are differentiated
+        ahead = (attention_bytes(cfg, c, s) + moe_unchunked_bytes(cfg, c, s)
                  if run.mesh.ep > 1 and cfg.is_moe_layer(i) else 0)
-        return chunk + ahead + (n - 1) * (T // n) * cfg.dim * s
+        return chunk + ahead + (n - 1) * c * cfg.dim * s
     n, moe = _chunks(run, i), regions.get("moe", 0)
     whole = moe_unchunked_bytes(cfg, T, s) if n > 1 else moe
     return sum(regions.values()) - moe + whole + (moe - whole) // n
@@ -318,7 +319,11 @@ def ep_buffer_bytes(run: RunConfig) -> int:
         return 0
     T = tokens_per_rank(run) // (run.model.moe.token_chunks * run.memory.block_chunks)
     s = DTYPE_BYTES[run.model.compute_dtype]
-    # a replayed exchange's outputs are alive beside the gradients' exchange (rehearsed: twice)
+    # a replayed exchange's outputs are alive beside the gradients' exchange (rehearsed: twice); in
+    # whole-block chunks' split backward (fnmoe.models.moe_steps.Split) chunk c-1's replayed dispatch
+    # travels beside chunk c's combine gradient, received, and its dispatch gradient, sent (at most
+    # three: rehearsed 2.6 on K2's shapes)
     replayed = run.memory.recompute == "full" and not run.memory.keep_exchange
-    return int(T * run.model.moe.top_k * max(run.plan.imbalance, 1.0)) * run.model.dim * s * (2 if replayed else 1)
+    buffers = (3 if run.memory.block_chunks > 1 else 2) if replayed else 1
+    return int(T * run.model.moe.top_k * max(run.plan.imbalance, 1.0)) * run.model.dim * s * buffers
 
