@@ -152,8 +152,9 @@ def test_plan_search_json_cli(capsys, monkeypatch, kimi, kimi_search):
 
 @pytest.mark.parametrize("args,said", [
     (["--search", "--world", "0"], ["--world must be >= 1"]),
-    # the closest layout's miss named (K2 on one node: a search of 3 meshes)
-    (["--search", "--world", "4"], ["no layout of 4 ranks fits jupiter-gh200", "misses device by"]),
+    # the closest layout's miss named (K2 on one node: 3 meshes, up to 12 sequences a GPU)
+    (["--search", "--world", "4", "--max-global-tokens", "200000"],
+     ["no layout of 4 ranks fits jupiter-gh200", "misses device by"]),
     (["--search", "--top", "0"], ["--top must be >= 1"]),
     (["--search", "--max-global-tokens", "1000"], ["a sequence a GPU (1,572,864 tokens a step) is over"]),
     (["--max-global-tokens", "1000"], ["--world and --max-global-tokens go with --search"]),
