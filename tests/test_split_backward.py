@@ -11,7 +11,7 @@ from fnmoe.kernels import fp8_gemm, wgrad
 from fnmoe.kernels import gemm as cpu_gemm
 from fnmoe.models import block_chunks
 from fnmoe.parallel import dispatch
-from conftest import pin_routing, step_on_2x2
+from conftest import step_on_2x2
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=48, max_seq_len=16,
                   moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, first_k_dense=1, n_shared_experts=1,
@@ -23,8 +23,22 @@ needs_kernels = pytest.mark.skipif(not cpu_gemm.available(), reason="fnmoe's C++
 
 
 @pytest.fixture(autouse=True)
-def pinned_routing(monkeypatch):
-    pin_routing(monkeypatch)
+def skewed_routing(monkeypatch):
+    """Routing pinned by a table (passed where the score-correction bias goes) that loads the ep ranks
+    unevenly: a rank's first 12 tokens of 16 go to experts 0 and 1 (ep rank 0's), the rest to 2 and 3.
+    Each exchange's splits then differ by direction, so a gradient sent back by the wrong splits
+    shows (with even splits it would not)."""
+    from fnmoe.models import moe
+
+    route = moe.route
+
+    def pinned(x_TD, w_router_DE, cfg, bias_E=None, router=None, **given):
+        T, E = x_TD.shape[0], w_router_DE.shape[1]
+        first = (torch.arange(T, device=x_TD.device) % 16 < 12)[:, None]
+        low = torch.arange(E, device=x_TD.device) < 2
+        return route(x_TD, w_router_DE, cfg, (first == low).float() * 10, router, **given)
+
+    monkeypatch.setattr(moe, "route", pinned)
 
 
 @needs_kernels
