@@ -321,9 +321,11 @@ def ep_buffer_bytes(run: RunConfig) -> int:
     s = DTYPE_BYTES[run.model.compute_dtype]
     # a replayed exchange's outputs are alive beside the gradients' exchange (rehearsed: twice); in
     # whole-block chunks' split backward (fnmoe.models.moe_steps.Split) chunk c-1's replayed dispatch
-    # travels beside chunk c's combine gradient, received, and its dispatch gradient, sent (at most
-    # three: rehearsed 2.6 on K2's shapes)
+    # and chunk c's combine gradient, both the busiest rank's received rows, beside the dispatch
+    # gradient returned to this rank's own T·K rows (rehearsed on K2's shapes: 2,912 MiB against 3,136)
     replayed = run.memory.recompute == "full" and not run.memory.keep_exchange
-    buffers = (3 if run.memory.block_chunks > 1 else 2) if replayed else 1
-    return int(T * run.model.moe.top_k * max(run.plan.imbalance, 1.0)) * run.model.dim * s * buffers
+    received = int(T * run.model.moe.top_k * max(run.plan.imbalance, 1.0))
+    if replayed and run.memory.block_chunks > 1:
+        return (2 * received + T * run.model.moe.top_k) * run.model.dim * s
+    return received * run.model.dim * s * (2 if replayed else 1)
 
