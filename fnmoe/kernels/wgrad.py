@@ -1,7 +1,7 @@
 """Weight gradients put off (DeepSeek's DualPipe, Megatron's "weight-gradient store"): inside
 `deferred()`, the experts' grouped GEMMs (fnmoe.kernels.gemm, fnmoe.kernels.fp8_gemm) compute their
 input gradient in backward and keep the weight-gradient GEMM for later, so that what waits for the
-input gradient (the dispatch's backward all-to-all: fnmoe.models.moe.SplitMoE) travels while the
+input gradient (the dispatch's backward all-to-all: fnmoe.models.moe_steps.Split) travels while the
 weight gradients are computed. `flush` then runs them, each added into its weight's .grad as autograd
 would have: a leaf's gradients of one backward pass summed first, in the order they were put off,
 then added to what .grad holds (autograd's input buffer, then its AccumulateGrad), so the gradients
@@ -38,7 +38,7 @@ def deferred() -> Iterator[list]:
 
 def weight_grad(w: torch.Tensor | None, fn: Callable[[], torch.Tensor]) -> torch.Tensor | None:
     """fn() (the gradient of the GEMM's weight w), or None with fn put off where deferred() runs and
-    w is a leaf (None: the weight is not a leaf)."""
+    w is a leaf (`leaf`'s; None there: not a leaf, computed at once)."""
     if _store is None or w is None:
         return fn()
     if _torch.backward_reaches(w):  # a pass whose inputs= leave w out takes no gradient of it

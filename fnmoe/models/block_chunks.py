@@ -47,6 +47,7 @@ from typing import Callable, Generator
 import torch
 
 from fnmoe.models.moe import balance_loss_part
+from fnmoe.models.moe_steps import backward_into
 from fnmoe.models.seams import Chunking
 from fnmoe.tree import Tree, tree_flatten, tree_unflatten
 
@@ -239,11 +240,5 @@ def _differentiate(run: _Run, c: int, recomputed: tuple, g_BLD: torch.Tensor, gr
         outs, gs = [attended], [leaf.grad]
         del leaf, split
     if gs[0] is not None:
-        _backward(outs, gs, (x_c, *ws))
+        backward_into(outs, gs, (x_c, *ws))
     return x_c.grad
-
-
-def _backward(outs: list, gs: list, inputs: tuple) -> None:
-    inputs = [t for t in inputs if t.requires_grad]
-    if inputs:
-        torch.autograd.backward(outs, gs, inputs=inputs)

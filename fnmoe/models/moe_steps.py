@@ -86,7 +86,7 @@ class Split:
         """The MoE part's backward from outs (the block's output first, then its statistics) given
         gs, into inputs' .grad (the block input's leaf, the weights), as steps (the module docstring)."""
         ep, sent = self.ep, self.sent
-        _backward(outs[:1], gs[:1], (self.returned.leaf,), retain_graph=True)
+        backward_into(outs[:1], gs[:1], (self.returned.leaf,), retain_graph=True)
         travelling = ep.grad_to_experts(self.returned.take(), sent)
         yield from ep.in_flight(travelling)
         self.experts.put(ep.waited(travelling))
@@ -100,10 +100,11 @@ class Split:
         del travelling
         if root.requires_grad:
             outs, gs = [*outs, root], [*gs, root.new_empty(0)]
-        _backward(outs, gs, inputs)
+        backward_into(outs, gs, inputs)
 
 
-def _backward(outs: list, gs: list, inputs: tuple, retain_graph: bool = False) -> None:
+def backward_into(outs: list, gs: list, inputs: tuple, retain_graph: bool = False) -> None:
+    """autograd's backward from outs given gs into the inputs that take a gradient (none: nothing)."""
     inputs = [t for t in inputs if t.requires_grad]
     if inputs:
         torch.autograd.backward(outs, gs, inputs=inputs, retain_graph=retain_graph)
@@ -126,7 +127,7 @@ class _Root:
     def backward(self, inputs: tuple) -> None:
         """The tensor's graph given the gradient put in, into inputs' .grad."""
         if self.out.requires_grad:
-            _backward([self.out], [self.out.new_empty(0)], inputs)
+            backward_into([self.out], [self.out.new_empty(0)], inputs)
         self.box[0] = None
 
 
