@@ -357,3 +357,20 @@ def test_fnmoe_train_with_muon_end_to_end(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.5 and not any(r["skipped"] for r in rows if "loss" in r)
+
+
+def test_an_owner_makes_each_matrix_whole_from_every_ranks_pieces_and_cuts_its_answer_back():
+    """_owner_step against a piece-by-piece reference of its wire format: by source rank, then
+    matrix, each piece row-major; matrices in runs of one shape and split dim (rows and columns),
+    split over 7 ranks evenly, unevenly, and into fewer rows than ranks (empty pieces)."""
+    from fnmoe.parallel.sharding import chunk_lengths
+
+    S = 7
+    mine = [((14, 9), 0)] * 2 + [((20, 6), 0)] + [((5, 21), 1)] * 3 + [((3, 8), 0)] + [((14, 9), 0)]
+    whole = [torch.randn(shape, generator=gen(j)).to(torch.bfloat16) for j, (shape, _) in enumerate(mine)]
+    cuts = [m.split(chunk_lengths(m.shape[d], S), dim=d) for m, (_, d) in zip(whole, mine)]
+    recv_Z = torch.cat([c[s].reshape(-1) for s in range(S) for c in cuts])
+    out_Z = fmuon._owner_step(recv_Z, mine, S, 5, 1e-7, torch.bfloat16)
+    ortho = [fmuon.newton_schulz(m, 5, 1e-7, torch.bfloat16) for m in whole]
+    back = [o.split(chunk_lengths(o.shape[d], S), dim=d) for o, (_, d) in zip(ortho, mine)]
+    assert torch.equal(out_Z, torch.cat([c[s].reshape(-1) for s in range(S) for c in back]))
