@@ -363,8 +363,15 @@ def test_a_gathered_stack_keeps_its_packs_only_for_fp8_gemms():
         layer = init_params(cfg, 0, mesh=sharding.make_mesh(MeshConfig(fsdp=2)))["layers"]["1"]
         with fgather.expert_dtype(fp8.E4M3):
             w = fgather.gather(layer, torch.float32)["moe"]["w_up_EDF"]
-            assert w not in fp8_blocks._blocks
+            assert fp8_blocks.remembered(w) is None
             with fp8_gemm.expert_gemm_dtype(fp8.E4M3):
                 w = fgather.gather(layer, torch.float32)["moe"]["w_up_EDF"]
-        _, q, s = fp8_blocks._blocks[w]
+        q, s = fp8_blocks.remembered(w)
         assert torch.equal(whole(fp8_blocks.dequantise(q, s, torch.float32)), whole(w))
+        # backward's recompute takes the stack regathered as a new view of its storage (reshard's
+        # as_strided, then detached): the packs still serve it; another layout or a change does not
+        again = w.as_strided(w.shape, w.stride(), w.storage_offset()).detach()
+        assert fp8_blocks.remembered(again)[0] is q
+        assert fp8_blocks.remembered(w[1:]) is None and fp8_blocks.remembered(w.mT) is None
+        w.mul_(1)
+        assert fp8_blocks.remembered(again) is None

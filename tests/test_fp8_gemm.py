@@ -77,6 +77,19 @@ def test_each_1x128_tile_rounds_within_half_an_ulp_times_its_scale():
     assert err.max() > 0  # the rounding is real
 
 
+def test_a_bf16_tile_quantises_in_bf16_to_the_bits_of_its_float32_copy():
+    """quantise_rows scales a bf16 x in bf16 (2 bytes a temporary element, not a float32 copy's 4):
+    q and s are the float32 copy's to the bit, over 2^-140..2^40 magnitudes (bf16 subnormals
+    included), a ragged last tile, and a transposed (non-contiguous) x as the weight gradient takes it."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(300, 200, generator=g) * torch.exp2(torch.randint(-140, 40, (300, 200), generator=g).float()))
+    x = x.to(torch.bfloat16)
+    for a in (x, x.T, x[:, :128]):
+        q, s = fp8_gemm.quantise_rows(a)
+        q32, s32 = fp8_gemm.quantise_rows(a.float())
+        assert torch.equal(s, s32) and torch.equal(q.view(torch.uint8), q32.view(torch.uint8))
+
+
 def test_an_fp8_gathered_stack_quantises_back_to_itself_exactly():
     """The weights an fp8 expert gather delivers (q * s, exact in bf16) come out of the GEMM's
     128x128 quantiser unchanged: no second rounding of gathered weights."""

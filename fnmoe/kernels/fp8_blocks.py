@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fnmoe import _torch
 
@@ -64,15 +64,39 @@ def _spread(s: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return s.repeat_interleave(BLOCK, -2)[..., :shape[-2], :].repeat_interleave(BLOCK, -1)[..., :shape[-1]]
 
 
+def scalable(x: torch.Tensor) -> torch.Tensor:
+    """x in a dtype that a power-of-two scale leaves exact (bf16 or float32: amax and x / s are the
+    float32 copy's to the bit); other dtypes through float32, as a float32 copy would round them."""
+    return x if x.dtype in (torch.bfloat16, torch.float32) else x.float()
+
+
 def quantise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q in e4m3, the float32 scale of each block) of x [..., I, O]; x ~ q * s blockwise."""
+    """(q in e4m3, the float32 scale of each block) of x [..., I, O]; x ~ q * s blockwise.
+
+    Block by block region (as dequantise_into), in x's dtype: |x|'s block maxima from max and min
+    (no |x| copy), then x / s into one buffer the size of x, clamped in place; a bf16 stack takes 3
+    bytes an element of temporaries and output (a float32 copy, its padding, |x|, the spread scales
+    and x / s took 21: 22 GB for one of K2's expert stacks)."""
+    x = scalable(x)
     I, O = x.shape[-2:]
-    x = x.float()
-    padded = torch.nn.functional.pad(x, (0, blocks(O) * BLOCK - O, 0, blocks(I) * BLOCK - I))
-    amax = padded.unflatten(-2, (blocks(I), BLOCK)).unflatten(-1, (blocks(O), BLOCK)).abs().amax(dim=(-3, -1))
-    s = pow2_scale(amax)
-    q = (x / _spread(s, x.shape)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q, s
+    amax = torch.empty(*x.shape[:-2], blocks(I), blocks(O), dtype=x.dtype, device=x.device)
+    for region, b in _regions(x):
+        amax[b] = torch.maximum(region.amax(dim=(-3, -1)), region.amin(dim=(-3, -1)).neg())
+    s = pow2_scale(amax.float())
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    inv = s.reciprocal().to(x.dtype)  # powers of two: exact
+    for (region, b), (out, _) in zip(_regions(x), _regions(y)):
+        torch.mul(region, inv[b].unsqueeze(-1).unsqueeze(-3), out=out)
+    return y.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3), s
+
+
+def _regions(x: torch.Tensor):
+    """(x's region of whole blocks [..., rn, BLOCK, cn, BLOCK] or of a shorter last block, the index of
+    its blocks' scales), for each of the up to four regions of x's last two dims."""
+    for (r0, r1, rn), (c0, c1, cn) in itertools.product(_ranges(x.shape[-2]), _ranges(x.shape[-1])):
+        b0, b1 = r0 // BLOCK, c0 // BLOCK
+        yield (x[..., r0:r1, c0:c1].unflatten(-2, (rn, -1)).unflatten(-1, (cn, -1)),
+               (..., slice(b0, b0 + rn), slice(b1, b1 + cn)))
 
 
 def _ranges(n: int) -> list[tuple[int, int, int]]:
@@ -86,10 +110,8 @@ def dequantise_into(out: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torc
     region scaled by a broadcast of its scales (no temporary the size of out)."""
     out.copy_(q)
     s = s.to(out.dtype)  # powers of two: exact
-    for (r0, r1, rn), (c0, c1, cn) in itertools.product(_ranges(q.shape[-2]), _ranges(q.shape[-1])):
-        region = out[..., r0:r1, c0:c1].unflatten(-2, (rn, -1)).unflatten(-1, (cn, -1))
-        b0, b1 = r0 // BLOCK, c0 // BLOCK
-        region.mul_(s[..., b0:b0 + rn, None, b1:b1 + cn, None])
+    for region, b in _regions(out):
+        region.mul_(s[b].unsqueeze(-1).unsqueeze(-3))
     return out
 
 
@@ -103,21 +125,40 @@ def round_trip(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
     return dequantise(*quantise(x), dtype or x.dtype)
 
 
-_blocks: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""a weight stack -> (its version when its blocks were made, q, s), for as long as the stack lives"""
+_blocks: dict[int, tuple] = {}
+"""a weight stack's storage key -> (a weak reference to the storage, the stack's version, shape, stride
+and offset when its blocks were made, q, s), for as long as the storage lives"""
+
+
+def _layout(w: torch.Tensor) -> tuple:
+    return tuple(w.shape), tuple(w.stride()), w.storage_offset()
 
 
 def remember(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
-    """(q, s) are w's blocks: w == dequantise(q, s) (an fp8 gather's stack and its pack)."""
-    _blocks[w] = (_torch.tensor_version(w), q, s)
+    """(q, s) are w's blocks: w == dequantise(q, s) (an fp8 gather's stack and its pack). Kept by w's
+    storage, not by the tensor: backward's recompute receives the stack as a new view of the same
+    storage (fnmoe.parallel.reshard regathers by as_strided, and detaches it), which an identity key
+    missed: K2 quantised each stack again in backward, 22 GB of float32 temporaries and a pass a stack."""
+    st = w.untyped_storage()
+    key = _torch.storage_key(st)
+    _blocks[key] = (weakref.ref(st, lambda _, key=key: _blocks.pop(key, None)), _torch.tensor_version(w),
+                    _layout(w), q, s)
 
 
-@torch.compiler.disable(reason="a lookup by tensor identity: dynamo cannot guard on it")
+def remembered(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q, s) remembered for w's elements (any tensor over the same storage, layout and version), else None."""
+    hit = _blocks.get(_torch.storage_key(w))
+    if hit is not None and hit[0]() is not None and hit[1:3] == (_torch.tensor_version(w), _layout(w)):
+        return hit[3], hit[4]
+    return None
+
+
+@torch.compiler.disable(reason="a lookup by storage: dynamo cannot guard on it")
 def weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantise(w)'s values, made once for a stack: the pack it was gathered from, else its first quantisation."""
-    hit = _blocks.get(w)
-    if hit is not None and hit[0] == _torch.tensor_version(w):
-        return hit[1], hit[2]
+    hit = remembered(w)
+    if hit is not None:
+        return hit
     with torch.no_grad():
         q, s = quantise(w.detach())
     remember(w, q, s)

@@ -59,16 +59,44 @@ def active() -> bool:
     return _dtype is not None
 
 
+_emulating = 0
+"""how many CPU emulations of an fp8 GEMM are running (`emulating`)"""
+
+
+@contextlib.contextmanager
+def _emulation():
+    global _emulating
+    _emulating += 1
+    try:
+        yield
+    finally:
+        _emulating -= 1
+
+
+def emulating() -> bool:
+    """Whether the CPU emulation of an fp8 GEMM runs now: its float32 operands and output are
+    storages a GPU's scaled GEMM never makes (fnmoe.plan.meters books them apart, so a rehearsal on
+    CPU measures the GPU's bytes); the GEMM's output in the activations' dtype is made outside."""
+    return _emulating > 0
+
+
 def quantise_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q in e4m3, the float32 scale of each 1x128 tile [M, ceil(K / 128)]) of x; x ~ q * s."""
+    """(q in e4m3, the float32 scale of each 1x128 tile [M, ceil(K / 128)]) of x; x ~ q * s.
+
+    In x's own dtype, not a float32 copy: a tile's amax is one of its elements, and a power-of-two
+    scale is exact in bf16 as in float32, so q is the float32 path's to the bit, while the one
+    temporary, x scaled, takes 2 bytes an element (the float32 path held ~12: on K2's busiest
+    backward GEMM, 6 GB)."""
+    x_MK = fp8.scalable(x_MK)
     M, K = x_MK.shape
     n = fp8.blocks(K)
-    x_MGT = F.pad(x_MK.float(), (0, n * TILE - K)).view(M, n, TILE)
-    s = fp8.pow2_scale(x_MGT.abs().amax(-1))
+    pad = n * TILE - K
+    x_MGT = (x_MK if isinstance(pad, int) and pad == 0 and x_MK.is_contiguous()
+             else F.pad(x_MK, (0, pad))).view(M, n, TILE)
+    s = fp8.pow2_scale(x_MGT.abs().amax(-1).float())
     # unsqueeze and narrow, not [:, :, None] and [:, :K]: a simulated mesh's ragged rows take no indexing
-    q = (x_MGT / s.unsqueeze(-1)).view(M, n * TILE).narrow(1, 0, K).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX)
-    q = q.to(fp8.E4M3)
-    return q, s
+    y = (x_MGT * s.reciprocal().to(x_MK.dtype).unsqueeze(-1)).view(M, n * TILE).narrow(1, 0, K)
+    return y.clamp_(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.E4M3), s
 
 
 def dequantise_rows(q_MK: torch.Tensor, s_MG: torch.Tensor) -> torch.Tensor:
@@ -122,8 +150,9 @@ def grouped_mm_fp8(xq, xs, wq, ws, end_E, out_dtype: torch.dtype) -> torch.Tenso
     w in 128x128 blocks (ws [E, K/128, N/128])."""
     if xq.device.type == "cuda":
         return _cuda_mm(xq, xs, wq, ws, "BlockWise128x128", end_E.to(torch.int32), out_dtype, "forward/input grad")
-    w = fp8.dequantise(wq, ws, torch.float32)
-    return _emulated_mm(dequantise_rows(xq, xs), w, end_E).to(out_dtype)
+    with _emulation():
+        y = _emulated_mm(dequantise_rows(xq, xs), fp8.dequantise(wq, ws, torch.float32), end_E)
+    return y.to(out_dtype, copy=True)
 
 
 def grouped_wgrad_fp8(xTq, xTs, gTq, gTs, end_E, out_dtype: torch.dtype) -> torch.Tensor:
@@ -131,7 +160,9 @@ def grouped_wgrad_fp8(xTq, xTs, gTq, gTs, end_E, out_dtype: torch.dtype) -> torc
     if xTq.device.type == "cuda":
         return _cuda_mm(xTq, xTs, gTq.T, gTs.T, "BlockWise1x128", end_E.to(torch.int32), out_dtype,
                         "weight grad").to(out_dtype)
-    return _emulated_wgrad(dequantise_rows(xTq, xTs).T, dequantise_rows(gTq, gTs).T, end_E).to(out_dtype)
+    with _emulation():
+        dw = _emulated_wgrad(dequantise_rows(xTq, xTs).T, dequantise_rows(gTq, gTs).T, end_E)
+    return dw.to(out_dtype, copy=True)
 
 
 class _Fp8GroupedMM(torch.autograd.Function):

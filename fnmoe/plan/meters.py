@@ -17,6 +17,8 @@ is decided when it is made, from the op and the step's phase:
                   and logits as in forward; anything else: backward (recomputed activations and the
                   activation gradients of the block running, which recompute policies bound)
   phase update    optim (the optimizer's temporaries and its new state)
+  any phase       what the CPU emulation of an fp8 expert GEMM makes (fnmoe.kernels.fp8_gemm.emulating:
+                  its float32 operands and output, which a GPU's scaled GEMM never makes): emulation
 
 The phase is set by fnmoe.models.seams.mark (fnmoe.training.step calls it at each micro-batch and before the update;
 a meter listens while it runs, and without one it does nothing). Tensors made before the meter
@@ -41,12 +43,13 @@ from fnmoe import _torch
 
 from fnmoe.models import seams
 from fnmoe.parallel import dist as fdist
+from fnmoe.kernels import fp8_gemm
 from fnmoe.parallel import fp8
 from fnmoe._torch import TorchDispatchMode, is_traceable_wrapper_subclass
 from fnmoe.tree import tree_leaves
 
 PHASE_CATEGORY = {"forward": "activations", "grads": "grads", "update": "optim"}
-CATEGORIES = ("params", "grads", "optim", "gathered", "activations", "backward", "logits", "ep_buffers")
+CATEGORIES = ("params", "grads", "optim", "gathered", "activations", "backward", "logits", "ep_buffers", "emulation")
 def plain_tensors(tree) -> list[torch.Tensor]:
     """The plain tensors of tree's leaves, wrapper subclasses (DTensor, AsyncCollectiveTensor) unwrapped."""
     out = []
@@ -136,8 +139,10 @@ class StorageMeter(PhaseMeter):
         self.made += 1
         self._info[key] = info = [n, category, None, self.made]
         info[2] = weakref.ref(st, lambda _, key=key: self._free(key))
-        self.total += n
         self._grow(category, n)
+        if category == "emulation":  # not a GPU's: outside the device total and its peak
+            return
+        self.total += n
         if self.total > self.peak:
             self.peak, self.at_peak = self.total, dict(self.live)
 
@@ -150,9 +155,11 @@ class StorageMeter(PhaseMeter):
         info = self._info.pop(key, None)
         if info is not None:
             self.live[info[1]] -= info[0]
-            self.total -= info[0]
+            self.total -= info[0] if info[1] != "emulation" else 0
 
     def _category(self, func, t: torch.Tensor) -> str:
+        if fp8_gemm.emulating():
+            return "emulation"
         if self.phase != "forward":
             return PHASE_CATEGORY[self.phase]
         backward = _torch.in_backward()

@@ -280,6 +280,10 @@ def format_report(report: dict, cmp: dict) -> str:
     flag = lambda r: "" if r["ok"] else "  DIFFERS"  # noqa: E731
     for r in cmp["memory"]:
         lines.append(f"  {r['name']:<22}{mib(r['planned'])} {mib(r['rehearsed'])} {ratio(r)}{flag(r)}")
+    emulated = report["memory"]["category_peak"].get("emulation", 0)
+    if emulated:
+        lines.append(f"  (the CPU emulation of the fp8 GEMMs held {emulated / 2**20:,.1f} MiB of float32 operands at "
+                     f"its peak, which a GPU's scaled GEMM never makes: left out of every row)")
     lines += ["", f"  {'MiB sent per step':<22}{'planned':>10} {'rehearsed':>10} {'ratio':>7}"]
     for r in cmp["comm"]:
         lines.append(f"  {r['name']:<22}{mib(r['planned'])} {mib(r['rehearsed'])} {ratio(r)}{flag(r)}")
