@@ -66,8 +66,11 @@ from fnmoe.training.step import init_state, loss_fn, make_train_step
 from fnmoe.tree import flatten_dict, tree_flatten, tree_map
 
 ROOT = Path(__file__).resolve().parents[1]
-WORLD, B, L, STEPS = 4, 8, 64, 10  # B sequences of L tokens a step, over all ranks
-pytestmark = [pytest.mark.timeout(300), pytest.mark.launch, pytest.mark.slow]  # torchrun, ~80 s of setup
+WORLD, B, L = 4, 8, 64  # B sequences of L tokens a step, over all ranks
+# steps of the leak check: live bytes are flat from step 1 on (measured), and a leak of what a step
+# makes grows them at every step after, so two steps past step 3 show it (10 steps took ~30 s of CPU)
+STEPS = 5
+pytestmark = [pytest.mark.timeout(300), pytest.mark.launch, pytest.mark.slow]  # torchrun, ~35 s of setup
 
 
 def _run():
@@ -281,6 +284,11 @@ def _worker(out_dir: Path) -> None:
     rank = dist.get_rank()
     results = {}
     for name, check in CHECKS.items():
+        # memory_report's meter runs gc.collect() before each read (64 a rank in "report"), and each
+        # walked every object the imports made (~0.35 s, most of that check's time). Frozen, a
+        # collection walks only what the checks make; collected first, so that no garbage is frozen.
+        gc.collect()
+        gc.freeze()
         start = time.perf_counter()
         try:
             results[name] = check(run, mesh, rank)
@@ -396,8 +404,8 @@ def test_memory_report_runs_every_policy_on_2x2(ranks):
 
 
 def test_full_recompute_with_ep_does_not_grow_live_bytes(ranks):
-    """The TorchTitan #1467 leak class: live bytes after step 10 equal those after step 3 (exactly:
-    the state is replaced each step, nothing else persists)."""
+    """The TorchTitan #1467 leak class: live bytes after the last step (STEPS) equal those after step 3
+    (exactly: the state is replaced each step, nothing else persists)."""
     for r, res in enumerate(ranks):
         m = _ok(res["leak"])
         live = m["live_after_step"]
@@ -441,16 +449,51 @@ def test_replayed_exchange_sends_six_passes_against_four(ranks):
         assert 2 * replayed == 3 * kept > 0
 
 
-def test_rehearsal_on_fake_tensors_matches_the_real_run_per_rank(ranks):
+REHEARSED = {0: list(TRUTH), 3: list(TRUTH)[:1]}  # rank: the TRUTH configs rehearsed as that rank
+
+
+def _rehearse_as(rank: int, names: list[str], out: Path) -> None:
+    """What `fnmoe rehearse --rank RANK --json` reports of each named TRUTH config, rehearsed in turn
+    in this process, written to out as {name: report}. Without the command's progress lines (its `say`):
+    their dispatch mode only says when each phase begins, and took a third of the rehearsals' CPU."""
+    reports = {name: rehearse.rehearse(_truth_run(*TRUTH[name]), rank, fresh_process=False) for name in names}
+    out.write_text(json.dumps(reports))
+
+
+def _rehearsals(tmp_path: Path) -> dict[int, dict]:
+    """{rank: {name: report}} of REHEARSED, each rank's configs in one fresh process (this file as a
+    script, `_rehearse_as`), the two side by side. One process a rank rather than one a rehearsal
+    (rehearse's fresh_process) saves two of the four imports of torch and fnmoe (~5 s of CPU each).
+    Not one process for both: a rank-3 rehearsal after a rank-0 one in the same process fails (it looks
+    up a process group of the first: cached state outlives that fake group); one rank's rehearsals in
+    turn report what each reports in a process of its own (compared, for these configs, when this was
+    written)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    jobs = {r: subprocess.Popen([sys.executable, __file__, "--rehearse", str(r), str(tmp_path / f"rehearsed{r}.json"),
+                                 *names], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True) for r, names in REHEARSED.items()}
+    try:
+        for r, job in jobs.items():
+            log = job.communicate(timeout=150)[0]
+            assert job.returncode == 0, f"rehearsals as rank {r}:\n{log[-4000:]}"
+    finally:
+        for job in jobs.values():
+            job.kill()
+            job.wait()
+    return {r: json.loads((tmp_path / f"rehearsed{r}.json").read_text()) for r in REHEARSED}
+
+
+def test_rehearsal_on_fake_tensors_matches_the_real_run_per_rank(ranks, tmp_path):
     """`fnmoe rehearse` of the same config and rank (fake tensors, fake process group) against
     measure_step on this real 2x2 gloo run, routing pinned alike: every memory category and the
     bytes of each collective kind within 5% (64 KiB for categories that small): rank 0 of each
     config, rank 3 of the first."""
-    for r, names in ((0, list(TRUTH)), (3, list(TRUTH)[:1])):
+    rehearsed = _rehearsals(tmp_path)
+    for r, names in REHEARSED.items():
         for name in names:
             preset, memory = TRUTH[name]
             real = _ok(ranks[r]["rehearsal"])[name]
-            fake = rehearse.rehearse(_truth_run(preset, memory), r)
+            fake = rehearsed[r][name]
             got, comm = rehearse.rehearsed_bytes(fake), rehearse.rehearsed_comm(fake)
             for key, want in real["bytes"].items():
                 print(f"rank {r} {name} {key}: real {want} fake {got[key]}")
@@ -462,5 +505,8 @@ def test_rehearsal_on_fake_tensors_matches_the_real_run_per_rank(ranks):
                 assert abs(real["bytes"]["offload_host"] / planned - 1) < 0.05, (real["bytes"], planned)
 
 
-if __name__ == "__main__":  # a rank of the launch in `ranks`
-    _worker(Path(sys.argv[1]))
+if __name__ == "__main__":
+    if sys.argv[1] == "--rehearse":  # a process of _rehearsals: --rehearse RANK OUT NAME...
+        _rehearse_as(int(sys.argv[2]), sys.argv[4:], Path(sys.argv[3]))
+    else:  # a rank of the launch in `ranks`
+        _worker(Path(sys.argv[1]))

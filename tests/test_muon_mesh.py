@@ -237,11 +237,14 @@ def _worker(out: Path) -> None:
 
 
 def _cli_run(f: int, e: int, run_dir: Path) -> RunConfig:
-    """What `fnmoe train --optim.name muon --optim.qk-clip --mesh.fsdp F --mesh.ep E` runs, made small; tau
-    below the max logits at init (~0.2), so MuonClip rescales heads from the first step."""
+    """What `fnmoe train --optim.name muon --optim.qk-clip --optim.ns-dtype float32 --mesh.fsdp F --mesh.ep E`
+    runs, made small; tau below the max logits at init (~0.2), so MuonClip rescales heads from the first
+    step. Newton-Schulz in float32: in bfloat16 its matmuls took 10 of the one-process run's 13 s of CPU
+    here (no native bf16 GEMM); the bf16 iteration on these meshes is checked bitwise in `_worker`."""
     return RunConfig(mesh=MeshConfig(fsdp=f, ep=e), data=DataConfig(seq_len=32), dist=DistConfig(timeout_s=10),
                      train=TrainConfig(steps=3, batch_size=8, eval_batches=1, log_every=1, run_dir=str(run_dir)),
-                     optim=OptimConfig(name="muon", warmup_steps=0, qk_clip=True, qk_clip_tau=0.15))
+                     optim=OptimConfig(name="muon", warmup_steps=0, qk_clip=True, qk_clip_tau=0.15,
+                                       ns_dtype="float32"))
 
 
 @pytest.mark.launch
