@@ -23,7 +23,6 @@ and columns of the wide view that Newton-Schulz iterates on, Z a flat all-to-all
 """
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 import math
@@ -162,7 +161,6 @@ def _owners(costs: list[int], n_ranks: int) -> list[int]:
     return owner
 
 
-@functools.cache
 def _pieces(shape: tuple[int, int], d: int, n_ranks: int) -> tuple[tuple[int, int], ...]:
     """The [I, O] shapes that the ranks of a group hold of a matrix whose dim d they split."""
     return tuple((n, shape[1]) if d == 0 else (shape[0], n) for n in sharding.chunk_lengths(shape[d], n_ranks))
@@ -242,8 +240,8 @@ def _on_owners(U_leaves: list[DTensor], mesh: DeviceMesh, mesh_dim: int, steps: 
     mine = [[mats[u] for u in order if owner[u] == k] for k in range(S)]
 
     def from_each(r: int) -> list[int]:  # what rank r, as an owner, receives from each rank of its group
-        us = mine[sharding.coordinate(mesh, r)[mesh_dim]]
-        return [sum(math.prod(_pieces(shape, d, S)[s]) for shape, d in us) for s in range(S)]
+        pieces = [_pieces(shape, d, S) for shape, d in mine[sharding.coordinate(mesh, r)[mesh_dim]]]
+        return [sum(math.prod(p[s]) for p in pieces) for s in range(S)]
     from_all = fdist.rank_ints(from_each)
     to_owner = [sum(held[u].numel() for u in order if owner[u] == k) for k in range(S)]
     send_Z = torch.cat([held[u].flatten() for u in order]).to(dtype)  # Newton-Schulz's own rounding
