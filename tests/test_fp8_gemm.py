@@ -77,17 +77,36 @@ def test_each_1x128_tile_rounds_within_half_an_ulp_times_its_scale():
     assert err.max() > 0  # the rounding is real
 
 
-def test_a_bf16_tile_quantises_in_bf16_to_the_bits_of_its_float32_copy():
-    """quantise_rows scales a bf16 x in bf16 (2 bytes a temporary element, not a float32 copy's 4):
-    q and s are the float32 copy's to the bit, over 2^-140..2^40 magnitudes (bf16 subnormals
-    included), a ragged last tile, and a transposed (non-contiguous) x as the weight gradient takes it."""
+def test_bf16_operands_quantise_in_bf16_to_the_bits_of_a_float32_copy():
+    """quantise_rows (1x128 tiles) and the 128x128 block quantiser scale a bf16 x in bf16 (2 bytes a
+    temporary element): q and s equal, to the bit, a float32 reference written out here (the float32
+    copy padded, each tile's |x| max, the power-of-two scale, x / s), over 2^-140..2^40 magnitudes (bf16
+    subnormals included), ragged last tiles and blocks, and a transposed x as the weight gradient takes it."""
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(300, 200, generator=g) * torch.exp2(torch.randint(-140, 40, (300, 200), generator=g).float()))
     x = x.to(torch.bfloat16)
-    for a in (x, x.T, x[:, :128]):
-        q, s = fp8_gemm.quantise_rows(a)
-        q32, s32 = fp8_gemm.quantise_rows(a.float())
-        assert torch.equal(s, s32) and torch.equal(q.view(torch.uint8), q32.view(torch.uint8))
+    T = fp8.BLOCK
+
+    def reference_rows(a):
+        M, K = a.shape
+        n = -(-K // T)
+        a_MGT = torch.nn.functional.pad(a.float(), (0, n * T - K)).view(M, n, T)
+        s = fp8.pow2_scale(a_MGT.abs().amax(-1))
+        return (a_MGT / s[:, :, None]).view(M, n * T)[:, :K].clamp(-448, 448).to(fp8.E4M3), s
+
+    def reference_blocks(a):
+        I, O = a.shape[-2:]
+        bi, bo = -(-I // T), -(-O // T)
+        padded = torch.nn.functional.pad(a.float(), (0, bo * T - O, 0, bi * T - I))
+        s = fp8.pow2_scale(padded.unflatten(-2, (bi, T)).unflatten(-1, (bo, T)).abs().amax(dim=(-3, -1)))
+        spread = s.repeat_interleave(T, -2)[..., :I, :].repeat_interleave(T, -1)[..., :O]
+        return (a.float() / spread).clamp(-448, 448).to(fp8.E4M3), s
+
+    for quantise, reference, a in ((fp8_gemm.quantise_rows, reference_rows, x),
+                                   (fp8_gemm.quantise_rows, reference_rows, x.T),
+                                   (fp8.quantise, reference_blocks, x.view(3, 100, 200))):
+        (q, s), (q_ref, s_ref) = quantise(a), reference(a)
+        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 def test_an_fp8_gathered_stack_quantises_back_to_itself_exactly():
